@@ -1,0 +1,337 @@
+"""Precision policies: a frozen recipe of dtypes and loss scaling, its presets and its grammar.
+
+A policy says which dtype the model's parameters are stored in (``p``), which dtype
+the forward and backward compute in (``c``), which dtype the model hands back (``o``),
+whether FP32 master weights live in the optimizer (``m``), how the loss is scaled
+(``ls``), which modules stay in FP32 (``i``, the FP32 islands), whether FP32 matmuls
+may use TF32 (``tf32``) and how low-precision updates are compensated (``comp``).
+
+The string form is ``p=f16,c=f16,o=f32,m=f32,ls=dynamic,i=norm,tf32=0,comp=none`` and
+``Policy.parse(str(p)) == p`` for every policy. Missing keys cascade: ``c`` defaults to
+``p``, ``o`` to ``f32``, ``m`` to none, ``ls`` to ``dynamic`` when ``c`` is f16 and
+``none`` otherwise, ``i`` to ``norm``, ``tf32`` to off, ``comp`` to ``none``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from ._dtypes import dtype_name, parse_dtype
+from ._errors import unknown_choice
+
+__all__ = ["Policy", "PresetName", "PRESETS", "ALIASES", "LossScaleKind", "Compensation"]
+
+LossScaleKind = Literal["none", "static", "dynamic"]
+Compensation = Literal["none", "kahan", "stochastic"]
+PresetName = Literal[
+    "fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure"
+]
+
+_HALF = (torch.float16, torch.bfloat16)
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KEYS = ("p", "c", "o", "m", "ls", "i", "tf32", "comp")
+_KEY_HELP = (
+    "p=param dtype, c=compute dtype, o=output dtype, m=master dtype or none, "
+    "ls=none|static[:scale]|dynamic[:init_scale], i=FP32 islands joined by '+' (norm, a module "
+    "class name, name:<glob on qualified module names>) or none, tf32=0|1, comp=none|kahan|stochastic"
+)
+# A module class counts as a normalization layer when its name ends in "Norm" (LayerNorm,
+# GroupNorm, RMSNorm, LlamaRMSNorm, T5LayerNorm) or "Norm1d/2d/3d" (BatchNorm2d, InstanceNorm1d).
+_NORM_NAME = re.compile(r"Norm(\dd)?$")
+_CLASS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_BAD_GLOB_CHARS = set(",=+ ")
+
+
+def _fmt_scale(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A precision recipe: the dtypes of parameters, compute, outputs and masters, and loss scaling.
+
+    Build one with :meth:`parse` (a preset, an alias or the ``p=...,c=...`` grammar) or
+    directly; it is immutable and hashable, and ``str()`` gives the grammar back.
+
+    Attributes:
+        param_dtype: Storage dtype of the model's parameters (``p``).
+        compute_dtype: Dtype of forward/backward compute (``c``); with FP32 parameters and a
+            half compute dtype, compute runs under ``torch.autocast`` ("mixed").
+        output_dtype: Dtype the model's floating outputs are cast to (``o``), FP32 by default
+            so losses are computed in full precision.
+        master_dtype: Dtype of the master weights kept by the optimizer wrapper (``m``), or
+            ``None`` when the parameters themselves are updated.
+        loss_scale: ``"none"``, ``"static"`` or ``"dynamic"`` (``ls``).
+        init_scale: The static scale, or the dynamic scaler's initial scale; ``None`` takes
+            the scaler's default (1.0 static, 2**16 dynamic).
+        fp32_islands: Modules kept in FP32 (``i``): ``"norm"`` for every normalization layer,
+            a class name such as ``"Embedding"`` (matched along the class's MRO), or
+            ``"name:<glob>"`` matched against qualified module names.
+        tf32: Let FP32 matmuls and convolutions use TF32 on Ampere+ GPUs (no effect on CPU).
+        compensation: How updates to low-precision parameters without masters are
+            compensated by mixprec's optimizers: ``"none"``, ``"kahan"`` or ``"stochastic"``.
+
+    Raises:
+        ValueError / TypeError: on an inconsistent or unknown combination; see :meth:`parse`.
+
+    Example:
+        >>> str(Policy.parse("fp16-master"))
+        'p=f16,c=f16,o=f32,m=f32,ls=dynamic,i=norm,tf32=0,comp=none'
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype | None = None
+    loss_scale: LossScaleKind = "none"
+    init_scale: float | None = None
+    fp32_islands: tuple[str, ...] = ("norm",)
+    tf32: bool = False
+    compensation: Compensation = "none"
+
+    def __post_init__(self) -> None:
+        # Accept aliases and module classes, normalise, then validate as one unit so the
+        # error can name the combination.
+        set_ = object.__setattr__
+        set_(self, "param_dtype", parse_dtype(self.param_dtype))
+        set_(self, "compute_dtype", parse_dtype(self.compute_dtype))
+        set_(self, "output_dtype", parse_dtype(self.output_dtype))
+        if self.master_dtype is not None:
+            set_(self, "master_dtype", parse_dtype(self.master_dtype))
+        islands = self.fp32_islands
+        if isinstance(islands, (str, type)):
+            islands = (islands,)
+        set_(self, "fp32_islands", tuple(i.__name__ if isinstance(i, type) else i for i in islands))
+        if self.init_scale is not None:
+            if isinstance(self.init_scale, bool) or not isinstance(self.init_scale, (int, float)):
+                raise TypeError(f"init_scale must be a number, got {self.init_scale!r}")
+            set_(self, "init_scale", float(self.init_scale))
+        self._validate()
+
+    def _validate(self) -> None:
+        p, c, o, m = self.param_dtype, self.compute_dtype, self.output_dtype, self.master_dtype
+        where = f"in policy {self._grammar()!r}"
+        for key, dt in (("p", p), ("c", c), ("o", o)):
+            if dt not in _COMPUTE_DTYPES:
+                raise ValueError(f"{key}={dtype_name(dt)} is not supported {where}; use f32, bf16 or f16.")
+        if p != torch.float32 and c != p:
+            raise ValueError(
+                f"half-precision parameters compute in their own dtype, but p={dtype_name(p)} and "
+                f"c={dtype_name(c)} {where}; set c={dtype_name(p)}, or keep p=f32 for autocast-style mixed precision."
+            )
+        if m is not None:
+            if m != torch.float32:
+                raise ValueError(f"m={dtype_name(m)} {where}: master weights are FP32; use m=f32 or m=none.")
+            if p == torch.float32:
+                raise ValueError(
+                    f"m=f32 with p=f32 {where}: FP32 parameters already are the masters; drop m= or store "
+                    "parameters in half precision (p=f16 or p=bf16)."
+                )
+        if self.loss_scale not in get_args(LossScaleKind):
+            raise unknown_choice("loss scaling", self.loss_scale, get_args(LossScaleKind))
+        if self.init_scale is not None:
+            if self.loss_scale == "none":
+                raise ValueError(f"init_scale={self.init_scale} given but loss scaling is off {where}; use ls=static:S or ls=dynamic:S.")
+            if not (self.init_scale > 0 and self.init_scale < float("inf")):
+                raise ValueError(f"loss scale must be a positive finite number, got {self.init_scale} {where}.")
+        if self.compensation not in get_args(Compensation):
+            raise unknown_choice("update compensation", self.compensation, get_args(Compensation))
+        if self.compensation != "none" and (p == torch.float32 or m is not None):
+            raise ValueError(
+                f"comp={self.compensation} {where}: compensated updates are for half-precision parameters "
+                "without master weights (p=bf16 or p=f16, m=none)."
+            )
+        if not isinstance(self.tf32, bool):
+            raise TypeError(f"tf32 must be a bool, got {self.tf32!r}")
+        for island in self.fp32_islands:
+            if not isinstance(island, str):
+                raise TypeError(f"FP32 islands are strings or module classes, got {island!r}")
+            if island == "norm" or _CLASS_NAME.match(island):
+                continue
+            if island.startswith("name:") and len(island) > 5 and not (_BAD_GLOB_CHARS & set(island[5:])):
+                continue
+            raise ValueError(
+                f"FP32 island {island!r} is not understood {where}; use 'norm', a module class name such as "
+                "'Embedding', or 'name:<glob>' such as 'name:*.lm_head' (no commas, '+', '=' or spaces)."
+            )
+        if len(set(self.fp32_islands)) != len(self.fp32_islands):
+            raise ValueError(f"FP32 islands repeat an entry: {self.fp32_islands} {where}.")
+
+    # ----- derived properties -------------------------------------------------------------
+    @property
+    def uses_autocast(self) -> bool:
+        """Compute runs under ``torch.autocast`` (any half compute dtype)."""
+        return self.compute_dtype != torch.float32
+
+    @property
+    def is_mixed(self) -> bool:
+        """FP32 parameters with half compute: the parameters are the masters (torch.amp O1)."""
+        return self.param_dtype == torch.float32 and self.compute_dtype != torch.float32
+
+    @property
+    def has_masters(self) -> bool:
+        """Half-precision parameters with FP32 master weights in the optimizer (Apex O2)."""
+        return self.master_dtype is not None
+
+    @property
+    def name(self) -> str | None:
+        """The preset this policy equals, or ``None``."""
+        for preset, policy in PRESETS.items():
+            if policy == self:
+                return preset
+        return None
+
+    def replace(self, **changes: object) -> "Policy":
+        """Return a copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    # ----- FP32 islands ------------------------------------------------------------------
+    def is_fp32_island(self, module: nn.Module, qualified_name: str = "") -> bool:
+        """Say whether ``module`` (at ``qualified_name`` in its model) is an FP32 island.
+
+        Example:
+            >>> Policy.parse("bf16-master").is_fp32_island(torch.nn.LayerNorm(4))
+            True
+        """
+        mro_names = {cls.__name__ for cls in type(module).__mro__}
+        for island in self.fp32_islands:
+            if island == "norm":
+                if any(_NORM_NAME.search(n) for n in mro_names):
+                    return True
+            elif island.startswith("name:"):
+                if fnmatch.fnmatchcase(qualified_name, island[5:]):
+                    return True
+            elif island in mro_names:
+                return True
+        return False
+
+    # ----- string form --------------------------------------------------------------------
+    def _grammar(self) -> str:
+        ls = self.loss_scale if self.init_scale is None else f"{self.loss_scale}:{_fmt_scale(self.init_scale)}"
+        islands = "+".join(self.fp32_islands) if self.fp32_islands else "none"
+        master = "none" if self.master_dtype is None else dtype_name(self.master_dtype)
+        return (
+            f"p={dtype_name(self.param_dtype)},c={dtype_name(self.compute_dtype)},o={dtype_name(self.output_dtype)},"
+            f"m={master},ls={ls},i={islands},tf32={int(self.tf32)},comp={self.compensation}"
+        )
+
+    def __str__(self) -> str:
+        return self._grammar()
+
+    def __repr__(self) -> str:
+        name = self.name
+        return f"Policy({str(self)!r})" if name is None else f"Policy({str(self)!r}, preset={name!r})"
+
+    @classmethod
+    def parse(cls, spec: "str | Policy") -> "Policy":
+        """Build a policy from a preset name, an alias or the ``key=value`` grammar.
+
+        Args:
+            spec: ``"bf16-mixed"``, ``"16-mixed"``, ``"mixed_float16"``, or
+                ``"p=f32,c=f16,o=f32,ls=dynamic"``; a :class:`Policy` is returned as is.
+
+        Returns:
+            The policy.
+
+        Raises:
+            TypeError: ``spec`` is not a string or a Policy.
+            ValueError: an unknown name (the message lists the presets and the closest
+                match), an unknown key, a repeated key, or an inconsistent combination.
+
+        Example:
+            >>> Policy.parse("p=f32,c=bf16") == Policy.parse("bf16-mixed")
+            True
+        """
+        if isinstance(spec, Policy):
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"a policy is a preset name or a 'p=...,c=...' string, got {type(spec).__name__} {spec!r}")
+        text = spec.strip()
+        key = text.lower()
+        if key in PRESETS:
+            return PRESETS[key]
+        if key in ALIASES:
+            return PRESETS[ALIASES[key]] if ALIASES[key] in PRESETS else cls._parse_grammar(ALIASES[key], spec)
+        if "=" not in text:
+            raise unknown_choice(
+                "precision preset", spec, [*PRESETS, *ALIASES],
+                f"Or spell a policy out: {_KEY_HELP}.",
+            )
+        return cls._parse_grammar(text, spec)
+
+    @classmethod
+    def _parse_grammar(cls, text: str, original: str) -> "Policy":
+        fields: dict[str, str] = {}
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise ValueError(f"policy {original!r}: {part!r} is not key=value; keys are {_KEY_HELP}.")
+            k, v = (s.strip() for s in part.split("=", 1))
+            k = k.lower()
+            if k not in _KEYS:
+                raise unknown_choice(f"policy key in {original!r}:", k, _KEYS, f"Keys: {_KEY_HELP}.")
+            if k in fields:
+                raise ValueError(f"policy {original!r} sets {k}= twice; give each key once.")
+            fields[k] = v
+        try:
+            p = parse_dtype(fields.get("p", "f32"))
+            c = parse_dtype(fields["c"]) if "c" in fields else p
+            o = parse_dtype(fields.get("o", "f32"))
+            m_txt = fields.get("m", "none")
+            m = None if m_txt.lower() in ("none", "-", "") else parse_dtype(m_txt)
+        except ValueError as e:
+            raise ValueError(f"policy {original!r}: {e}") from None
+        ls_txt = fields.get("ls", "dynamic" if c == torch.float16 else "none").lower()
+        ls_kind, _, scale_txt = ls_txt.partition(":")
+        init_scale: float | None = None
+        if scale_txt:
+            try:
+                init_scale = float(scale_txt)
+            except ValueError:
+                raise ValueError(f"policy {original!r}: loss scale {scale_txt!r} is not a number (e.g. ls=static:128).") from None
+        i_txt = fields.get("i", "norm")
+        islands = () if i_txt.lower() in ("none", "") else tuple(s for s in i_txt.split("+") if s)
+        tf32_txt = fields.get("tf32", "0").lower()
+        if tf32_txt not in ("0", "1", "true", "false", "on", "off"):
+            raise ValueError(f"policy {original!r}: tf32={tf32_txt!r}; use tf32=0 or tf32=1.")
+        return cls(
+            param_dtype=p, compute_dtype=c, output_dtype=o, master_dtype=m,
+            loss_scale=ls_kind,  # type: ignore[arg-type]
+            init_scale=init_scale, fp32_islands=islands, tf32=tf32_txt in ("1", "true", "on"),
+            compensation=fields.get("comp", "none").lower(),  # type: ignore[arg-type]
+        )
+
+
+_f32, _bf16, _f16 = torch.float32, torch.bfloat16, torch.float16
+
+#: The presets, by name (DESIGN.md section 4).
+PRESETS: dict[str, Policy] = {
+    "fp32": Policy(_f32, _f32, _f32),
+    "tf32": Policy(_f32, _f32, _f32, tf32=True),
+    "fp16-mixed": Policy(_f32, _f16, _f32, loss_scale="dynamic"),
+    "bf16-mixed": Policy(_f32, _bf16, _f32),
+    "fp16-master": Policy(_f16, _f16, _f32, master_dtype=_f32, loss_scale="dynamic"),
+    "bf16-master": Policy(_bf16, _bf16, _f32, master_dtype=_f32),
+    "bf16-pure": Policy(_bf16, _bf16, _f32, compensation="kahan"),
+    "fp16-pure": Policy(_f16, _f16, _f32, loss_scale="static", init_scale=1.0),
+}
+
+#: Spellings other libraries use, mapped to a preset name or a grammar string.
+ALIASES: dict[str, str] = {
+    # Lightning's precision flags.
+    "32-true": "fp32", "32": "fp32", "16-mixed": "fp16-mixed", "16": "fp16-mixed", "bf16": "bf16-mixed",
+    # Lightning's "-true" flags keep half parameters and a plain optimizer: no masters, no
+    # compensation. We keep exactly that meaning rather than silently adding Kahan summation.
+    "bf16-true": "p=bf16,c=bf16,o=f32,ls=none,comp=none",
+    "16-true": "fp16-pure",
+    # Keras mixed-precision policy names.
+    "mixed_float16": "fp16-mixed", "mixed_bfloat16": "bf16-mixed", "float32": "fp32",
+}
