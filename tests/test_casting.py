@@ -1,0 +1,193 @@
+import collections
+import dataclasses
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec._autocast import autocast
+from mixprec._casting import cast_module, cast_tree, is_prepared, island_modules, uncast_module
+from mixprec._policy import Policy
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    ids: torch.Tensor
+    note: str = "x"
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@pytest.mark.parametrize("dtype", HALF + [torch.float32])
+def test_cast_tree_keeps_containers_and_non_floating_leaves(dtype):
+    ids = torch.arange(3)
+    mask = torch.tensor([True, False])
+    f64 = torch.ones(2, dtype=torch.float64)
+    src = torch.randn(2, 3, dtype=torch.float32 if dtype != torch.float32 else torch.float16)
+    obj = {
+        "x": [src, (ids, mask)],
+        "p": Pair(src, 3),
+        "o": Out(src, ids),
+        "od": collections.OrderedDict(a=src, b=f64),
+        "s": "text",
+        "n": None,
+    }
+    out = cast_tree(obj, dtype)
+    assert type(out["od"]) is collections.OrderedDict and type(out["p"]) is Pair and type(out["o"]) is Out
+    assert isinstance(out["x"], list) and isinstance(out["x"][1], tuple)
+    assert out["x"][0].dtype == dtype and out["p"].a.dtype == dtype and out["o"].logits.dtype == dtype
+    assert out["x"][1][0] is ids and out["x"][1][1] is mask and out["o"].ids is ids
+    assert out["od"]["b"] is f64  # float64 untouched unless asked
+    assert out["s"] == "text" and out["n"] is None and out["p"].b == 3 and out["o"].note == "x"
+    torch.testing.assert_close(out["x"][0].float(), src.to(dtype).float())
+    assert cast_tree(f64, dtype, include_float64=True).dtype == dtype
+
+
+def test_cast_tree_returns_same_tensor_when_already_right_dtype():
+    t = torch.ones(2)
+    assert cast_tree(t, torch.float32) is t
+    tup = (t, 1)
+    assert cast_tree(tup, torch.float32) is tup
+
+
+def test_cast_tree_rejects_non_floating_target():
+    with pytest.raises(TypeError, match=re.escape("cast_tree needs a floating torch.dtype, got torch.int64")):
+        cast_tree(torch.ones(1), torch.int64)
+
+
+class RecordingNorm(nn.LayerNorm):
+    """A LayerNorm that records the dtypes it really computes with."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.seen = (x.dtype, self.weight.dtype, out.dtype, torch.is_autocast_enabled(x.device.type))
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc1 = nn.Linear(8, 8)
+        self.norm = RecordingNorm(8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids, scale=1.0):
+        h = self.emb(ids) * scale
+        self.fc1_in = h.dtype
+        h = self.fc1(h)
+        h = self.norm(h)
+        self.after_norm = h.dtype
+        h = self.bn(h)
+        return {"logits": self.head(h), "ids": ids}
+
+
+@pytest.mark.parametrize("preset,half", [("bf16-master", torch.bfloat16), ("fp16-master", torch.float16), ("bf16-pure", torch.bfloat16)])
+def test_cast_module_keeps_islands_fp32_and_they_compute_in_fp32(preset, half):
+    torch.manual_seed(0)
+    m = Net()
+    fc_before = m.fc1.weight.detach().clone()
+    pid = id(m.fc1.weight)
+    cast_module(m, preset)
+    assert id(m.fc1.weight) == pid  # parameters keep identity
+    assert m.fc1.weight.dtype == half and m.emb.weight.dtype == half and m.head.weight.dtype == half
+    assert m.norm.weight.dtype == torch.float32 and m.bn.weight.dtype == torch.float32
+    assert m.bn.running_mean.dtype == torch.float32 and m.bn.num_batches_tracked.dtype == torch.int64
+    torch.testing.assert_close(m.fc1.weight.float(), fc_before.to(half).float(), rtol=0, atol=0)
+    with autocast(preset, "cpu"):
+        out = m(torch.randint(0, 10, (4,)))
+    x_dtype, w_dtype, out_dtype, ac = m.norm.seen
+    assert (x_dtype, w_dtype, out_dtype, ac) == (torch.float32, torch.float32, torch.float32, False)
+    assert m.after_norm == half  # the island hands the compute dtype back
+    assert out["logits"].dtype == torch.float32  # output dtype
+    assert out["ids"].dtype == torch.int64
+
+
+def test_root_casts_float_inputs_for_half_params():
+    lin = nn.Linear(4, 4)
+    seen = {}
+    cast_module(lin, "fp16-master")
+    lin.register_forward_pre_hook(lambda mod, args: seen.update(inp=args[0].dtype))
+    y = lin(torch.randn(2, 4))
+    assert seen["inp"] == torch.float16 and y.dtype == torch.float32
+
+
+def test_mixed_policy_keeps_fp32_params_and_islands_disable_autocast():
+    m = Net()
+    cast_module(m, "bf16-mixed")
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    with autocast("bf16-mixed", "cpu"):
+        out = m(torch.randint(0, 10, (4,)))
+    assert m.norm.seen == (torch.float32, torch.float32, torch.float32, False)
+    assert m.after_norm == torch.bfloat16
+    assert torch.is_autocast_enabled("cpu") is False
+    assert out["logits"].dtype == torch.float32
+
+
+def test_fp32_policy_installs_no_island_hooks():
+    m = Net()
+    cast_module(m, "fp32")
+    out = m(torch.randint(0, 10, (4,)))
+    assert m.norm.seen == (torch.float32, torch.float32, torch.float32, False)
+    assert out["logits"].dtype == torch.float32
+
+
+def test_islands_by_name_and_type():
+    m = Net()
+    pol = Policy.parse("p=bf16,i=Embedding+name:head")
+    names = [n for n, _ in island_modules(m, pol)]
+    assert names == ["emb", "head"]
+    cast_module(m, pol)
+    assert m.emb.weight.dtype == torch.float32 and m.head.weight.dtype == torch.float32
+    assert m.norm.weight.dtype == torch.bfloat16  # norm not listed: cast
+
+
+def test_tied_weight_shared_with_island_stays_fp32():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 4)
+            self.out = nn.Linear(4, 5, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.out(self.emb(ids))
+
+    m = cast_module(Tied(), "p=f16,i=Embedding")
+    assert m.out.weight is m.emb.weight and m.emb.weight.dtype == torch.float32
+
+
+def test_island_hook_state_restored_when_forward_raises():
+    class Boom(nn.LayerNorm):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    m = nn.Sequential(nn.Linear(4, 4), Boom(4))
+    cast_module(m, "bf16-mixed")
+    with autocast("bf16-mixed", "cpu"):
+        with pytest.raises(RuntimeError, match="boom"):
+            m(torch.randn(2, 4))
+        assert torch.is_autocast_enabled("cpu")  # the island's "autocast off" was undone
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_double_prepare_raises_and_uncast_allows_again():
+    m = Net()
+    cast_module(m, "bf16-master")
+    assert is_prepared(m)
+    with pytest.raises(ValueError, match=re.escape("this model was already prepared for policy 'p=bf16,c=bf16")):
+        cast_module(m, "fp16-master")
+    uncast_module(m)
+    assert not is_prepared(m)
+    cast_module(m, "bf16-master")
+
+
+def test_cast_module_type_error():
+    with pytest.raises(TypeError, match="cast_module needs an nn.Module, got str"):
+        cast_module("model", "fp32")  # type: ignore[arg-type]

@@ -1,0 +1,192 @@
+import itertools
+import re
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mixprec._policy import ALIASES, PRESETS, Policy
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+EXPECTED = {
+    # preset: (param, compute, output, master, loss scaling, tf32, compensation)
+    "fp32": (F32, F32, F32, None, "none", False, "none"),
+    "tf32": (F32, F32, F32, None, "none", True, "none"),
+    "fp16-mixed": (F32, F16, F32, None, "dynamic", False, "none"),
+    "bf16-mixed": (F32, BF16, F32, None, "none", False, "none"),
+    "fp16-master": (F16, F16, F32, F32, "dynamic", False, "none"),
+    "bf16-master": (BF16, BF16, F32, F32, "none", False, "none"),
+    "bf16-pure": (BF16, BF16, F32, None, "none", False, "kahan"),
+    "fp16-pure": (F16, F16, F32, None, "static", False, "none"),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_presets_expand_as_documented(name):
+    p = Policy.parse(name)
+    got = (p.param_dtype, p.compute_dtype, p.output_dtype, p.master_dtype, p.loss_scale, p.tf32, p.compensation)
+    assert got == EXPECTED[name]
+    assert p.fp32_islands == ("norm",)
+    assert p.name == name
+    assert Policy.parse(str(p)) == p
+
+
+def test_fp16_pure_uses_static_scale_one():
+    assert Policy.parse("fp16-pure").init_scale == 1.0
+
+
+def test_issue_example_prints_the_grammar():
+    assert str(Policy.parse("fp16-master")) == "p=f16,c=f16,o=f32,m=f32,ls=dynamic,i=norm,tf32=0,comp=none"
+
+
+@pytest.mark.parametrize(
+    "alias,preset",
+    [("16-mixed", "fp16-mixed"), ("bf16-mixed", "bf16-mixed"), ("32-true", "fp32"), ("mixed_float16", "fp16-mixed"),
+     ("mixed_bfloat16", "bf16-mixed"), ("16-true", "fp16-pure"), ("BF16-Mixed", "bf16-mixed")],
+)
+def test_aliases(alias, preset):
+    assert Policy.parse(alias) == PRESETS[preset]
+
+
+def test_bf16_true_keeps_lightnings_meaning():
+    p = Policy.parse("bf16-true")
+    assert (p.param_dtype, p.compute_dtype, p.master_dtype, p.compensation) == (BF16, BF16, None, "none")
+    assert p.name is None
+
+
+def test_every_alias_parses():
+    for alias in ALIASES:
+        assert isinstance(Policy.parse(alias), Policy)
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("p=f32,c=f16", "p=f32,c=f16,o=f32,m=none,ls=dynamic,i=norm,tf32=0,comp=none"),  # ls cascades from c=f16
+        ("p=bf16", "p=bf16,c=bf16,o=f32,m=none,ls=none,i=norm,tf32=0,comp=none"),  # c cascades from p
+        ("c=bf16", "p=f32,c=bf16,o=f32,m=none,ls=none,i=norm,tf32=0,comp=none"),
+        ("p=f16,m=f32,ls=static:128,i=none", "p=f16,c=f16,o=f32,m=f32,ls=static:128,i=none,tf32=0,comp=none"),
+        ("p=half, c=half, i=norm+Embedding+name:*.lm_head", "p=f16,c=f16,o=f32,m=none,ls=dynamic,i=norm+Embedding+name:*.lm_head,tf32=0,comp=none"),
+        ("ls=dynamic:1024,c=f16,tf32=1", "p=f32,c=f16,o=f32,m=none,ls=dynamic:1024,i=norm,tf32=1,comp=none"),
+        ("p=bf16,comp=stochastic,ls=static:0.5", "p=bf16,c=bf16,o=f32,m=none,ls=static:0.5,i=norm,tf32=0,comp=stochastic"),
+    ],
+)
+def test_grammar_defaults_cascade(spec, expected):
+    assert str(Policy.parse(spec)) == expected
+
+
+def test_p_equals_preset_from_grammar():
+    assert Policy.parse("p=f32,c=bf16") == Policy.parse("bf16-mixed")
+    assert Policy.parse("p=f16,m=f32") == Policy.parse("fp16-master")
+
+
+_dt = st.sampled_from([F32, BF16, F16])
+
+
+@st.composite
+def policies(draw):
+    p = draw(_dt)
+    c = draw(_dt) if p == F32 else p
+    o = draw(_dt)
+    m = draw(st.sampled_from([None, F32])) if p != F32 else None
+    ls = draw(st.sampled_from(["none", "static", "dynamic"]))
+    scale = None if ls == "none" else draw(st.sampled_from([None, 1.0, 0.25, 2.0 ** 15, 1000.0]))
+    islands = draw(st.lists(st.sampled_from(["norm", "Embedding", "Linear", "name:*.head", "name:blocks.?.attn"]),
+                            unique=True, max_size=3))
+    comp = draw(st.sampled_from(["none", "kahan", "stochastic"])) if (p != F32 and m is None) else "none"
+    return Policy(p, c, o, m, ls, scale, tuple(islands), draw(st.booleans()), comp)
+
+
+@given(policies())
+def test_round_trip_every_valid_combination(policy):
+    assert Policy.parse(str(policy)) == policy
+    assert hash(Policy.parse(str(policy))) == hash(policy)
+
+
+def test_round_trip_exhaustive_dtype_grid():
+    n = 0
+    for p, c, o in itertools.product([F32, BF16, F16], repeat=3):
+        if p != F32 and c != p:
+            continue
+        for m in ([None, F32] if p != F32 else [None]):
+            pol = Policy(p, c, o, m, "dynamic" if c == F16 else "none")
+            assert Policy.parse(str(pol)) == pol
+            n += 1
+    assert n == 3 * 3 + 2 * 3 * 2
+
+
+def test_frozen():
+    p = Policy.parse("fp32")
+    with pytest.raises(AttributeError):
+        p.param_dtype = F16  # type: ignore[misc]
+    assert p.replace(tf32=True) == Policy.parse("tf32")
+
+
+def test_accepts_module_classes_as_islands():
+    p = Policy(fp32_islands=(torch.nn.Embedding, "norm"))
+    assert p.fp32_islands == ("Embedding", "norm")
+
+
+def test_unknown_preset_names_closest_and_lists_choices():
+    with pytest.raises(ValueError, match=re.escape("unknown precision preset 'bf16-mixd'; choose one of: fp32, tf32, fp16-mixed")) as e:
+        Policy.parse("bf16-mixd")
+    assert "Did you mean 'bf16-mixed'?" in str(e.value)
+    assert "p=param dtype" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("p=f16,c=bf16", "half-precision parameters compute in their own dtype, but p=f16 and c=bf16"),
+        ("p=f32,m=f32", "m=f32 with p=f32 in policy"),
+        ("p=f16,m=bf16", "m=bf16 in policy"),
+        ("p=f8e4m3", "p=f8e4m3 is not supported"),
+        ("q=1", "unknown policy key in 'q=1': 'q'"),
+        ("p=f32,p=f16", "policy 'p=f32,p=f16' sets p= twice"),
+        ("p=f32,ls=static:abc", "loss scale 'abc' is not a number"),
+        ("p=f32,ls=none:4", "init_scale=4.0 given but loss scaling is off"),
+        ("p=f32,ls=static:0", "loss scale must be a positive finite number, got 0.0"),
+        ("p=f32,ls=sometimes", "unknown loss scaling 'sometimes'"),
+        ("p=f32,comp=kahan", "comp=kahan in policy"),
+        ("p=f16,m=f32,comp=kahan", "compensated updates are for half-precision parameters without master weights"),
+        ("p=f32,tf32=maybe", "tf32='maybe'; use tf32=0 or tf32=1"),
+        ("p=f32,i=a.b", "FP32 island 'a.b' is not understood"),
+        ("p=f32,i=norm+norm", "FP32 islands repeat an entry"),
+        ("p=float33", "policy 'p=float33': unknown dtype 'float33'"),
+        ("p=f32,c", "policy 'p=f32,c': 'c' is not key=value"),
+    ],
+)
+def test_bad_policies_raise_clear_errors(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Policy.parse(spec)
+
+
+def test_wrong_type():
+    with pytest.raises(TypeError, match=re.escape("a policy is a preset name or a 'p=...,c=...' string, got int 16")):
+        Policy.parse(16)  # type: ignore[arg-type]
+
+
+def test_island_matching():
+    p = Policy(fp32_islands=("norm", "Embedding", "name:head*"))
+
+    class LlamaRMSNorm(torch.nn.Module):
+        pass
+
+    class MyEmbedding(torch.nn.Embedding):
+        pass
+
+    assert p.is_fp32_island(torch.nn.LayerNorm(2))
+    assert p.is_fp32_island(torch.nn.BatchNorm2d(2))
+    assert p.is_fp32_island(LlamaRMSNorm())
+    assert p.is_fp32_island(MyEmbedding(3, 2))  # matched along the MRO
+    assert p.is_fp32_island(torch.nn.Linear(2, 2), "head.proj")
+    assert not p.is_fp32_island(torch.nn.Linear(2, 2), "body.proj")
+    assert not p.is_fp32_island(torch.nn.Linear(2, 2))
+
+
+def test_derived_properties():
+    assert Policy.parse("fp16-mixed").is_mixed and Policy.parse("fp16-mixed").uses_autocast
+    assert not Policy.parse("fp16-master").is_mixed and Policy.parse("fp16-master").has_masters
+    assert not Policy.parse("fp32").uses_autocast
