@@ -1,0 +1,182 @@
+"""Fused inf/NaN checks: one kernel per (device, dtype) group, no host sync.
+
+Two entry points:
+
+* :func:`all_finite` answers "is every element of these tensors finite?" as a 0-d bool tensor
+  without modifying anything (one ``torch._foreach_norm(ord=inf)`` per group: the largest
+  magnitude is inf for an inf and NaN for a NaN).
+* :func:`unscale_and_check_` is the loss-scaling workhorse: it multiplies gradients in place by
+  ``1/scale`` and raises a ``found_inf`` flag, with exactly one
+  ``torch._amp_foreach_non_finite_check_and_unscale_`` call per (device, dtype) group, as
+  ``torch.amp.GradScaler`` does.
+
+Neither reads anything back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = ["all_finite", "unscale_and_check_"]
+
+
+def _dense(tensors: Iterable[Tensor | None]) -> list[Tensor]:
+    """``None`` dropped, sparse tensors replaced by their values (the per-tensor work, kept minimal: hot path)."""
+    ts = [t for t in tensors if t is not None]
+    if any(t.is_sparse for t in ts):
+        ts = [t._values() if t.is_sparse else t for t in ts]
+    return ts
+
+
+Groups = dict[tuple[torch.device, torch.dtype], list[Tensor]]
+
+
+def _group(tensors: list[Tensor]) -> Groups:
+    """Group dense tensors by (device, dtype) with torch's C++ helper (no per-tensor Python work).
+
+    Complex groups are replaced by their real views (same memory, a real dtype).
+    """
+    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)  # type: ignore[list-item]
+    out: Groups = {}
+    for (dev, dtype), (lists, _) in grouped.items():
+        group: list[Tensor] = lists[0]  # type: ignore[assignment]  # no None in: none out
+        if dtype.is_complex:  # complex64 -> float32 views: may join an existing float32 group
+            group = [torch.view_as_real(t) for t in group]
+            dtype = group[0].dtype
+        key = (dev, dtype)
+        out[key] = out[key] + group if key in out else group
+    return out
+
+
+def all_finite(tensors: Iterable[Tensor | None] | Tensor) -> Tensor:
+    """Return a 0-d bool tensor: ``True`` when every element of every tensor is finite.
+
+    Integer and bool tensors are finite by definition and skipped; ``None`` entries are skipped;
+    sparse tensors are checked through their values, complex ones through their real view.
+    Nothing is modified (no version-counter bump, safe on tensors saved for backward).
+
+    Cost: per (device, dtype) group one ``torch._foreach_norm(ord=inf)`` (the largest magnitude
+    is ``inf`` for an inf and ``NaN`` for a NaN), then three tiny ops in all (stack, compare,
+    all); norms from other devices are moved to the first tensor's device. No host sync.
+
+    Args:
+        tensors: A tensor or an iterable of tensors (e.g. ``[p.grad for p in model.parameters()]``).
+
+    Returns:
+        0-d ``torch.bool`` tensor on the first tensor's device (CPU when there are no tensors).
+
+    Example:
+        >>> import torch, mixprec
+        >>> bool(mixprec.all_finite([torch.ones(3), torch.tensor([1.0, float("inf")])]))
+        False
+    """
+    given = [tensors] if isinstance(tensors, Tensor) else [t for t in tensors if t is not None]
+    floating = [t for t in _dense(given) if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    if not floating:
+        return torch.ones((), dtype=torch.bool, device=given[0].device if given else "cpu")
+    device = given[0].device
+    norms: list[Tensor] = []
+    for (dev, _dtype), group in _group(floating).items():
+        group_norms = torch._foreach_norm(group, float("inf"))
+        norms += group_norms if dev == device else [n.to(device, non_blocking=True) for n in group_norms]
+    # max|x| < inf is False for inf and for NaN (every comparison with NaN is False)
+    return (torch.stack(norms) < math.inf).all()
+
+
+def unscale_and_check_(
+    tensors: Iterable[Tensor | None],
+    inv_scale: Tensor | None,
+    found_inf: Tensor | None = None,
+) -> Tensor:
+    """Multiply ``tensors`` in place by ``inv_scale`` and flag any inf/NaN in ``found_inf``.
+
+    Exactly one ``torch._amp_foreach_non_finite_check_and_unscale_`` call per (device, dtype)
+    group; with ``inv_scale=None`` the same call runs with a 1.0 factor (check only: values
+    unchanged). Where torch has no such kernel (bfloat16 on CUDA), a ``_foreach_norm(inf)`` check
+    and a ``_foreach_mul_`` do the same per group. ``None`` entries are skipped; sparse tensors are unscaled through their
+    ``_values()`` (coalesce FP16 sparse gradients first, as ``torch.amp.GradScaler`` does).
+    No host sync.
+
+    Args:
+        tensors: Floating tensors (typically gradients) to unscale in place.
+        inv_scale: 0-d float32 tensor ``1/scale`` (compute it in float64: ``scale.double().reciprocal().float()``),
+            or ``None`` to check only.
+        found_inf: Optional 0-d float32 tensor to accumulate into (set to 1.0 when a non-finite
+            value is found, never cleared). Created (0.0) on the first tensor's device when ``None``.
+
+    Returns:
+        ``found_inf``: 0-d float32 tensor, 1.0 when any value was inf/NaN; on the device of
+        ``found_inf`` when given, else of the first tensor (of ``inv_scale``, or CPU, when
+        there are no tensors). Flags from other devices are folded in with a max.
+
+    Example:
+        >>> import torch
+        >>> g = [torch.tensor([2.0, 4.0])]
+        >>> unscale_and_check_(g, torch.tensor(0.5)).item(), g[0].tolist()
+        (0.0, [1.0, 2.0])
+    """
+    ts = _dense(tensors)
+    if found_inf is None:
+        if ts:
+            device = ts[0].device
+        elif inv_scale is not None:
+            device = inv_scale.device
+        else:
+            device = torch.device("cpu")
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    if not ts:
+        return found_inf
+    return _unscale_groups(_group(ts), inv_scale, found_inf)
+
+
+# (device type, dtype) pairs without a fused check-and-unscale kernel, learnt on first use: torch's
+# CUDA kernel has no bfloat16 (torch 2.11), its CPU kernel has.
+_NO_FUSED_KERNEL: set[tuple[str, torch.dtype]] = set()
+
+
+def _check_and_unscale_foreach(group: list[Tensor], flag: Tensor, inv_scale: Tensor | None, inv: Tensor) -> None:
+    """The fused kernel's contract with foreach ops: flag non-finite inputs, then multiply (a few launches per group)."""
+    norms = torch._foreach_norm(group, float("inf"))  # checked before the multiply, as the fused kernel does
+    bad = (torch.stack(norms) < math.inf).all().logical_not()
+    flag.clamp_(min=bad.to(flag.dtype))
+    if inv_scale is not None:
+        # A factor of the group's dtype keeps _foreach_mul_ on its fused path (an FP32 0-d factor sends
+        # BF16 tensors down a per-tensor path on CUDA: one launch per tensor, measured). Exact for
+        # power-of-two scales (all that dynamic scaling with the default factors produces); otherwise
+        # the factor is rounded to BF16 first (<= 1 BF16 ulp from the fused kernel's result).
+        torch._foreach_mul_(group, inv.to(group[0].dtype))
+
+
+def _unscale_groups(groups: Groups, inv_scale: Tensor | None, found_inf: Tensor) -> Tensor:
+    """:func:`unscale_and_check_` on tensors already grouped by :func:`_group`."""
+    home = found_inf.device
+    per_device_inv: dict[torch.device, Tensor] = {}
+    per_device_flag: dict[torch.device, Tensor] = {home: found_inf}
+    with torch.no_grad():
+        for (dev, dtype), group in groups.items():
+            inv = per_device_inv.get(dev)
+            if inv is None:
+                if inv_scale is None:
+                    inv = torch.ones((), dtype=torch.float32, device=dev)
+                else:
+                    inv = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
+                per_device_inv[dev] = inv
+            flag = per_device_flag.get(dev)
+            if flag is None:
+                flag = per_device_flag[dev] = torch.zeros((), dtype=torch.float32, device=dev)
+            if (dev.type, dtype) in _NO_FUSED_KERNEL:
+                _check_and_unscale_foreach(group, flag, inv_scale, inv)
+                continue
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+            except NotImplementedError:  # dispatch fails before touching anything: safe to fall back
+                _NO_FUSED_KERNEL.add((dev.type, dtype))
+                _check_and_unscale_foreach(group, flag, inv_scale, inv)
+        for dev, flag in per_device_flag.items():
+            if dev != home:
+                found_inf.clamp_(min=flag.to(home, non_blocking=True))
+    return found_inf

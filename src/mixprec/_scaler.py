@@ -1,0 +1,1036 @@
+"""Loss scaling on the device: ``LossScaler`` protocol, no-op, static and dynamic scalers.
+
+FP16 gradients below about 6e-8 flush to zero and large ones overflow to inf. Loss scaling
+multiplies the loss before backward, divides the gradients after (in place, fused with the
+inf/NaN check), skips a step whose gradients are not finite and adapts the scale.
+
+Everything per step stays on the device: the scale, the growth tracker, the hysteresis
+allowance and the statistics are tensors, and :meth:`DynamicScaler.update` decides growth,
+backoff, hysteresis and clamping with tensor arithmetic (no ``.item()``). Host reads happen
+only where named:
+
+* every ``check_interval`` steps, to escalate persistent overflow and to log overflows: one
+  read of a small snapshot (on CUDA it is copied asynchronously into pinned memory and read
+  one interval later, so it does not stall the stream either);
+* :meth:`statistics`, :meth:`state_dict` and pickling (they return Python numbers);
+* :func:`step_optimizer` for an optimizer that cannot skip on the device (one read of ``found_inf``).
+
+``mixprec.GradScaler`` (in ``_grad_scaler.py``) is the drop-in for ``torch.amp.GradScaler``
+built on the same machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from ._errors import NumericsError, unknown_choice
+from ._finite import unscale_and_check_
+from .distributed import agree_found_inf_
+
+__all__ = [
+    "DynamicScaler",
+    "LossScaler",
+    "NoOpScaler",
+    "StaticScaler",
+    "step_optimizer",
+]
+
+T = TypeVar("T")
+OnFailure = Literal["raise", "warn", "ignore"]
+Refill = Literal["growth", "clean"]
+
+logger = logging.getLogger("mixprec.scaler")
+
+#: Version of every scaler's ``state_dict`` format.
+STATE_VERSION = 1
+
+# Defaults, and why:
+# - min_scale=1.0: DeepSpeed's ``min_loss_scale`` and Megatron-LM's ``--min-loss-scale`` default.
+#   Below 1 the "scaled" gradients are smaller than the true ones, so an overflow there is not
+#   a scaling problem but inf/NaN coming from the model itself (forward overflow, a bad batch).
+# - max_scale=2**24: jmp's and the API's ceiling; 2**24 * 6e-8 ~ 1, so any larger scale only
+#   moves already-representable gradients closer to overflow.
+# - patience=20: DeepSpeed gives up at the first overflow at the floor (raise_error_at_min_scale);
+#   one or two bad batches are transient, twenty consecutive overflows at scale 1 mean every
+#   batch fails, and training is only burning steps.
+# - check_interval=50: the check folds the ring into the counters (~30 tiny kernels) and reads a
+#   7-value snapshot back (asynchronously on CUDA); every 50 steps that is < 1 kernel per step
+#   (measured on an H100: every 10 steps cost ~2% of a GPT-2-small unscale step). Escalation then
+#   fires at most patience + 2 * check_interval = 120 steps after the floor is reached.
+DEFAULT_MIN_SCALE = 1.0
+DEFAULT_MAX_SCALE = float(2**24)
+DEFAULT_PATIENCE = 20
+DEFAULT_CHECK_INTERVAL = 50
+DEFAULT_HISTORY = 1024
+
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+class ScalerStateError(ValueError, RuntimeError):
+    """A state dict that cannot be loaded into this scaler (empty, foreign, newer)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# validation helpers
+# --------------------------------------------------------------------------------------------------
+def _check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                  low_open: bool = False, high_open: bool = False, hint: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.{' ' + hint if hint else ''}")
+    v = float(value)
+    bad = (low is not None and (v <= low if low_open else v < low)) or (
+        high is not None and (v >= high if high_open else v > high))
+    if bad:
+        lo = "" if low is None else (f"> {low:g}" if low_open else f">= {low:g}")
+        hi = "" if high is None else (f"< {high:g}" if high_open else f"<= {high:g}")
+        allowed = " and ".join(x for x in (lo, hi) if x)
+        raise ValueError(f"{name} must be {allowed}, got {value!r}.{' ' + hint if hint else ''}")
+    return v
+
+
+def _check_int(name: str, value: Any, *, low: int, hint: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}.{' ' + hint if hint else ''}")
+    return int(value)
+
+
+@dataclasses.dataclass
+class _Config:
+    kind: Literal["noop", "static", "dynamic"]
+    init_scale: float = 1.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
+    refill: Refill = "growth"
+    on_failure: OnFailure = "ignore"
+    patience: int = DEFAULT_PATIENCE
+    check_interval: int = DEFAULT_CHECK_INTERVAL
+    log_overflow: bool = False
+    log_interval_s: float = 5.0
+    history: int = DEFAULT_HISTORY
+
+    def validate(self, owner: str) -> None:
+        self.init_scale = _check_number(f"{owner}: init_scale", self.init_scale, low=0.0, low_open=True)
+        if self.kind != "dynamic":
+            self.history = _check_int(f"{owner}: history", self.history, low=1)
+            return
+        self.validate_rule(owner)
+        lo = self.min_scale if self.min_scale is not None else 0.0
+        hi = self.max_scale if self.max_scale is not None else math.inf
+        if not lo <= self.init_scale <= hi:
+            raise ValueError(f"{owner}: init_scale={self.init_scale:g} lies outside [min_scale, max_scale] = "
+                             f"[{lo:g}, {hi:g}]; move init_scale inside or widen the range.")
+        if self.on_failure not in ("raise", "warn", "ignore"):
+            raise unknown_choice(f"{owner}: on_failure", self.on_failure, ("raise", "warn", "ignore"))
+        if self.on_failure != "ignore" and self.min_scale is None:
+            raise ValueError(f"{owner}: on_failure={self.on_failure!r} needs a floor (min_scale): escalation fires "
+                             "when the scale sits at min_scale and steps keep overflowing. Set min_scale (e.g. 1.0) "
+                             "or on_failure='ignore'.")
+        self.patience = _check_int(f"{owner}: patience", self.patience, low=1)
+        self.check_interval = _check_int(f"{owner}: check_interval", self.check_interval, low=1)
+        self.history = _check_int(f"{owner}: history", self.history, low=1)
+        self.log_interval_s = _check_number(f"{owner}: log_interval_s", self.log_interval_s, low=0.0)
+
+    def validate_rule(self, owner: str) -> None:
+        """Check the fields that shape the scale path (also run on values loaded from a state dict)."""
+        self.growth_factor = _check_number(
+            f"{owner}: growth_factor", self.growth_factor, low=1.0, low_open=True,
+            hint="The scale is multiplied by it after growth_interval clean steps (torch, jmp, Keras: 2.0).")
+        self.backoff_factor = _check_number(
+            f"{owner}: backoff_factor", self.backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True,
+            hint="The scale is multiplied by it on overflow (torch: 0.5).")
+        self.growth_interval = _check_int(f"{owner}: growth_interval", self.growth_interval, low=1,
+                                          hint="It is the number of consecutive clean steps before the scale grows.")
+        self.hysteresis = _check_int(f"{owner}: hysteresis", self.hysteresis, low=1,
+                                     hint="1 backs off at every overflow (torch); N tolerates N-1 overflows first.")
+        if self.min_scale is not None:
+            self.min_scale = _check_number(f"{owner}: min_scale", self.min_scale, low=0.0, low_open=True,
+                                           hint="Pass None for no floor.")
+        if self.max_scale is not None:
+            self.max_scale = _check_number(f"{owner}: max_scale", self.max_scale, low=0.0, low_open=True,
+                                           hint="Pass None for no ceiling.")
+        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
+            raise ValueError(f"{owner}: min_scale={self.min_scale:g} is above max_scale={self.max_scale:g}.")
+        if self.refill not in ("growth", "clean"):
+            raise unknown_choice(f"{owner}: hysteresis refill", self.refill, ("growth", "clean"))
+
+    def clamp(self, scale: float) -> float:
+        lo = self.min_scale if self.min_scale is not None else 0.0
+        hi = self.max_scale if self.max_scale is not None else math.inf
+        return min(max(scale, lo), hi)
+
+    @property
+    def checks(self) -> bool:
+        """Whether update() reads a snapshot back every check_interval steps."""
+        return self.kind == "dynamic" and (self.on_failure != "ignore" or self.log_overflow)
+
+
+# --------------------------------------------------------------------------------------------------
+# the device-resident state shared by every scaler (and by mixprec.GradScaler)
+# --------------------------------------------------------------------------------------------------
+# counters vector (float64, exact for integers below 2**53):
+_SKIPPED, _CONSEC, _LAST_OVF, _LAST_CLEAN, _FLOOR, _PREV_SCALE = range(6)
+
+
+class _Core:
+    """Scale, growth tracker, hysteresis allowance and statistics as tensors on one device.
+
+    Statistics are not updated counter by counter each step (that would be ~8 tiny kernels):
+    each ``update`` writes ``(scale after update, found_inf)`` into a ring buffer at index
+    ``step % H`` (one kernel), and a *fold* every ``check_interval`` (or ``H``) steps turns the
+    new ring entries into the counters (~20 tiny kernels, amortised).
+    """
+
+    def __init__(self, config: _Config, device: torch.device | str | None = None) -> None:
+        self.cfg = config
+        self.explicit_device = torch.device(device) if device is not None else None
+        self.bound = device is not None
+        self.device = self.explicit_device
+        self.ring_len = max(config.history, config.check_interval)
+        self.scale: Tensor | None = None
+        self.growth_tracker: Tensor | None = None
+        self.hysteresis_left: Tensor | None = None
+        self.ring: Tensor | None = None
+        self._rows: tuple[Tensor, ...] = ()
+        self.counters: Tensor | None = None
+        self.steps = 0
+        self.folded = 0
+        self.pending_state: dict[str, Any] | None = None  # loaded before the tensors exist
+        self._pos_cache: dict[tuple[int, torch.device], Tensor] = {}
+        self._snapshot: tuple[Tensor, Any, int] | None = None  # (pinned host copy, cuda event, step)
+        self._reported = False
+        self._last_log = -math.inf
+        self._logged_skipped = 0.0
+        self._inv_cache: tuple[Tensor, Tensor] | None = None  # static scalers: (scale, 1/scale)
+
+    # ----- materialisation -------------------------------------------------------------------------
+    @property
+    def materialised(self) -> bool:
+        return self.scale is not None
+
+    def ensure(self, device: torch.device | None, *, bind: bool = True) -> Tensor:
+        """Create the tensors (on ``device``, the bound device, or CPU) and return the scale."""
+        if self.scale is None:
+            dev = self.device if self.bound else device
+            self._materialise(dev if dev is not None else torch.device("cpu"))
+            self.bound = self.bound or (bind and device is not None)
+        elif bind and not self.bound and device is not None:
+            if device != self.scale.device:  # read before first use (loss_scale, statistics): move once
+                self._move(device)
+            self.bound = True
+        assert self.scale is not None
+        return self.scale
+
+    def _materialise(self, device: torch.device) -> None:
+        cfg = self.cfg
+        self.scale = torch.full((), cfg.init_scale, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.hysteresis_left = torch.full((), cfg.hysteresis - 1, dtype=torch.int32, device=device)
+        self.ring = torch.zeros(self.ring_len, 2, dtype=torch.float32, device=device)
+        self._rows = self.ring.unbind(0)
+        # [skipped, consecutive, last_overflow, last_clean, floor_streak, prev_scale], filled on the device (no copy)
+        self.counters = torch.zeros(6, dtype=torch.float64, device=device)
+        self.counters[_LAST_OVF:_LAST_CLEAN + 1].fill_(-1.0)
+        self.counters[_PREV_SCALE].fill_(cfg.init_scale)
+        self.device = self.scale.device
+        if self.pending_state is not None:
+            state, self.pending_state = self.pending_state, None
+            self.load(state)
+
+    def _move(self, device: torch.device) -> None:
+        for name in ("scale", "growth_tracker", "hysteresis_left", "ring", "counters"):
+            setattr(self, name, getattr(self, name).to(device))
+        self._rows = self.ring.unbind(0)  # type: ignore[union-attr]
+        self.device = device
+        self._pos_cache.clear()
+        self._snapshot = None
+        self._inv_cache = None
+
+    # ----- per step --------------------------------------------------------------------------------
+    def inv_scale(self) -> Tensor:
+        """``1/scale`` in float64, rounded to float32 (torch.amp does the same: FP32 division can be inexact)."""
+        scale = self.scale
+        assert scale is not None
+        if self.cfg.kind == "static":
+            if self._inv_cache is None or self._inv_cache[0] is not scale:
+                self._inv_cache = (scale, scale.double().reciprocal().float())
+            return self._inv_cache[1]
+        if scale.device.type == "mps":  # no float64 on MPS (torch.amp does the same)
+            return scale.reciprocal()
+        return scale.double().reciprocal().float()
+
+    def update(self, found_inf: Tensor, *, decide: bool = True) -> None:
+        """Record one step and (``decide``) apply the dynamic-scaling rule. No host sync, except the periodic check."""
+        scale = self.scale
+        if scale is None:
+            scale = self.ensure(found_inf.device, bind=False)
+        if found_inf.device != scale.device:
+            found_inf = found_inf.to(scale.device, non_blocking=True)
+        if found_inf.dtype != torch.float32:
+            found_inf = found_inf.float()
+        if found_inf.dim():
+            found_inf = found_inf.reshape(())
+        if decide and self.cfg.kind == "dynamic":
+            self._decide(found_inf)
+        # one kernel: (scale after the update, found_inf) into a preallocated row view of the ring
+        torch.stack([scale, found_inf], out=self._rows[self.steps % self.ring_len])
+        self.steps += 1
+        interval = self.cfg.check_interval if self.cfg.checks else self.ring_len
+        if self.steps - self.folded >= interval:
+            self.fold()
+            if self.cfg.checks:
+                self._periodic_check()
+
+    def _decide(self, found_inf: Tensor) -> None:
+        """The dynamic rule (see DynamicScaler's docstring) with torch's fused update kernel at its core.
+
+        ``torch._amp_update_scale_`` does backoff, growth on the growth_interval-th clean step and
+        "no non-finite growth" in one kernel (products in float64, as torch does). Floor and ceiling
+        are one clamp; hysteresis undoes the backoff while allowance is left.
+        """
+        cfg = self.cfg
+        scale, tracker, left = self.scale, self.growth_tracker, self.hysteresis_left
+        assert scale is not None and tracker is not None and left is not None
+        before = scale.clone() if cfg.hysteresis > 1 else None
+        torch._amp_update_scale_(scale, tracker, found_inf, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval)
+        if cfg.min_scale is not None or cfg.max_scale is not None:
+            scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
+        if before is not None:
+            overflow = found_inf > 0
+            spend = overflow & (left > 0)
+            scale.copy_(torch.where(spend, before, scale))
+            # refill on growth (the tracker was reset by a clean step) or, optionally, on every clean step
+            refill = ~overflow if cfg.refill == "clean" else (~overflow) & (tracker == 0)
+            left.copy_(torch.where(refill, cfg.hysteresis - 1, left - spend.to(torch.int32)))
+
+    # ----- statistics ------------------------------------------------------------------------------
+    def _positions(self, n: int) -> Tensor:
+        assert self.device is not None  # materialised
+        key = (n, self.device)
+        pos = self._pos_cache.get(key)
+        if pos is None:
+            pos = self._pos_cache[key] = torch.arange(n, dtype=torch.float64, device=self.device)
+        return pos
+
+    def fold(self) -> Tensor | None:
+        """Fold ring entries [folded, steps) into the counters; returns the window's overflow count (device)."""
+        n = self.steps - self.folded
+        if n == 0 or self.ring is None or self.counters is None:
+            return None
+        start = self.folded % self.ring_len
+        if start + n <= self.ring_len:
+            window = self.ring[start:start + n]
+        else:
+            window = torch.cat([self.ring[start:], self.ring[: start + n - self.ring_len]])
+        c = self.counters
+        scales, flags = window[:, 0], window[:, 1] > 0
+        pos = self._positions(n)
+        base = float(self.folded)
+        overflows = flags.sum(dtype=torch.float64)
+
+        def trailing_run(x: Tensor, carry: Tensor) -> Tensor:
+            last_false = torch.where(x, -1.0, pos).max()
+            return torch.where(last_false < 0, carry + n, (n - 1) - last_false)
+
+        last_true = torch.where(flags, pos, -1.0).max()
+        last_false = torch.where(flags, -1.0, pos).max()
+        before = torch.cat([c[_PREV_SCALE:].float(), scales[:-1]])
+        floor = self.cfg.min_scale if self.cfg.min_scale is not None else 0.0
+        at_floor = flags & (before <= floor)
+        new = torch.stack([
+            c[_SKIPPED] + overflows,
+            trailing_run(flags, c[_CONSEC]),
+            torch.where(last_true >= 0, base + last_true, c[_LAST_OVF]),
+            torch.where(last_false >= 0, base + last_false, c[_LAST_CLEAN]),
+            trailing_run(at_floor, c[_FLOOR]),
+            scales[-1].double(),
+        ])
+        c.copy_(new)
+        self.folded = self.steps
+        return overflows
+
+    def snapshot(self) -> Tensor:
+        """[skipped, consecutive, last_overflow, last_clean, floor_streak, prev_scale, scale] on the device."""
+        assert self.counters is not None and self.scale is not None
+        return torch.cat([self.counters, self.scale.double().reshape(1)])
+
+    def _periodic_check(self) -> None:
+        """Every check_interval steps: read the counters and act (escalate, log).
+
+        Host read: on CPU it is immediate; on CUDA the snapshot is copied asynchronously into
+        pinned memory and read at the next check (after its event completed), so no sync.
+        """
+        snap = self.snapshot()
+        if snap.device.type != "cuda":
+            self._act(snap.tolist(), self.steps)
+            return
+        if self._snapshot is not None:
+            host, event, at = self._snapshot
+            if event.query():
+                self._act(host.tolist(), at)
+                self._snapshot = None
+        if self._snapshot is None:
+            host = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
+            host.copy_(snap, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._snapshot = (host, event, self.steps)
+
+    def _act(self, values: list[float], at_step: int) -> None:
+        skipped, consec, _last_ovf, last_clean, floor_streak, _prev, scale = values
+        cfg = self.cfg
+        if cfg.log_overflow:
+            window_skips = skipped - self._logged_skipped
+            now = time.monotonic()
+            if window_skips > 0 and now - self._last_log >= cfg.log_interval_s:
+                logger.info(
+                    "Gradient overflow. Skipping step: %d step(s) with inf/NaN gradients skipped since the last report "
+                    "(up to step %d); loss scale now %g.", int(window_skips), at_step - 1, scale)
+                self._last_log = now
+                self._logged_skipped = skipped
+        if floor_streak < cfg.patience:
+            if floor_streak == 0:
+                self._reported = False
+            return
+        if self._reported or cfg.on_failure == "ignore":
+            return
+        self._reported = True
+        last = "none" if last_clean < 0 else f"step {int(last_clean)}"
+        msg = (
+            f"loss scaling has failed: the loss scale is at its floor (min_scale={cfg.min_scale:g}, scale {scale:g}) "
+            f"and the last {int(floor_streak)} steps there all had inf/NaN gradients ({int(consec)} consecutive skipped "
+            f"steps, {int(skipped)} skipped of {at_step}); the last step with finite gradients was {last}. "
+            "Skipping more steps would only hide it. Try bf16 (e.g. MixedPrecision('bf16-mixed')) where the hardware "
+            "supports it, FP32 islands for the layers that overflow (Policy 'i=...'), or run `mixprec doctor` to find "
+            "the first module that produces inf/NaN."
+        )
+        if cfg.on_failure == "raise":
+            raise NumericsError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        logger.warning(msg)
+
+    def statistics(self, *, check: bool = True) -> dict[str, Any]:
+        """Fold, read everything back (host sync) and, when escalation is on, act on it."""
+        if not self.materialised:  # nothing ran yet (or only a state was loaded): no tensors needed
+            st = {**self.state()}
+            st["growth_tracker"] = st["_growth_tracker"]
+            keys = ("scale", "steps", "skipped_steps", "consecutive_skips", "last_overflow_step", "last_finite_step",
+                    "floor_streak", "growth_tracker", "hysteresis_left", "scale_history", "overflow_history")
+            return {k: st[k] for k in keys}
+        self.fold()
+        values = self.snapshot().tolist()
+        skipped, consec, last_ovf, last_clean, floor_streak, _prev, scale = values
+        n = min(self.steps, self.ring_len)
+        assert self.ring is not None and self.growth_tracker is not None and self.hysteresis_left is not None
+        idx = [(self.steps - n + i) % self.ring_len for i in range(n)]
+        hist = self.ring[idx].tolist() if n else []
+        stats: dict[str, Any] = {
+            "scale": scale,
+            "steps": self.steps,
+            "skipped_steps": int(skipped),
+            "consecutive_skips": int(consec),
+            "last_overflow_step": None if last_ovf < 0 else int(last_ovf),
+            "last_finite_step": None if last_clean < 0 else int(last_clean),
+            "floor_streak": int(floor_streak),
+            "growth_tracker": int(self.growth_tracker.item()),
+            "hysteresis_left": int(self.hysteresis_left.item()),
+            "scale_history": [h[0] for h in hist],
+            "overflow_history": [h[1] > 0 for h in hist],
+        }
+        if check and self.cfg.kind == "dynamic" and self.cfg.on_failure != "ignore":
+            self._act(values, self.steps)
+        return stats
+
+    # ----- state -----------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Every field as Python numbers (host sync when the tensors exist)."""
+        cfg = self.cfg
+        if not self.materialised and self.pending_state is not None:
+            keep = ("scale", "_growth_tracker", "hysteresis_left", "steps", "skipped_steps", "consecutive_skips",
+                    "last_overflow_step", "last_finite_step", "floor_streak", "scale_history", "overflow_history")
+            base: dict[str, Any] = {k: self.pending_state[k] for k in keep}
+        elif not self.materialised:
+            base = {
+                "scale": cfg.init_scale, "_growth_tracker": 0, "hysteresis_left": cfg.hysteresis - 1, "steps": 0,
+                "skipped_steps": 0, "consecutive_skips": 0, "last_overflow_step": None, "last_finite_step": None,
+                "floor_streak": 0, "scale_history": [], "overflow_history": [],
+            }
+        else:
+            s = self.statistics(check=False)
+            base = {"scale": s["scale"], "_growth_tracker": s["growth_tracker"], "hysteresis_left": s["hysteresis_left"],
+                    **{k: s[k] for k in ("steps", "skipped_steps", "consecutive_skips", "last_overflow_step",
+                                         "last_finite_step", "floor_streak", "scale_history", "overflow_history")}}
+        base.update(growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
+                    growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis, min_scale=cfg.min_scale,
+                    max_scale=cfg.max_scale, refill=cfg.refill)
+        return base
+
+    def load(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state` output (or the torch.amp.GradScaler subset); config keys override ours."""
+        cfg = self.cfg
+        keys = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale", "refill")
+        if cfg.kind == "dynamic" and any(k in sd for k in keys):
+            new = dataclasses.replace(cfg, **{k: sd[k] for k in keys if k in sd})
+            new.validate_rule("load_state_dict")
+            for k in keys:
+                setattr(cfg, k, getattr(new, k))
+        scale = float(sd["scale"]) if "scale" in sd else cfg.init_scale
+        if cfg.kind == "dynamic":
+            scale = cfg.clamp(scale)  # e.g. a torch.amp.GradScaler checkpoint above our ceiling
+        cfg.init_scale = scale
+        # what a torch.amp.GradScaler dict lacks starts fresh: full hysteresis allowance, statistics from zero
+        fresh: dict[str, Any] = {
+            "scale": scale, "_growth_tracker": 0, "hysteresis_left": cfg.hysteresis - 1, "steps": 0,
+            "skipped_steps": 0, "consecutive_skips": 0, "last_overflow_step": None, "last_finite_step": None,
+            "floor_streak": 0, "scale_history": [], "overflow_history": [],
+        }
+        sd = {**fresh, **{k: sd[k] for k in fresh if k in sd}, "scale": scale}
+        if not self.materialised:
+            self.pending_state = sd
+            return
+        assert self.scale is not None and self.growth_tracker is not None and self.hysteresis_left is not None
+        assert self.ring is not None and self.counters is not None
+        self.scale.fill_(scale)
+        self.growth_tracker.fill_(int(sd["_growth_tracker"]))
+        self.hysteresis_left.fill_(int(sd["hysteresis_left"]))
+        self.steps = self.folded = int(sd["steps"])
+        hist = list(sd["scale_history"])[-self.ring_len:]
+        flags = list(sd["overflow_history"])[-self.ring_len:]
+        self.ring.zero_()
+        if hist and len(flags) == len(hist) and len(hist) <= self.steps:
+            rows = torch.tensor([[s, float(bool(f))] for s, f in zip(hist, flags)], dtype=torch.float32)
+            idx = torch.tensor([(self.steps - len(hist) + i) % self.ring_len for i in range(len(hist))])
+            self.ring[idx.to(self.ring.device)] = rows.to(self.ring.device)
+        def opt(v: Any) -> float:
+            return -1.0 if v is None else float(v)
+        self.counters.copy_(torch.tensor([
+            float(sd["skipped_steps"]), float(sd["consecutive_skips"]), opt(sd["last_overflow_step"]),
+            opt(sd["last_finite_step"]), float(sd["floor_streak"]), scale], dtype=torch.float64))
+        self._snapshot = None
+        self._reported = False
+        self._inv_cache = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = self.__dict__.copy()
+        d["pending_state"] = self.state()
+        for name in ("scale", "growth_tracker", "hysteresis_left", "ring", "counters"):
+            d[name] = None
+        d["steps"] = d["folded"] = 0
+        d["_pos_cache"], d["_snapshot"], d["_inv_cache"], d["_rows"] = {}, None, None, ()
+        d["_last_log"] = -math.inf
+        # the unpickled copy re-creates its tensors lazily on its first use (like torch.amp.GradScaler)
+        d["bound"] = self.explicit_device is not None
+        d["device"] = self.explicit_device
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        if self.pending_state is not None:
+            self.steps = self.folded = int(self.pending_state.get("steps", 0))
+
+
+def _check_state_dict(sd: Any, owner: str, kind: str) -> Mapping[str, Any]:
+    """Raise ScalerStateError naming the likely cause for an empty, foreign or newer state dict."""
+    if not isinstance(sd, Mapping):
+        raise ScalerStateError(f"{owner}.load_state_dict needs a dict from {owner}.state_dict(), got {type(sd).__name__}.")
+    if len(sd) == 0:
+        raise ScalerStateError(
+            f"{owner}.load_state_dict got an empty dict: it was probably saved from a disabled scaler "
+            "(torch.amp.GradScaler/mixprec.GradScaler with enabled=False save {}), or the checkpoint has no scaler state.")
+    version = sd.get("version")
+    if version is not None and (not isinstance(version, int) or version > STATE_VERSION):
+        raise ScalerStateError(f"{owner}: state dict version {version!r} is newer than this mixprec understands "
+                               f"({STATE_VERSION}); upgrade mixprec.")
+    got_kind = sd.get("kind")
+    if got_kind is not None and got_kind != kind:
+        names = {"noop": "NoOpScaler", "static": "StaticScaler", "dynamic": "DynamicScaler or GradScaler"}
+        raise ScalerStateError(f"{owner}: this state dict is from a {names.get(got_kind, repr(got_kind))} "
+                               f"(kind={got_kind!r}), not a {kind!r} scaler; build the matching scaler to load it.")
+    if got_kind is None and kind == "dynamic":
+        missing = [k for k in _TORCH_KEYS if k not in sd]
+        if missing:
+            keys = ", ".join(map(repr, list(sd)[:8]))
+            raise ScalerStateError(
+                f"{owner}: not a loss-scaler state dict (missing {', '.join(map(repr, missing))}; got keys {keys}). "
+                "Pass the scaler's entry of a checkpoint (e.g. ckpt['scaler']), not the whole checkpoint.")
+    elif got_kind is None:
+        keys = ", ".join(map(repr, list(sd)[:8]))
+        raise ScalerStateError(f"{owner}: not a {owner} state dict (no 'kind'/'version'; got keys {keys}). "
+                               "Pass what this scaler's state_dict() returned.")
+    return sd
+
+
+# --------------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------------
+@runtime_checkable
+class LossScaler(Protocol):
+    """What :class:`mixprec.MixedPrecision` needs from a loss scaler.
+
+    Implementations: :class:`NoOpScaler`, :class:`StaticScaler`, :class:`DynamicScaler`.
+    (``mixprec.GradScaler`` follows ``torch.amp.GradScaler``'s optimizer-based API instead.)
+    """
+
+    def scale(self, outputs: T) -> T:
+        """Multiply the floating tensors in ``outputs`` (nested lists/tuples/dicts) by the scale."""
+        ...
+
+    def unscale_(self, grads_or_params: Iterable[Tensor]) -> Tensor:
+        """Divide gradients in place by the scale; return ``found_inf`` (0-d float32, agreed across ranks)."""
+        ...
+
+    def update(self, found_inf: Tensor) -> None:
+        """Adapt the scale to this step's ``found_inf`` on the device."""
+        ...
+
+    @property
+    def loss_scale(self) -> Tensor:
+        """The current scale, 0-d float32 on the device."""
+        ...
+
+    def statistics(self) -> dict[str, Any]:
+        """Steps, skipped steps, consecutive skips, last overflow step, scale history (host sync)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume, with a ``version``."""
+        ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        ...
+
+
+def _scale_tree(obj: Any, scale_for: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj * scale_for(obj.device) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_scale_tree(v, scale_for) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_scale_tree(v, scale_for) for v in obj)
+    if isinstance(obj, Mapping):
+        try:
+            return type(obj)({k: _scale_tree(v, scale_for) for k, v in obj.items()})  # type: ignore[call-arg]
+        except TypeError:
+            return {k: _scale_tree(v, scale_for) for k, v in obj.items()}
+    return obj
+
+
+def _collect_grads(grads_or_params: Iterable[Tensor | None]) -> list[Tensor]:
+    """Parameters (and leaf tensors that require grad) -> their ``.grad``; other tensors are gradients."""
+    if isinstance(grads_or_params, Tensor):
+        grads_or_params = [grads_or_params]
+    parameter = torch.nn.Parameter
+    out: list[Tensor] = []
+    for t in grads_or_params:
+        if t is None:
+            continue
+        # ``type(t) is Parameter`` first: isinstance on Parameter goes through a metaclass hook (slow)
+        if type(t) is parameter or isinstance(t, parameter) or (t.requires_grad and t.is_leaf):
+            g = t.grad
+            if g is None:
+                continue
+            if g.is_sparse and g.dtype == torch.float16:
+                # duplicate indices of a scaled FP16 sparse gradient can overflow when summed: check the sum
+                g = t.grad = g.coalesce()
+            out.append(g)
+        else:
+            out.append(t)
+    return out
+
+
+class _ScalerBase:
+    """Shared implementation of the LossScaler protocol on top of :class:`_Core`."""
+
+    _kind: Literal["noop", "static", "dynamic"]
+    _owner = "Scaler"
+
+    def __init__(self, config: _Config, *, device: torch.device | str | None, process_group: Any) -> None:
+        config.validate(type(self).__name__)
+        self._core = _Core(config, device)
+        self.process_group = process_group
+
+    # ----- per step --------------------------------------------------------------------------------
+    def scale(self, outputs: T) -> T:
+        """Multiply every floating tensor in ``outputs`` by the current scale.
+
+        Tensors may be nested in lists, tuples, namedtuples and dicts (containers are rebuilt);
+        non-floating tensors and other objects are returned as they are. The first call creates
+        the scaler's state on the first tensor's device (unless a device was given). No host sync.
+
+        Args:
+            outputs: A loss tensor or nested outputs.
+
+        Returns:
+            ``outputs`` with floating tensors multiplied by the scale.
+        """
+        core = self._core
+        if isinstance(outputs, Tensor):
+            if not outputs.is_floating_point():
+                return outputs
+            scale = core.ensure(outputs.device)
+            return outputs * (scale if scale.device == outputs.device else scale.to(outputs.device, non_blocking=True))  # type: ignore[return-value]
+        per_device: dict[torch.device, Tensor] = {}
+
+        def scale_for(device: torch.device) -> Tensor:
+            s = per_device.get(device)
+            if s is None:
+                base = core.ensure(device)
+                s = per_device[device] = base if base.device == device else base.to(device, non_blocking=True)
+            return s
+
+        return _scale_tree(outputs, scale_for)  # type: ignore[no-any-return]
+
+    def unscale_(self, grads_or_params: Iterable[Tensor]) -> Tensor:
+        """Divide gradients in place by the scale and check them for inf/NaN.
+
+        Parameters are replaced by their ``.grad`` (``None`` skipped; FP16 sparse gradients are
+        coalesced first); other tensors are taken as gradients. One fused
+        ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group, with
+        ``1/scale`` computed in float64. When ``torch.distributed`` is initialised the flag is
+        all-reduced (MAX) over ``process_group``, so every rank skips the same steps (a
+        collective: every rank must call it). No host sync.
+
+        Args:
+            grads_or_params: Gradients, or parameters whose ``.grad`` to unscale.
+
+        Returns:
+            ``found_inf``: 0-d float32 on the gradients' device, 1.0 when any gradient is inf/NaN.
+        """
+        grads = _collect_grads(grads_or_params)
+        core = self._core
+        core.ensure(grads[0].device if grads else None)
+        inv = None if self._kind == "noop" else core.inv_scale()
+        found_inf = unscale_and_check_(grads, inv)
+        return agree_found_inf_(found_inf, self.process_group)
+
+    def update(self, found_inf: Tensor) -> None:
+        """Record this step's ``found_inf`` (and, for :class:`DynamicScaler`, adapt the scale). No host sync.
+
+        Call it once per iteration, after every optimizer stepped, with the (combined) flag.
+        """
+        if not isinstance(found_inf, Tensor):
+            raise TypeError(f"update(found_inf) needs the 0-d tensor unscale_() returned, got {type(found_inf).__name__}.")
+        self._core.update(found_inf)
+
+    @property
+    def loss_scale(self) -> Tensor:
+        """The current scale: the live 0-d float32 tensor on the device (clone it to keep a value). No host sync."""
+        return self._core.ensure(None, bind=False)
+
+    # ----- host side -------------------------------------------------------------------------------
+    def statistics(self) -> dict[str, Any]:
+        """Return the scaler's statistics as Python values. Host sync (one read of a few values).
+
+        Keys: ``scale``, ``steps`` (update calls), ``skipped_steps``, ``consecutive_skips``,
+        ``last_overflow_step`` / ``last_finite_step`` (0-based step index or ``None``),
+        ``floor_streak`` (consecutive overflows at ``min_scale``), ``growth_tracker``,
+        ``hysteresis_left``, ``scale_history`` and ``overflow_history`` (the last ``history``
+        steps, oldest first). For a :class:`DynamicScaler` with escalation on, reading the
+        statistics also checks for failed scaling (and may raise :class:`mixprec.NumericsError`).
+        """
+        return self._core.statistics()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the scaler's state as Python values (host sync). Keys are documented on each class."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _stats_state(self) -> dict[str, Any]:
+        st = self._core.state()
+        keys = ("steps", "skipped_steps", "consecutive_skips", "last_overflow_step", "last_finite_step",
+                "scale_history", "overflow_history")
+        return {k: st[k] for k in keys}
+
+    def __repr__(self) -> str:
+        core = self._core
+        where = core.device if core.device is not None else "lazy"
+        return f"{type(self).__name__}({self._describe()}, device={where}, steps={core.steps})"
+
+    def _describe(self) -> str:
+        return ""
+
+
+class NoOpScaler(_ScalerBase):
+    """No loss scaling: ``scale`` returns the same objects; ``unscale_`` still checks for inf/NaN.
+
+    Use it for FP32 and BF16 policies: the step is still skipped when a gradient is inf/NaN.
+    ``loss_scale`` is 1.0.
+
+    ``state_dict`` keys: ``version``, ``kind`` (``"noop"``), and the statistics ``steps``,
+    ``skipped_steps``, ``consecutive_skips``, ``last_overflow_step``, ``last_finite_step``,
+    ``scale_history``, ``overflow_history``.
+
+    Example:
+        >>> import torch
+        >>> s = NoOpScaler()
+        >>> loss = torch.tensor(2.0)
+        >>> s.scale(loss) is loss
+        True
+    """
+
+    _kind = "noop"
+
+    def __init__(self, *, device: torch.device | str | None = None, process_group: Any = None,
+                 history: int = DEFAULT_HISTORY) -> None:
+        super().__init__(_Config(kind="noop", init_scale=1.0, history=history), device=device,
+                         process_group=process_group)
+
+    def scale(self, outputs: T) -> T:
+        """Return ``outputs`` itself (identity)."""
+        return outputs
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "kind": "noop", statistics...}`` (host sync)."""
+        return {"version": STATE_VERSION, "kind": "noop", **self._stats_state()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output. Raises ScalerStateError (a ValueError) for empty/foreign dicts."""
+        sd = _check_state_dict(state_dict, "NoOpScaler", "noop")
+        self._core.load({**sd, "scale": 1.0})
+
+
+class StaticScaler(_ScalerBase):
+    """A fixed loss scale: multiply the loss by ``scale``, divide gradients by it, skip inf/NaN steps.
+
+    Args:
+        scale: The loss scale (> 0, finite). Powers of two keep the unscale exact.
+        device: Where the state lives (default: the first scaled tensor's device).
+        process_group: Group for the found_inf agreement (default: world when distributed).
+
+    ``state_dict`` keys: ``version``, ``kind`` (``"static"``), ``scale``, and the statistics of
+    :class:`NoOpScaler`.
+
+    Example:
+        >>> import torch
+        >>> s = StaticScaler(128.0)
+        >>> s.scale(torch.tensor(0.5)).item()
+        64.0
+    """
+
+    _kind = "static"
+
+    def __init__(self, scale: float = 1.0, *, device: torch.device | str | None = None, process_group: Any = None,
+                 history: int = DEFAULT_HISTORY) -> None:
+        super().__init__(_Config(kind="static", init_scale=scale, history=history), device=device,
+                         process_group=process_group)
+
+    def _describe(self) -> str:
+        return f"scale={self._core.cfg.init_scale:g}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "kind": "static", "scale", statistics...}`` (host sync)."""
+        return {"version": STATE_VERSION, "kind": "static", "scale": self._core.cfg.init_scale, **self._stats_state()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (the saved scale replaces ours). Raises ScalerStateError for empty/foreign dicts."""
+        sd = _check_state_dict(state_dict, "StaticScaler", "static")
+        scale = _check_number("StaticScaler.load_state_dict: scale", sd.get("scale", self._core.cfg.init_scale),
+                              low=0.0, low_open=True)
+        self._core.load({**sd, "scale": scale})
+
+
+class DynamicScaler(_ScalerBase):
+    """Dynamic loss scaling with hysteresis, floor, ceiling and escalation, decided on the device.
+
+    The rule, applied by :meth:`update` to each step's ``found_inf``::
+
+        overflow:  growth_tracker = 0
+                   if hysteresis_left > 0: hysteresis_left -= 1            # tolerated: scale kept
+                   else:                   scale = max(scale * backoff_factor, min_scale)
+        clean:     growth_tracker += 1
+                   if growth_tracker == growth_interval:                   # the interval-th clean step
+                       growth_tracker = 0; hysteresis_left = hysteresis - 1 (refill="growth")
+                       if isfinite(scale * growth_factor): scale = min(scale * growth_factor, max_scale)
+                   if refill == "clean": hysteresis_left = hysteresis - 1
+
+    ``hysteresis=1`` (default) backs off at every overflow, exactly as ``torch.amp.GradScaler``
+    (same fused kernel, products in float64); ``hysteresis=N`` spends N-1 overflows first and
+    refills on growth (DeepSpeed's and Megatron-LM's default) or after every clean step
+    (``refill="clean"``, DeepSpeed's ``consecutive_hysteresis``).
+
+    Escalation: when the scale sits at ``min_scale`` and ``patience`` consecutive steps still
+    overflow, scaling has failed; ``on_failure`` raises :class:`mixprec.NumericsError` (default),
+    warns, or ignores it. Host syncs: a snapshot of the counters is read every
+    ``check_interval`` steps (asynchronously on CUDA, one interval late) and whenever
+    :meth:`statistics` is called; nothing else in the step reads the device.
+
+    Args:
+        init_scale: Initial scale (2**16, as torch).
+        growth_factor: Multiplier on growth (> 1).
+        backoff_factor: Multiplier on overflow (in (0, 1)).
+        growth_interval: Consecutive clean steps before growth (>= 1).
+        hysteresis: Overflows tolerated before backing off, plus one (>= 1).
+        min_scale: Floor (default 1.0; ``None`` for none). See the module notes for the defaults.
+        max_scale: Ceiling (default 2**24; ``None`` for none).
+        refill: ``"growth"`` or ``"clean"``: when the hysteresis allowance refills.
+        on_failure: ``"raise"``, ``"warn"`` or ``"ignore"`` persistent overflow at the floor
+            (default: ``"raise"`` with a floor, ``"ignore"`` without one).
+        patience: Consecutive overflowing steps at the floor that count as failure (default 20).
+        check_interval: Steps between escalation/log checks (default 50).
+        log_overflow: Log overflows on the ``mixprec.scaler`` logger (INFO), at most one line per
+            check and per ``log_interval_s`` seconds.
+        log_interval_s: Minimum seconds between two overflow log lines.
+        history: Length of the scale history kept on the device (ring buffer).
+        device: Where the state lives (default: the device of the first scaled tensor).
+        process_group: Group for the found_inf agreement (default: world when distributed).
+
+    ``state_dict`` keys (Python values; a superset of ``torch.amp.GradScaler``'s): ``version``,
+    ``kind`` (``"dynamic"``), ``scale``, ``growth_factor``, ``backoff_factor``,
+    ``growth_interval``, ``_growth_tracker``, ``hysteresis``, ``hysteresis_left``, ``min_scale``,
+    ``max_scale``, ``refill``, ``steps``, ``skipped_steps``, ``consecutive_skips``,
+    ``last_overflow_step``, ``last_finite_step``, ``floor_streak``, ``scale_history``,
+    ``overflow_history``. A ``torch.amp.GradScaler`` state dict loads too (hysteresis, floor and
+    ceiling keep their configured values; the allowance is full and the statistics start from
+    zero), and this one loads into ``torch.amp.GradScaler``, which ignores the extra keys.
+
+    Example:
+        >>> import torch
+        >>> s = DynamicScaler(init_scale=400.0, backoff_factor=0.5, min_scale=None)
+        >>> for _ in range(4):
+        ...     s.update(torch.tensor(1.0))
+        >>> s.loss_scale.item()
+        25.0
+    """
+
+    _kind = "dynamic"
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = DEFAULT_MIN_SCALE,
+        max_scale: float | None = DEFAULT_MAX_SCALE,
+        *,
+        refill: Refill = "growth",
+        on_failure: OnFailure | None = None,
+        patience: int = DEFAULT_PATIENCE,
+        check_interval: int = DEFAULT_CHECK_INTERVAL,
+        log_overflow: bool = True,
+        log_interval_s: float = 5.0,
+        history: int = DEFAULT_HISTORY,
+        device: torch.device | str | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if on_failure is None:
+            on_failure = "raise" if min_scale is not None else "ignore"  # no floor: nothing to escalate
+        cfg = _Config(kind="dynamic", init_scale=init_scale, growth_factor=growth_factor,
+                      backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis,
+                      min_scale=min_scale, max_scale=max_scale, refill=refill, on_failure=on_failure,
+                      patience=patience, check_interval=check_interval, log_overflow=log_overflow,
+                      log_interval_s=log_interval_s, history=history)
+        super().__init__(cfg, device=device, process_group=process_group)
+
+    def _describe(self) -> str:
+        c = self._core.cfg
+        return (f"init_scale={c.init_scale:g}, growth_interval={c.growth_interval}, hysteresis={c.hysteresis}, "
+                f"min_scale={c.min_scale}, max_scale={c.max_scale}")
+
+    @property
+    def growth_tracker(self) -> Tensor:
+        """Consecutive clean steps since the last growth or overflow (0-d int32 on the device)."""
+        self._core.ensure(None, bind=False)
+        assert self._core.growth_tracker is not None
+        return self._core.growth_tracker
+
+    @property
+    def hysteresis_left(self) -> Tensor:
+        """Overflows still tolerated before the next backoff (0-d int32 on the device)."""
+        self._core.ensure(None, bind=False)
+        assert self._core.hysteresis_left is not None
+        return self._core.hysteresis_left
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state (keys in the class docstring) as Python values. Host sync."""
+        return {"version": STATE_VERSION, "kind": "dynamic", **self._core.state()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output or a ``torch.amp.GradScaler`` state dict.
+
+        Raises:
+            ScalerStateError (a ValueError): empty dict (a disabled scaler saves ``{}``), a foreign
+                dict (another scaler kind, a whole checkpoint), or a newer version.
+        """
+        sd = _check_state_dict(state_dict, "DynamicScaler", "dynamic")
+        self._core.load(sd)
+
+
+# --------------------------------------------------------------------------------------------------
+# stepping
+# --------------------------------------------------------------------------------------------------
+def _step(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+    """step_optimizer's body, also returning what ``optimizer.step`` returned (None when skipped)."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        sentinel = object()
+        old = (getattr(optimizer, "grad_scale", sentinel), getattr(optimizer, "found_inf", sentinel))
+        optimizer.grad_scale = grad_scale
+        optimizer.found_inf = found_inf
+        try:
+            ret = optimizer.step(*args, **kwargs)
+        finally:
+            for name, value in zip(("grad_scale", "found_inf"), old):
+                if value is sentinel:
+                    try:
+                        delattr(optimizer, name)
+                    except AttributeError:
+                        pass
+                else:
+                    setattr(optimizer, name, value)
+        return found_inf > 0, ret
+    if grad_scale is not None:
+        # the optimizer cannot unscale: do it here, fused, and fold its flag in
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        found_inf = unscale_and_check_(grads, grad_scale.double().reciprocal().float(), found_inf.clone())
+    skipped = found_inf > 0
+    # Host sync: this optimizer cannot skip on the device, so the host decides whether to call it.
+    if bool(skipped.item()):
+        return skipped, None
+    return skipped, optimizer.step(*args, **kwargs)
+
+
+def step_optimizer(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None = None, *args: Any,
+                   **kwargs: Any) -> Tensor:
+    """Run ``optimizer.step(*args, **kwargs)`` unless ``found_inf`` says to skip; return ``skipped``.
+
+    * Optimizers with ``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam/AdamW/SGD,
+      ``mixprec.optim``, ``MasterWeightOptimizer``): ``optimizer.grad_scale`` and
+      ``optimizer.found_inf`` are set as ``torch.amp.GradScaler`` does, ``step`` is called and
+      skips on the device, and the attributes are removed again. No host sync.
+    * Any other optimizer: exactly one host sync (reading ``found_inf``) decides whether to call
+      ``step``. A ``grad_scale`` is then applied first by a fused unscale of its gradients.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer`` (or anything with ``step`` and ``param_groups``).
+        found_inf: 0-d float32 flag from ``unscale_`` (non-zero: skip).
+        grad_scale: Scale the gradients still carry (``None``: already unscaled).
+        *args, **kwargs: Passed to ``optimizer.step``.
+
+    Returns:
+        ``skipped``: 0-d bool tensor on ``found_inf``'s device.
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2)
+        >>> opt = torch.optim.SGD([p], lr=0.5, fused=True)
+        >>> bool(step_optimizer(opt, torch.tensor(1.0))), p.tolist()
+        (True, [1.0, 1.0])
+    """
+    return _step(optimizer, found_inf, grad_scale, args, kwargs)[0]

@@ -1,0 +1,627 @@
+"""NoOpScaler, StaticScaler, DynamicScaler and step_optimizer: exact scale paths, statistics, escalation, state."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+import math
+import pickle
+import random
+import re
+import struct
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec._errors import NumericsError
+from mixprec._scaler import (
+    DynamicScaler,
+    LossScaler,
+    NoOpScaler,
+    ScalerStateError,
+    StaticScaler,
+    step_optimizer,
+)
+
+INF = torch.tensor(1.0)
+CLEAN = torch.tensor(0.0)
+
+
+def f32(x: float) -> float:
+    """Round to float32 like a tensor store does (inf on overflow)."""
+    if math.isinf(x) or math.isnan(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+class Reference:
+    """The documented rule, in plain Python (float64 products rounded to float32, as torch's kernel)."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 hysteresis=1, min_scale=None, max_scale=None, refill="growth"):
+        self.scale, self.gf, self.bf, self.gi = f32(init_scale), growth_factor, backoff_factor, growth_interval
+        self.h, self.lo, self.hi, self.refill = hysteresis, min_scale, max_scale, refill
+        self.tracker, self.left = 0, hysteresis - 1
+
+    def clamp(self, s):
+        if self.lo is not None:
+            s = max(s, f32(self.lo))
+        if self.hi is not None:
+            s = min(s, f32(self.hi))
+        return s
+
+    def update(self, overflow: bool) -> float:
+        if overflow:
+            self.tracker = 0
+            if self.left > 0:
+                self.left -= 1
+            else:
+                self.scale = self.clamp(f32(self.scale * self.bf))
+        else:
+            self.tracker += 1
+            if self.tracker == self.gi:
+                self.tracker = 0
+                grown = f32(self.scale * self.gf)
+                if math.isfinite(grown):
+                    self.scale = self.clamp(grown)
+                if self.refill == "growth":
+                    self.left = self.h - 1
+            if self.refill == "clean":
+                self.left = self.h - 1
+        return self.scale
+
+
+def run(scaler, pattern):
+    out = []
+    for bad in pattern:
+        scaler.update(INF if bad else CLEAN)
+        out.append(scaler.loss_scale.item())
+    return out
+
+
+# ----- exact scale paths ------------------------------------------------------------------------------
+def test_jmp_keras_backoff_scenario():
+    s = DynamicScaler(init_scale=400.0, min_scale=None)
+    assert run(s, [1, 1, 1, 1]) == [200.0, 100.0, 50.0, 25.0]
+
+
+def test_jmp_keras_growth_scenario():
+    s = DynamicScaler(init_scale=2.0, growth_interval=2)
+    assert run(s, [0] * 8) == [2.0, 4.0, 4.0, 8.0, 8.0, 16.0, 16.0, 32.0]
+
+
+def test_deepspeed_hysteresis_scenario():
+    s = DynamicScaler(init_scale=2.0**8, hysteresis=3)
+    assert run(s, [1, 1, 1, 1]) == [2.0**8, 2.0**8, 2.0**7, 2.0**6]
+
+
+def test_hysteresis_refills_on_growth_by_default():
+    s = DynamicScaler(init_scale=2.0**8, hysteresis=2, growth_interval=3)
+    # overflow spends the allowance; 3 clean steps grow and refill; the next overflow is tolerated again
+    assert run(s, [1, 0, 0, 0, 1, 1]) == [256.0, 256.0, 256.0, 512.0, 512.0, 256.0]
+    s = DynamicScaler(init_scale=2.0**8, hysteresis=2, growth_interval=3)
+    # without growth in between there is no refill: the second overflow backs off
+    assert run(s, [1, 0, 1]) == [256.0, 256.0, 128.0]
+
+
+def test_hysteresis_refill_on_every_clean_step():
+    s = DynamicScaler(init_scale=2.0**8, hysteresis=2, growth_interval=100, refill="clean")
+    assert run(s, [1, 0, 1, 0, 1, 1]) == [256.0] * 5 + [128.0]
+
+
+def test_floor_clamp():
+    s = DynamicScaler(init_scale=4.0, min_scale=1.0, on_failure="ignore")
+    assert run(s, [1] * 5) == [2.0, 1.0, 1.0, 1.0, 1.0]
+    s = DynamicScaler(init_scale=3.0, min_scale=1.0, backoff_factor=0.25, on_failure="ignore")
+    assert run(s, [1, 1]) == [1.0, 1.0]  # 0.75 clamps to the floor
+
+
+def test_ceiling_clamp():
+    s = DynamicScaler(init_scale=2.0**23, growth_interval=1)
+    assert run(s, [0, 0, 0]) == [2.0**24] * 3
+    s = DynamicScaler(init_scale=3.0, growth_interval=1, max_scale=10.0)
+    assert run(s, [0, 0, 1]) == [6.0, 10.0, 5.0]
+
+
+def test_non_finite_growth_does_not_happen():
+    s = DynamicScaler(init_scale=2.0**127, growth_interval=1, max_scale=None)
+    assert run(s, [0, 0, 1]) == [2.0**127, 2.0**127, 2.0**126]
+
+
+CONFIGS = [
+    {},
+    {"growth_interval": 3},
+    {"growth_interval": 2, "hysteresis": 2},
+    {"growth_interval": 4, "hysteresis": 3, "refill": "clean"},
+    {"init_scale": 8.0, "growth_interval": 2, "min_scale": 1.0, "max_scale": 64.0},
+    {"init_scale": 2.0**10, "growth_interval": 5, "growth_factor": 1.7, "backoff_factor": 0.3, "min_scale": 0.01, "hysteresis": 2},
+    {"init_scale": 2.0**120, "growth_interval": 1, "growth_factor": 4.0, "max_scale": None, "min_scale": None},
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[str(i) for i in range(len(CONFIGS))])
+def test_exact_path_over_hundreds_of_steps(cfg, device):
+    rng = random.Random(CONFIGS.index(cfg))
+    for p_overflow in (0.05, 0.3, 0.7):
+        pattern = [rng.random() < p_overflow for _ in range(400)]
+        full = {"min_scale": None, "max_scale": None, "on_failure": "ignore"}
+        full.update(cfg)
+        ref = Reference(**{k: v for k, v in full.items() if k != "on_failure"})
+        s = DynamicScaler(**full, device=device)
+        assert run(s, pattern) == [ref.update(b) for b in pattern]
+        assert s.loss_scale.device.type == torch.device(device).type
+
+
+def test_same_path_as_torch_amp_update_scale():
+    rng = random.Random(1)
+    pattern = [rng.random() < 0.25 for _ in range(600)]
+    s = DynamicScaler(growth_interval=4, growth_factor=1.5, backoff_factor=0.3, min_scale=None, max_scale=None)
+    scale, tracker = torch.full((), 2.0**16), torch.zeros((), dtype=torch.int32)
+    ref = []
+    for bad in pattern:
+        torch._amp_update_scale_(scale, tracker, INF if bad else CLEAN, 1.5, 0.3, 4)
+        ref.append(scale.item())
+    assert run(s, pattern) == ref
+
+
+def test_found_inf_other_than_one_counts_as_overflow():
+    s = DynamicScaler(init_scale=8.0)
+    s.update(torch.tensor(2.0))  # a sum over devices, as torch.amp produces
+    assert s.loss_scale.item() == 4.0
+
+
+# ----- no host sync ----------------------------------------------------------------------------------
+class SyncCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_step_ops_do_not_read_the_device(hysteresis):
+    s = DynamicScaler(hysteresis=hysteresis, check_interval=1000, history=1000)
+    p = torch.nn.Parameter(torch.ones(4))
+    with SyncCounter() as c:
+        for i in range(20):
+            loss = s.scale((p * 2).sum())
+            loss.backward()
+            found = s.unscale_([p])
+            s.update(found)
+            p.grad = None
+    assert c.ops["_local_scalar_dense"] == 0
+    assert c.ops["_amp_update_scale_"] == 20
+    # the per-step bookkeeping is small: update() is at most a few kernels (+ the hysteresis fix-up)
+    per_step = (c.ops["_amp_update_scale_"] + c.ops["clamp_"] + c.ops["stack"]) / 20
+    assert per_step == 3
+
+
+# ----- statistics -------------------------------------------------------------------------------------
+def _reference_stats(pattern, scales, floor):
+    steps = len(pattern)
+    consec = 0
+    for b in reversed(pattern):
+        if not b:
+            break
+        consec += 1
+    floor_streak = 0
+    for i in range(steps - 1, -1, -1):
+        before = scales[i - 1] if i else None
+        if not (pattern[i] and before is not None and before <= floor):
+            break
+        floor_streak += 1
+    ovf = [i for i, b in enumerate(pattern) if b]
+    clean = [i for i, b in enumerate(pattern) if not b]
+    return {"steps": steps, "skipped_steps": len(ovf), "consecutive_skips": consec,
+                "last_overflow_step": ovf[-1] if ovf else None, "last_finite_step": clean[-1] if clean else None,
+                "floor_streak": floor_streak}
+
+
+@pytest.mark.parametrize("check_interval,history", [(7, 16), (10, 5), (3, 3)])
+def test_statistics_match_the_pattern_across_folds(check_interval, history):
+    rng = random.Random(check_interval)
+    s = DynamicScaler(init_scale=16.0, growth_interval=3, min_scale=1.0, on_failure="ignore",
+                      check_interval=check_interval, history=history)
+    pattern, scales = [], []
+    for n in (1, 2, 5, 13, 40, 41, 100):
+        while len(pattern) < n:
+            bad = rng.random() < 0.6
+            pattern.append(bad)
+            s.update(INF if bad else CLEAN)
+            scales.append(s.loss_scale.item())
+        st = s.statistics()
+        ref = _reference_stats(pattern, scales, 1.0)
+        for k, v in ref.items():
+            assert st[k] == v, (n, k)
+        ring = max(history, check_interval)
+        assert st["scale_history"] == scales[-ring:]
+        assert st["overflow_history"] == pattern[-ring:]
+        assert st["scale"] == scales[-1]
+
+
+def test_statistics_before_any_step():
+    st = DynamicScaler().statistics()
+    assert st["steps"] == 0 and st["skipped_steps"] == 0 and st["last_overflow_step"] is None
+    assert st["scale_history"] == [] and st["scale"] == 2.0**16 and st["hysteresis_left"] == 0
+
+
+def test_noop_and_static_keep_statistics_too():
+    for s in (NoOpScaler(), StaticScaler(8.0)):
+        run(s, [1, 0, 1, 1])
+        st = s.statistics()
+        assert (st["steps"], st["skipped_steps"], st["consecutive_skips"], st["last_finite_step"]) == (4, 3, 2, 1)
+        assert st["scale_history"] == [st["scale"]] * 4
+
+
+# ----- escalation -------------------------------------------------------------------------------------
+def test_persistent_overflow_at_the_floor_raises():
+    s = DynamicScaler(init_scale=4.0, min_scale=1.0, patience=5, check_interval=2)
+    run(s, [0, 0])
+    with pytest.raises(NumericsError) as e:
+        for i in range(40):
+            s.update(INF)
+    # floor reached after 2 overflows; 5 more at the floor; noticed at the next check (every 2 steps)
+    assert s.statistics()["steps"] - 2 <= 2 + 5 + 2
+    msg = str(e.value)
+    for part in ("loss scaling has failed", "min_scale=1", "the last 6 steps there all had inf/NaN gradients",
+                 "the last step with finite gradients was step 1", "bf16", "FP32 islands", "mixprec doctor"):
+        assert part in msg, part
+
+
+def test_transient_overflow_does_not_escalate():
+    s = DynamicScaler(init_scale=2.0, min_scale=1.0, patience=5, check_interval=1, growth_interval=2)
+    pattern = ([1] * 4 + [0]) * 40  # 4 overflows at the floor, then a clean step: never 5 in a row
+    run(s, pattern)
+    st = s.statistics()
+    assert st["skipped_steps"] == 160 and st["floor_streak"] == 0
+
+
+def test_escalation_warns_once_per_episode():
+    s = DynamicScaler(init_scale=1.0, min_scale=1.0, patience=3, check_interval=1, on_failure="warn",
+                      log_overflow=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        run(s, [1] * 10)
+        assert sum("loss scaling has failed" in str(x.message) for x in w) == 1
+        run(s, [0] + [1] * 4)  # recovered, then failed again: a second warning
+        assert sum("loss scaling has failed" in str(x.message) for x in w) == 2
+
+
+def test_escalation_ignore_and_statistics_trigger():
+    s = DynamicScaler(init_scale=1.0, min_scale=1.0, patience=3, on_failure="ignore")
+    run(s, [1] * 50)
+    assert s.statistics()["floor_streak"] == 50
+    s = DynamicScaler(init_scale=1.0, min_scale=1.0, patience=3, check_interval=1000)
+    run(s, [1] * 4)  # no periodic check yet
+    with pytest.raises(NumericsError):
+        s.statistics()  # reading the statistics checks too
+
+
+def test_overflow_log_line_is_rate_limited(caplog):
+    s = DynamicScaler(init_scale=2.0**16, check_interval=4, log_interval_s=0.0, on_failure="ignore")
+    with caplog.at_level(logging.INFO, logger="mixprec.scaler"):
+        run(s, [1, 0, 0, 0] + [0] * 8 + [1, 1, 0, 0])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2  # the two windows with overflows, none for the clean one
+    assert lines[0].startswith("Gradient overflow. Skipping step") and "loss scale now 32768" in lines[0]
+    assert "2 step(s) with inf/NaN gradients skipped since the last report (up to step 15)" in lines[1]
+    caplog.clear()
+    s = DynamicScaler(check_interval=1, log_interval_s=3600.0, on_failure="ignore")
+    with caplog.at_level(logging.INFO, logger="mixprec.scaler"):
+        run(s, [1] * 10)
+    assert len(caplog.records) == 1
+
+
+# ----- scale / unscale -------------------------------------------------------------------------------
+def test_protocol():
+    for s in (NoOpScaler(), StaticScaler(4.0), DynamicScaler()):
+        assert isinstance(s, LossScaler)
+
+
+def test_noop_is_identity_but_checks():
+    s = NoOpScaler()
+    loss = torch.tensor(3.0, requires_grad=True)
+    outs = {"a": [loss], "b": 1}
+    assert s.scale(loss) is loss and s.scale(outs) is outs
+    g = torch.tensor([1.0, 2.0])
+    assert s.unscale_([g]).item() == 0.0 and g.tolist() == [1.0, 2.0]
+    g[0] = float("nan")
+    assert s.unscale_([g]).item() == 1.0
+    assert s.loss_scale.item() == 1.0
+
+
+def test_static_scale_and_unscale_use_a_float64_reciprocal():
+    s = StaticScaler(3.0)
+    assert s.scale(torch.tensor(2.0)).item() == 6.0
+    g = torch.tensor([3.0, 1.0])
+    s.unscale_([g])
+    inv = torch.tensor(3.0, dtype=torch.float64).reciprocal().float()
+    assert torch.equal(g, torch.tensor([3.0, 1.0]) * inv)
+    run(s, [1, 1, 0])
+    assert s.loss_scale.item() == 3.0  # static: never changes
+
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def test_scale_nested_outputs():
+    s = DynamicScaler(init_scale=4.0)
+    out = s.scale({"loss": torch.tensor(1.0), "parts": [torch.tensor([1.0, 2.0]), (torch.tensor(3.0), 7)],
+                   "pair": Pair(torch.tensor(0.5), torch.tensor([1, 2])), "name": "x"})
+    assert out["loss"].item() == 4.0 and out["parts"][0].tolist() == [4.0, 8.0]
+    assert out["parts"][1][0].item() == 12.0 and out["parts"][1][1] == 7 and isinstance(out["parts"][1], tuple)
+    assert isinstance(out["pair"], Pair) and out["pair"].x.item() == 2.0 and out["pair"].y.tolist() == [1, 2]
+    assert out["name"] == "x"
+
+
+def test_scale_keeps_torch_dtype_promotion():
+    s = DynamicScaler(init_scale=2.0**16)
+    half = torch.tensor(1.5, dtype=torch.float16)
+    assert s.scale(half).dtype == (half * torch.tensor(1.0)).dtype
+
+
+def test_unscale_takes_params_or_grads():
+    s = DynamicScaler(init_scale=4.0)
+    a = torch.nn.Parameter(torch.ones(2))
+    b = torch.nn.Parameter(torch.ones(2))  # no grad: skipped
+    a.grad = torch.full((2,), 8.0)
+    g = torch.full((3,), 8.0, dtype=torch.float16)  # a plain gradient, FP16 allowed
+    assert s.unscale_([a, b, g, None]).item() == 0.0
+    assert a.grad.tolist() == [2.0, 2.0] and g.tolist() == [2.0] * 3 and b.grad is None
+
+
+def test_device_binding_is_lazy(device):
+    s = DynamicScaler()
+    assert s.loss_scale.device.type == "cpu"  # read before use: CPU, not bound
+    out = s.scale(torch.ones((), device=device))
+    assert s.loss_scale.device == out.device
+    assert DynamicScaler(device=device).loss_scale.device.type == torch.device(device).type
+
+
+# ----- skipping -------------------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _snap(model, opt):
+    return copy.deepcopy(([p.detach() for p in model.parameters()], opt.state_dict()))
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_skipped_step_leaves_params_and_state_bit_identical(fused):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    s = DynamicScaler(init_scale=2.0**8)
+    x = torch.randn(16, 4)
+    for step in range(4):
+        s.scale(model(x).square().mean()).backward()
+        if step == 3:
+            before = _snap(model, opt)
+            next(model.parameters()).grad[0, 0] = float("inf")
+        found = s.unscale_(model.parameters())
+        skipped = step_optimizer(opt, found)
+        assert skipped.dtype == torch.bool and skipped.shape == ()
+        s.update(found)
+        opt.zero_grad()
+    assert skipped.item()
+    assert _equal(before, _snap(model, opt))
+
+
+class RecordingOpt(torch.optim.SGD):
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.seen = (getattr(self, "grad_scale", "missing"), getattr(self, "found_inf", "missing"))
+
+
+def test_step_optimizer_protocol_sets_and_removes_attributes():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = RecordingOpt([p], lr=0.1)
+    f, gs = torch.tensor(0.0), torch.tensor(4.0)
+    assert not step_optimizer(opt, f, gs).item()
+    assert opt.seen[0] is gs and opt.seen[1] is f
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    opt.grad_scale = "user"  # a value set by someone else is restored
+    step_optimizer(opt, f)
+    assert opt.grad_scale == "user" and not hasattr(opt, "found_inf")
+
+
+def test_step_optimizer_plain_optimizer_syncs_once_and_applies_grad_scale():
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.full((2,), 8.0)
+    opt = torch.optim.SGD([p], lr=1.0)
+    with SyncCounter() as c:
+        skipped = step_optimizer(opt, torch.tensor(0.0), torch.tensor(4.0))
+    assert c.ops["_local_scalar_dense"] == 1
+    assert not skipped.item() and p.tolist() == [-1.0, -1.0]  # grads unscaled to 2 first
+    p.grad = torch.full((2,), float("inf"))
+    assert step_optimizer(opt, torch.tensor(0.0), torch.tensor(4.0)).item()
+    assert p.tolist() == [-1.0, -1.0]
+
+
+# ----- state -----------------------------------------------------------------------------------------
+NON_DEFAULT = {"init_scale": 2.0**10, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 3, "hysteresis": 3,
+                   "min_scale": 2.0, "max_scale": 2.0**20, "refill": "clean"}
+
+
+def _trained(steps=37, **kw):
+    s = DynamicScaler(**{**NON_DEFAULT, **kw}, on_failure="ignore", history=16, check_interval=5)
+    rng = random.Random(5)
+    run(s, [rng.random() < 0.5 for _ in range(steps)])
+    return s
+
+
+def test_state_dict_round_trip_every_field():
+    s = _trained()
+    sd = s.state_dict()
+    assert sd["version"] == 1 and sd["kind"] == "dynamic"
+    for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+        assert k in sd  # torch.amp.GradScaler's keys
+    assert sd["steps"] == 37 and sd["skipped_steps"] > 0 and len(sd["scale_history"]) == 16
+    t = DynamicScaler(history=16, check_interval=5, on_failure="ignore")  # defaults: every field differs
+    t.load_state_dict(copy.deepcopy(sd))
+    assert t.state_dict() == sd
+    t.scale(torch.ones(()))  # materialise the loaded state
+    assert t.state_dict() == sd and t.statistics() == s.statistics()
+
+
+def test_state_dict_before_the_lazy_state_exists():
+    s = DynamicScaler(**NON_DEFAULT)
+    sd = s.state_dict()
+    assert sd["scale"] == 2.0**10 and sd["steps"] == 0 and sd["hysteresis_left"] == 2
+    t = DynamicScaler()
+    t.load_state_dict(sd)
+    assert t.state_dict() == sd
+    assert s._core.scale is None  # reading state_dict does not create the device state
+    u = DynamicScaler()
+    u.load_state_dict(_trained().state_dict())  # loaded before first use, then used
+    assert run(u, [0]) == run(_trained(), [0])
+
+
+def test_resume_equals_uninterrupted_run():
+    rng = random.Random(3)
+    pattern = [rng.random() < 0.3 for _ in range(300)]
+    full = DynamicScaler(**NON_DEFAULT, on_failure="ignore")
+    a = run(full, pattern)
+    first = DynamicScaler(**NON_DEFAULT, on_failure="ignore")
+    b = run(first, pattern[:150])
+    second = DynamicScaler(on_failure="ignore")
+    second.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
+    b += run(second, pattern[150:])
+    assert a == b
+    assert second.statistics() == full.statistics()
+
+
+def test_pickling_keeps_the_state():
+    s = _trained()
+    t = pickle.loads(pickle.dumps(s))
+    assert t.state_dict() == s.state_dict()
+    assert run(t, [1, 0, 0]) == run(s, [1, 0, 0])
+    st = pickle.loads(pickle.dumps(StaticScaler(8.0)))
+    assert st.loss_scale.item() == 8.0
+
+
+def test_torch_checkpoint_interoperates_both_ways():
+    g = torch.amp.GradScaler("cpu", init_scale=512.0, growth_factor=4.0, backoff_factor=0.125, growth_interval=7)
+    g.load_state_dict({"scale": 256.0, "growth_factor": 4.0, "backoff_factor": 0.125, "growth_interval": 7,
+                       "_growth_tracker": 5})
+    s = DynamicScaler()
+    s.load_state_dict(g.state_dict())
+    sd = s.state_dict()
+    assert (sd["scale"], sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"], sd["_growth_tracker"]) == (
+        256.0, 4.0, 0.125, 7, 5)
+    assert sd["hysteresis_left"] == 0
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(_trained().state_dict())
+    assert back.get_scale() == _trained().loss_scale.item()
+    assert back.get_growth_factor() == 3.0 and back._get_growth_tracker() == _trained().growth_tracker.item()
+
+
+def test_torch_checkpoint_above_our_ceiling_is_clamped():
+    s = DynamicScaler()
+    s.load_state_dict({"scale": 2.0**30, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                       "_growth_tracker": 0})
+    assert s.loss_scale.item() == 2.0**24
+
+
+@pytest.mark.parametrize("cls,sd,msg", [
+    (DynamicScaler, {}, "got an empty dict: it was probably saved from a disabled scaler"),
+    (StaticScaler, {}, "got an empty dict: it was probably saved from a disabled scaler"),
+    (DynamicScaler, {"version": 1, "kind": "static", "scale": 1.0},
+     "this state dict is from a StaticScaler (kind='static'), not a 'dynamic' scaler"),
+    (StaticScaler, {"version": 1, "kind": "dynamic"}, "this state dict is from a DynamicScaler or GradScaler"),
+    (DynamicScaler, {"model": {}, "optimizer": {}, "scaler": {}},
+     ("not a loss-scaler state dict (missing 'scale', 'growth_factor', 'backoff_factor', 'growth_interval', "
+     "'_growth_tracker'; got keys 'model', 'optimizer', 'scaler'). Pass the scaler's entry of a checkpoint")),
+    (NoOpScaler, {"scale": 1.0}, "NoOpScaler: not a NoOpScaler state dict (no 'kind'/'version'"),
+    (DynamicScaler, {"version": 99, "kind": "dynamic"}, "state dict version 99 is newer than this mixprec understands"),
+])
+def test_loading_a_wrong_state_dict_says_why(cls, sd, msg):
+    s = cls()
+    with pytest.raises(ScalerStateError, match=re.escape(msg)):
+        s.load_state_dict(sd)
+    assert issubclass(ScalerStateError, ValueError)
+
+
+# ----- bad constructor values ----------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,msg", [
+    ({"growth_factor": 1.0}, "DynamicScaler: growth_factor must be > 1, got 1.0."),
+    ({"backoff_factor": 1.0}, "DynamicScaler: backoff_factor must be > 0 and < 1, got 1.0."),
+    ({"backoff_factor": 0}, "DynamicScaler: backoff_factor must be > 0 and < 1, got 0."),
+    ({"growth_interval": 0}, "DynamicScaler: growth_interval must be an int >= 1, got 0."),
+    ({"growth_interval": 2.5}, "DynamicScaler: growth_interval must be an int >= 1, got 2.5."),
+    ({"hysteresis": 0}, "DynamicScaler: hysteresis must be an int >= 1, got 0."),
+    ({"init_scale": -1.0}, "DynamicScaler: init_scale must be > 0, got -1.0."),
+    ({"init_scale": float("inf")}, "DynamicScaler: init_scale must be a finite number, got inf."),
+    ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, "DynamicScaler: min_scale=4 is above max_scale=2."),
+    ({"init_scale": 2.0**30}, ("DynamicScaler: init_scale=1.07374e+09 lies outside [min_scale, max_scale] = "
+                               "[1, 1.67772e+07]; move init_scale inside or widen the range.")),
+    ({"on_failure": "rasie"}, ("unknown DynamicScaler: on_failure 'rasie'; choose one of: raise, warn, ignore. "
+                               "Did you mean 'raise'?")),
+    ({"refill": "grow"}, "unknown DynamicScaler: hysteresis refill 'grow'; choose one of: growth, clean."),
+    ({"on_failure": "raise", "min_scale": None}, "DynamicScaler: on_failure='raise' needs a floor (min_scale)"),
+    ({"patience": 0}, "DynamicScaler: patience must be an int >= 1, got 0."),
+])
+def test_bad_constructor_values(kwargs, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        DynamicScaler(**kwargs)
+
+
+def test_bad_static_scale_and_update_argument():
+    with pytest.raises(ValueError, match=re.escape("StaticScaler: init_scale must be > 0, got 0.")):
+        StaticScaler(0)
+    with pytest.raises(TypeError, match=re.escape("update(found_inf) needs the 0-d tensor unscale_() returned, got bool")):
+        DynamicScaler().update(True)  # type: ignore[arg-type]
+
+
+def test_repr():
+    assert repr(DynamicScaler()).startswith("DynamicScaler(init_scale=65536, growth_interval=2000, hysteresis=1")
+    assert repr(StaticScaler(2.0)) == "StaticScaler(scale=2, device=lazy, steps=0)"
+
+
+def test_statistics_do_not_create_the_device_state():
+    s = DynamicScaler(init_scale=8.0)
+    assert s.statistics()["scale"] == 8.0 and s._core.scale is None
+    assert list(s.statistics()) == list(_trained().statistics())  # same keys, same order
+
+
+@pytest.mark.cuda
+def test_cuda_steps_and_periodic_checks_never_sync():
+    s = DynamicScaler(init_scale=4.0, min_scale=1.0, patience=4, check_interval=3, device="cuda")
+    p = torch.nn.Parameter(torch.ones(8, device="cuda"))
+    inf = torch.tensor(float("inf"), device="cuda")
+    steps = 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(NumericsError, match="loss scaling has failed"):
+            for steps in range(1, 200):
+                loss = s.scale(p.sum() * (inf if steps > 20 else 1.0))
+                loss.backward()
+                s.update(s.unscale_([p]))
+                p.grad = None
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    # 20 clean steps, 2 to reach the floor, patience 4, then at most two check intervals late (async read)
+    assert steps <= 20 + 2 + 4 + 2 * 3 + 1
+    assert s.statistics()["floor_streak"] >= 4
