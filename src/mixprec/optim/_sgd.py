@@ -1,0 +1,141 @@
+"""SGD (momentum, dampening, Nesterov, weight decay) for BF16/FP16 parameters with compensated updates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import DEFAULT_CHUNK_NUMEL, Compensation, LowPrecisionOptimizer
+
+__all__ = ["SGD"]
+
+
+class SGD(LowPrecisionOptimizer):
+    """Stochastic gradient descent whose updates survive BF16/FP16 parameters.
+
+    Algorithm, per parameter, arithmetic in FP32 (``w`` is ``param + kahan_comp`` for
+    ``compensation="kahan"``, else ``param``, upcast)::
+
+        g = -grad if maximize else grad;  g = g / grad_scale        (when given)
+        g = g + weight_decay * w
+        if momentum:
+            buf = g                                     on the first step
+            buf = momentum * buf + (1 - dampening) * g  afterwards
+            g = g + momentum * buf if nesterov else buf
+        w = w - lr * g
+        then param (and kahan_comp) are rounded from w as in AdamW.
+
+    With FP32 parameters this is ``torch.optim.SGD``. Whether a step is the first is decided on
+    the device from the step counter (``state["step"]``, which mixprec's SGD keeps), so a first
+    step skipped by ``found_inf`` leaves the buffer uninitialised, as torch's GradScaler would.
+
+    Bytes per parameter for BF16 parameters with momentum (param + grad + compensation +
+    momentum_buffer): ``kahan`` + FP32 state 10, ``kahan`` + BF16 state 8, ``stochastic`` + BF16
+    state 6; without momentum there is no state (6 with ``kahan``, 4 otherwise).
+
+    Args:
+        params: Parameters or param groups.
+        lr: Learning rate.
+        momentum: Momentum factor (0 disables the buffer).
+        dampening: Dampening of the momentum.
+        weight_decay: L2 penalty added to the gradient (as torch's SGD).
+        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        maximize: Maximize the objective.
+        compensation, state_dtype, seed, generator, chunk_numel: As :class:`mixprec.optim.AdamW`.
+
+    Raises:
+        ValueError: an invalid hyper-parameter, compensation or state dtype.
+
+    Example:
+        >>> model = torch.nn.Linear(16, 4).to(torch.bfloat16)
+        >>> opt = SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, compensation="stochastic", seed=0)
+        >>> model(torch.randn(2, 16, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step(); opt.zero_grad()
+    """
+
+    _ALL_STATE_KEYS = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        compensation: Compensation = "kahan",
+        state_dtype: torch.dtype | str = torch.float32,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+        }
+        super().__init__(params, defaults, compensation=compensation, state_dtype=state_dtype, seed=seed,
+                         generator=generator, chunk_numel=chunk_numel)
+
+    def _state_keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
+        return self._ALL_STATE_KEYS if group["momentum"] != 0 else ()
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}.")
+        elif not 0.0 <= lr:
+            raise ValueError(f"invalid learning rate lr={lr!r}; use lr >= 0.")
+        if not 0.0 <= group["momentum"]:
+            raise ValueError(f"invalid momentum={group['momentum']!r}; use momentum >= 0.")
+        if not 0.0 <= group["weight_decay"]:
+            raise ValueError(f"invalid weight_decay={group['weight_decay']!r}; use weight_decay >= 0.")
+        group.setdefault("maximize", False)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(
+                f"nesterov=True needs momentum > 0 and dampening == 0 (got momentum={group['momentum']!r}, "
+                f"dampening={group['dampening']!r})."
+            )
+
+    def _update(
+        self,
+        group: Mapping[str, Any],
+        w: Tensor,
+        grad: Tensor,
+        states: dict[str, Tensor],
+        steps_old: Tensor,
+        steps_new: Tensor,
+        expand: Callable[[Tensor], Tensor],
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+        wd = group["weight_decay"]
+        if isinstance(lr, Tensor):
+            lr = lr.to(device=w.device, dtype=w.dtype)
+        g = grad.neg() if group["maximize"] else grad
+        if wd != 0:
+            g = g.add(w, alpha=wd)
+        new: dict[str, Tensor] = {}
+        if momentum != 0:
+            buf = states["momentum_buffer"]
+            if dampening == 0:
+                # First step: buf is 0, so momentum * 0 + g == g, torch's clone of g.
+                buf = buf.mul(momentum).add_(g)
+            else:
+                coef = torch.where(steps_old == 0, 1.0, 1.0 - dampening).to(w.dtype)
+                buf = buf.mul(momentum).add_(g * expand(coef))
+            new["momentum_buffer"] = buf
+            g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
+        if isinstance(lr, Tensor):
+            w_new = w - lr * g
+        else:
+            w_new = w.add(g, alpha=-lr)
+        return w_new, new
