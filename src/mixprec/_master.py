@@ -1,0 +1,377 @@
+"""FP32 master weights around any ``torch.optim`` optimizer (Micikevicius et al. 2018; Apex O2).
+
+The model keeps its weights in FP16 or BF16. For each such parameter this wrapper holds an
+FP32 *master*; the wrapped optimizer's ``param_groups`` hold the masters, so LR schedulers,
+per-group options, ``add_param_group`` and weight decay act on FP32 values. After each
+applied step the masters are copied back into the model's half-precision parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch.optim import Optimizer
+
+from ._dtypes import dtype_name, parse_dtype
+from ._finite import unscale_and_check_
+
+__all__ = ["MasterWeightOptimizer", "GradAccumulation"]
+
+GradAccumulation = Literal["fp32", "compute"]
+_STATE_VERSION = 1
+
+
+class MasterWeightOptimizer(Optimizer):
+    """Keep FP32 master weights for a half-precision model inside any torch optimizer.
+
+    Algorithm (one optimizer step):
+        1. Backward produces half-precision gradients. With ``grad_accumulation="fp32"``
+           (default) a post-accumulate-grad hook adds each one into its master's FP32 ``.grad``
+           and frees it, so micro-batch accumulation happens in FP32 and no half gradient
+           buffer persists (Megatron's ``main_grad``). With ``"compute"`` the half gradients
+           stay on the model and are upcast into transient FP32 buffers at step time
+           (least persistent memory).
+        2. The (possibly loss-scaled) FP32 gradients are unscaled and checked for inf/NaN by one
+           fused kernel per (device, dtype) group (:meth:`unscale_`).
+        3. The wrapped optimizer steps on the masters, skipping on the device when it supports
+           ``grad_scale``/``found_inf`` (torch's fused/capturable optimizers, mixprec.optim);
+           otherwise one host read of ``found_inf`` decides.
+        4. The masters are copied back into the model parameters (``torch._foreach_copy_``);
+           after a skipped step this rewrites the same values.
+
+    FP32 parameters (FP32 islands such as norms) are their own masters: they are passed to
+    the wrapped optimizer unchanged.
+
+    Args:
+        optimizer: A constructed ``torch.optim.Optimizer`` over the model's parameters.
+        master_dtype: The masters' dtype (FP32).
+        grad_accumulation: ``"fp32"`` or ``"compute"``, see above.
+        initial_masters: Optional map from a parameter to the full-precision tensor to use as
+            its master (no copy is made). ``MixedPrecision.prepare`` passes the FP32 weights
+            from before the model was cast, so the masters start exact rather than rounded.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped.
+        ValueError: unknown ``grad_accumulation``; a parameter that does not require grad.
+
+    Host syncs: none in ``step`` when the wrapped optimizer declares
+    ``_step_supports_amp_scaling``; one (``found_inf`` read) otherwise, and only when a
+    ``found_inf`` was handed in.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> _ = model.half()  # masters were taken before the cast
+        >>> model(torch.randn(3, 4).half()).float().sum().backward()
+        >>> opt.step(); opt.zero_grad()
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        master_dtype: torch.dtype | str = torch.float32,
+        grad_accumulation: GradAccumulation = "fp32",
+        initial_masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        if isinstance(optimizer, MasterWeightOptimizer):
+            raise TypeError("this optimizer is already a MasterWeightOptimizer; wrap the plain torch optimizer once.")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"MasterWeightOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if grad_accumulation not in ("fp32", "compute"):
+            raise ValueError(f"grad_accumulation={grad_accumulation!r}; use 'fp32' (default) or 'compute'.")
+        # Deliberately not calling Optimizer.__init__: state and param_groups live in the wrapped
+        # optimizer. The attributes below are what torch's hooks and LR schedulers look for.
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        self.optimizer = optimizer
+        self.master_dtype = parse_dtype(master_dtype)
+        self.grad_accumulation: GradAccumulation = grad_accumulation
+        self._initial = dict(initial_masters or {})
+        # Parallel lists: model parameter i has master i (the same tensor for FP32 params).
+        self._model_params: list[torch.Tensor] = []
+        self._masters: list[torch.Tensor] = []
+        self._hooks: list[Any] = []
+        for group in optimizer.param_groups:
+            group["params"] = [self._adopt(p) for p in group["params"]]
+        self._initial.clear()
+
+    # ----- setup ----------------------------------------------------------------------------
+    def _adopt(self, p: torch.Tensor) -> torch.Tensor:
+        """Register ``p`` and return the tensor the wrapped optimizer should hold for it."""
+        if any(p is q for q in self._model_params):
+            raise ValueError("a parameter appears twice in the optimizer's param groups.")
+        if not p.dtype.is_floating_point or p.dtype == self.master_dtype:
+            self._model_params.append(p)
+            self._masters.append(p)
+            return p
+        if not p.requires_grad:
+            raise ValueError(f"parameter of shape {tuple(p.shape)} does not require grad; leave it out of the optimizer.")
+        src = self._initial.get(p)
+        if src is not None:
+            if src.shape != p.shape:
+                raise ValueError(f"initial master of shape {tuple(src.shape)} for a parameter of shape {tuple(p.shape)}.")
+            # No copy when the given tensor already has the right dtype and device.
+            master = src.detach().to(device=p.device, dtype=self.master_dtype)
+        else:
+            master = p.detach().to(self.master_dtype).clone()
+        master.requires_grad_(False)
+        self._model_params.append(p)
+        self._masters.append(master)
+        if self.grad_accumulation == "fp32":
+            self._hooks.append(p.register_post_accumulate_grad_hook(_AccumulateInto(master)))
+        return master
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group: its half-precision parameters get FP32 masters (taken from their current values)."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group = dict(param_group)
+        group["params"] = params
+        n_before = len(self.optimizer.param_groups)
+        self.optimizer.add_param_group(group)
+        new = self.optimizer.param_groups[n_before]
+        new["params"] = [self._adopt(p) for p in new["params"]]
+
+    # ----- the optimizer surface ---------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's groups; their ``params`` are the masters."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's per-master state."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """The master tensors, in param-group order (FP32 parameters are their own masters)."""
+        return list(self._masters)
+
+    @property
+    def model_params(self) -> list[torch.Tensor]:
+        """The model's parameters, parallel to :attr:`masters`."""
+        return list(self._model_params)
+
+    def master_for(self, param: torch.Tensor) -> torch.Tensor:
+        """Return the master of a model parameter.
+
+        Raises:
+            KeyError: ``param`` is not managed by this optimizer.
+        """
+        for p, m in zip(self._model_params, self._masters):
+            if p is param:
+                return m
+        raise KeyError("this parameter is not in the optimizer")
+
+    def __repr__(self) -> str:
+        n_half = sum(1 for p, m in zip(self._model_params, self._masters) if p is not m)
+        return (
+            f"MasterWeightOptimizer({type(self.optimizer).__name__}, masters={dtype_name(self.master_dtype)}, "
+            f"{n_half} half-precision params with masters, grad_accumulation={self.grad_accumulation!r})"
+        )
+
+    # ----- gradients ---------------------------------------------------------------------------
+    def master_grads(self) -> list[torch.Tensor]:
+        """Return the FP32 gradients the optimizer will use, materialising them if needed.
+
+        With ``grad_accumulation="compute"`` this upcasts the model's half gradients into fresh
+        FP32 buffers (one ``_foreach_copy_`` per dtype group) and frees the half ones. Call it
+        once per step (``unscale_`` and ``step`` do).
+        """
+        if self.grad_accumulation == "compute":
+            pending = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m and p.grad is not None]
+            if pending:
+                bufs = [torch.empty_like(m) for _, m in pending]
+                torch._foreach_copy_(bufs, [p.grad for p, _ in pending])
+                for (p, m), b in zip(pending, bufs):
+                    m.grad = b if m.grad is None else m.grad.add_(b)
+                    p.grad = None
+        return [m.grad for m in self._masters if m.grad is not None]
+
+    def unscale_(self, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> torch.Tensor:
+        """Unscale the master gradients in place and check them for inf/NaN.
+
+        One fused ``torch._amp_foreach_non_finite_check_and_unscale_`` call per (device, dtype)
+        group (through :func:`mixprec._finite.unscale_and_check_`).
+
+        Args:
+            inv_scale: 0-d FP32 tensor ``1/scale``, or ``None`` to check only.
+            found_inf: Optional 0-d FP32 tensor to accumulate into.
+
+        Returns:
+            ``found_inf``: 0-d FP32 tensor, 1.0 if any gradient is not finite. No host sync.
+        """
+        return unscale_and_check_(self.master_grads(), inv_scale, found_inf)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the masters' gradients and any gradient left on the model's parameters."""
+        for t in (*self._masters, *self._model_params):
+            if t.grad is not None:
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.detach_()
+                    t.grad.zero_()
+
+    # ----- step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def copy_to_model_(self) -> None:
+        """Copy every master into its model parameter (rounding to the parameter's dtype)."""
+        pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        """Step the wrapped optimizer on the masters, then copy the masters back.
+
+        Honours ``self.grad_scale`` / ``self.found_inf`` set by a gradient scaler (the
+        ``_step_supports_amp_scaling`` protocol of ``torch.amp.GradScaler`` and
+        ``mixprec.GradScaler``): when the wrapped optimizer supports them they are passed on
+        and nothing syncs; otherwise a given ``grad_scale`` is applied here by a fused unscale
+        and one host read of ``found_inf`` decides whether to step.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (passed to the wrapped optimizer).
+
+        Returns:
+            What the wrapped optimizer's ``step`` returns (``None`` when skipped).
+        """
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        self.master_grads()
+        inner = self.optimizer
+        result = None
+        if found_inf is None and grad_scale is None:
+            result = inner.step(closure) if closure is not None else inner.step()
+        elif getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+            try:
+                result = inner.step(closure) if closure is not None else inner.step()
+            finally:
+                del inner.grad_scale, inner.found_inf  # type: ignore[attr-defined]
+        else:
+            if grad_scale is not None:
+                found_inf = self.unscale_(grad_scale.double().reciprocal().float(), found_inf)
+            # Host sync: the wrapped optimizer cannot skip on the device.
+            if found_inf is None or not bool(found_inf.item()):
+                result = inner.step(closure) if closure is not None else inner.step()
+        self.copy_to_model_()
+        return result
+
+    # ----- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Return the wrapped optimizer's state plus the masters.
+
+        Keys:
+            ``version`` (int, 1), ``optimizer`` (the wrapped optimizer's ``state_dict()``),
+            ``masters`` (list of FP32 tensors in param-group order, ``None`` where the
+            parameter is its own master), ``master_dtype`` (``"f32"``), ``grad_accumulation``.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m if p is not m else None for p, m in zip(self._model_params, self._masters)],
+            "master_dtype": dtype_name(self.master_dtype),
+            "grad_accumulation": self.grad_accumulation,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Load :meth:`state_dict` output: optimizer state, then masters, then copy them to the model.
+
+        Raises:
+            ValueError: not a MasterWeightOptimizer state (e.g. a plain optimizer's state dict),
+                a newer version, or masters that do not match this model's parameters.
+        """
+        if not isinstance(state_dict, Mapping) or "masters" not in state_dict or "optimizer" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(
+                f"not a MasterWeightOptimizer state dict (keys: {keys}); expected 'version', 'optimizer', 'masters'. "
+                "A plain optimizer's state dict loads with mwo.optimizer.load_state_dict(sd), after which the masters "
+                "still need loading (MixedPrecision.load_model_state_dict)."
+            )
+        version = state_dict.get("version")
+        if version != _STATE_VERSION:
+            raise ValueError(f"MasterWeightOptimizer state version {version!r}; this mixprec reads version {_STATE_VERSION}.")
+        masters = state_dict["masters"]
+        if len(masters) != len(self._masters):
+            raise ValueError(
+                f"the checkpoint has {len(masters)} parameters but this optimizer manages {len(self._masters)}; "
+                "was it saved for a different model?"
+            )
+        for i, (src, p, m) in enumerate(zip(masters, self._model_params, self._masters)):
+            if (src is None) != (p is m):
+                raise ValueError(f"parameter {i}: the checkpoint and this run disagree on whether it has a master "
+                                 "(saved under a different policy?)")
+            if src is not None and src.shape != m.shape:
+                raise ValueError(f"parameter {i}: master of shape {tuple(src.shape)} in the checkpoint, {tuple(m.shape)} here.")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        for src, p, m in zip(masters, self._model_params, self._masters):
+            if src is not None:
+                m.copy_(src)
+        self.copy_to_model_()
+
+    @torch.no_grad()
+    def load_master_values_(self, values: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        """Set masters from full-precision values keyed by model parameter, then copy them to the model.
+
+        Used to load a plain FP32 model checkpoint into a master-weights run without rounding
+        the masters through the half-precision dtype.
+        """
+        for p, m in zip(self._model_params, self._masters):
+            v = values.get(p)
+            if v is not None:
+                m.copy_(v)
+        self.copy_to_model_()
+
+    def remove_hooks(self) -> None:
+        """Remove the gradient-accumulation hooks from the model's parameters."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+class _AccumulateInto:
+    """Post-accumulate-grad hook: add a half gradient into its FP32 master and free it."""
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+
+    @torch.no_grad()
+    def __call__(self, param: torch.Tensor) -> None:
+        g = param.grad
+        if g is None:
+            return
+        if self.master.grad is None:
+            self.master.grad = g.to(self.master.dtype)
+        else:
+            self.master.grad.add_(g)
+        param.grad = None
+

@@ -1,0 +1,237 @@
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec._casting import cast_module
+from mixprec._master import MasterWeightOptimizer
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+
+def _prepared(dtype, opt_fn=None, **kw):
+    """An FP32 MLP cast to ``dtype`` (norm kept FP32) with exact FP32 masters."""
+    model = _mlp()
+    originals = {p: p.data for p in model.parameters()}
+    cast_module(model, f"p={'bf16' if dtype == torch.bfloat16 else 'f16'},m=f32,ls=none")
+    opt = (opt_fn or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(model.parameters())
+    return model, MasterWeightOptimizer(opt, initial_masters=originals, **kw), originals
+
+
+def _batch(seed=1, n=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x).float(), y)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_masters_are_exact_fp32_and_live_in_param_groups(dtype):
+    ref = _mlp()
+    model, opt, _ = _prepared(dtype)
+    for (name, p_ref), p, m in zip(ref.named_parameters(), opt.model_params, opt.masters):
+        assert m.dtype == torch.float32
+        torch.testing.assert_close(m, p_ref.detach(), rtol=0, atol=0)  # exact, not rounded through half
+        expected_dtype = torch.float32 if name.startswith("2.") else dtype  # LayerNorm is an island
+        assert p.dtype == expected_dtype
+    held = [t for g in opt.param_groups for t in g["params"]]
+    assert all(a is b for a, b in zip(held, opt.masters))
+    assert all(t.dtype == torch.float32 for t in held)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_fp32_accumulation_hook_frees_half_grads(dtype):
+    model, opt, _ = _prepared(dtype)
+    x, y = _batch()
+    for _ in range(3):
+        _loss(model, x, y).backward()
+    for p, m in zip(opt.model_params, opt.masters):
+        assert p.grad is None or p is m  # half grads freed; FP32 islands keep their own .grad
+        grad = m.grad if p is not m else p.grad
+        assert grad is not None and grad.dtype == torch.float32
+    # Three identical micro-batches sum to three times one micro-batch's gradient.
+    model1, opt1, _ = _prepared(dtype)
+    _loss(model1, x, y).backward()
+    for m3, m1 in zip(opt.masters, opt1.masters):
+        g3 = m3.grad
+        g1 = m1.grad
+        torch.testing.assert_close(g3, 3 * g1, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_compute_accumulation_keeps_half_grads_until_step(dtype):
+    model, opt, _ = _prepared(dtype, grad_accumulation="compute")
+    _loss(model, *_batch()).backward()
+    half = [p for p, m in zip(opt.model_params, opt.masters) if p is not m]
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in half)
+    grads = opt.master_grads()
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert all(p.grad is None for p in half)
+    assert len(grads) == len(opt.masters)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_tracks_fp32_training(dtype):
+    ref = _mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt, _ = _prepared(dtype, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    for step in range(60):
+        x, y = _batch(step)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            _loss(m, x, y).backward()
+            o.step()
+    tol = {torch.bfloat16: 0.05, torch.float16: 0.01}[dtype]
+    for p_ref, m in zip(ref.parameters(), opt.masters):
+        torch.testing.assert_close(m, p_ref.detach(), rtol=tol, atol=tol)
+    # the model's parameters are the rounded masters
+    for p, m in zip(opt.model_params, opt.masters):
+        torch.testing.assert_close(p, m.to(p.dtype), rtol=0, atol=0)
+
+
+def _snapshot(opt):
+    return (
+        [p.detach().clone() for p in opt.model_params],
+        [m.detach().clone() for m in opt.masters],
+        copy.deepcopy(opt.optimizer.state_dict()["state"]),
+    )
+
+
+def _assert_same(a, b):
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        assert torch.equal(x, y)
+    for k in a[2]:
+        for name, v in a[2][k].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b[2][k][name]))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_found_inf_skips_bit_identically(fused):
+    model, opt, _ = _prepared(torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=fused))
+    _loss(model, *_batch()).backward()
+    opt.step()  # create optimizer state
+    opt.zero_grad()
+    before = _snapshot(opt)
+    _loss(model, *_batch(2)).backward()
+    opt.found_inf = torch.ones(())
+    opt.grad_scale = None
+    opt.step()
+    del opt.found_inf, opt.grad_scale
+    _assert_same(before, _snapshot(opt))
+    opt.step()  # a clean step does change them
+    assert not torch.equal(before[1][0], opt.masters[0])
+
+
+class _CountUnscale(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "non_finite_check_and_unscale" in str(func):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_unscale_is_one_fused_call_per_dtype_group():
+    model, opt, _ = _prepared(torch.float16)
+    _loss(model, *_batch()).backward()
+    with _CountUnscale() as counter:
+        found = opt.unscale_(torch.tensor(0.5))
+    assert counter.n == 1  # all master grads are FP32 on one device: one group
+    assert found.item() == 0.0
+    opt.masters[0].grad[0, 0] = float("nan")
+    assert opt.unscale_(None).item() == 1.0
+
+
+def test_state_dict_round_trip_every_field():
+    model, opt, _ = _prepared(torch.float16, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
+                              grad_accumulation="compute")
+    for s in range(3):
+        opt.zero_grad()
+        _loss(model, *_batch(s)).backward()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["version"] == 1 and sd["grad_accumulation"] == "compute" and sd["master_dtype"] == "f32"
+    model2, opt2, _ = _prepared(torch.float16, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
+                                grad_accumulation="compute")
+    opt2.load_state_dict(sd)
+    for a, b in zip(opt.masters + opt.model_params, opt2.masters + opt2.model_params):
+        assert torch.equal(a, b)
+    for s in range(3, 5):
+        for m, o in ((model, opt), (model2, opt2)):
+            o.zero_grad()
+            _loss(m, *_batch(s)).backward()
+            o.step()
+    for a, b in zip(opt.masters, opt2.masters):
+        assert torch.equal(a, b)
+
+
+def test_load_foreign_state_dict_raises():
+    model, opt, _ = _prepared(torch.float16)
+    with pytest.raises(ValueError, match=re.escape("not a MasterWeightOptimizer state dict (keys: ['param_groups', 'state'])")):
+        opt.load_state_dict(opt.optimizer.state_dict())
+    sd = opt.state_dict()
+    sd["masters"] = sd["masters"][:-1]
+    with pytest.raises(ValueError, match="the checkpoint has 5 parameters but this optimizer manages 6"):
+        opt.load_state_dict(sd)
+
+
+def test_lr_scheduler_and_param_groups_work():
+    model, opt, _ = _prepared(torch.bfloat16)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _loss(model, *_batch()).backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_add_param_group_gets_masters():
+    model = nn.Linear(3, 3)
+    extra = nn.Linear(3, 1)
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    extra.half()
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.01})
+    assert len(opt.param_groups) == 2
+    assert all(t.dtype == torch.float32 for t in opt.param_groups[1]["params"])
+    assert opt.master_for(extra.weight).dtype == torch.float32
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="MasterWeightOptimizer wraps a torch.optim.Optimizer, got list"):
+        MasterWeightOptimizer([])  # type: ignore[arg-type]
+    opt = MasterWeightOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="already a MasterWeightOptimizer"):
+        MasterWeightOptimizer(opt)
+    with pytest.raises(ValueError, match=re.escape("grad_accumulation='bf16'; use 'fp32' (default) or 'compute'.")):
+        MasterWeightOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), grad_accumulation="bf16")  # type: ignore[arg-type]
+
+
+def test_torch_grad_scaler_drives_it():
+    """torch.amp.GradScaler unscales through param_groups (the masters) and steps through our protocol."""
+    model, opt, _ = _prepared(torch.float16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [m.clone() for m in opt.masters]
+    scaler.scale(_loss(model, *_batch())).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(not torch.equal(a, b) for a, b in zip(before, opt.masters))
+    # An inf gradient: skipped, scale backs off.
+    opt.zero_grad()
+    snap = _snapshot(opt)
+    scaler.scale(_loss(model, *_batch()) * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    _assert_same(snap, _snapshot(opt))
+    assert scaler.get_scale() == 512.0

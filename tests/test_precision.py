@@ -1,0 +1,377 @@
+import copy
+import io
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec._master import MasterWeightOptimizer
+from mixprec._precision import MixedPrecision, convert_state_dict, for_inference, fp32_state_dict
+from mixprec._policy import Policy
+
+ALL = ["fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "fp16-pure", "bf16-pure"]
+# Loss-gap tolerance against FP32 after training, per compute dtype (relative).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 0.05, torch.float16: 0.02}
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab=16, d=32, seq=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.block = nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.block(self.emb(ids) + self.pos)))
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def make(kind, seed=0):
+    torch.manual_seed(seed)
+    return mlp() if kind == "mlp" else TinyTransformer()
+
+
+def batch(kind, step, n=16):
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        x = torch.randn(n, 8, generator=g)
+        return x, (x[:, :4].argmax(1))
+    ids = torch.randint(0, 16, (n, 8), generator=g)
+    return ids, ids.roll(1, dims=1)  # learnable: predict the previous token
+
+
+def loss_fn(model, b):
+    x, y = b
+    out = model(x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+
+def train(preset, kind="mlp", steps=20, lr=1e-2, seed=0, opt_cls=torch.optim.AdamW, start=0, state=None):
+    model = make(kind, seed)
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(model, opt_cls(model.parameters(), lr=lr))
+    if state is not None:
+        prec.load_state_dict(state)
+    losses = []
+    for s in range(start, start + steps):
+        with prec.autocast():
+            loss = loss_fn(model, batch(kind, s))
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return prec, model, opt, losses
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("preset", ["fp16-master", "bf16-mixed", "bf16-master", "fp16-mixed"])
+def test_tracks_fp32_reference(preset, kind):
+    steps = 200 if kind == "mlp" else 60
+    _, ref_model, _, ref = train("fp32", kind, steps)
+    prec, model, _, got = train(preset, kind, steps)
+    tol = TOL[prec.policy.compute_dtype]
+    # Both learn, and the smoothed final losses agree within the dtype's tolerance.
+    tail = max(5, steps // 10)
+    ref_tail, got_tail = sum(ref[-tail:]) / tail, sum(got[-tail:]) / tail
+    assert ref_tail < 0.6 * ref[0]
+    assert abs(got_tail - ref_tail) <= tol * max(1.0, ref_tail) + 0.02, (ref_tail, got_tail)
+    # The FP32 weights (masters where present) stay close to the reference's.
+    fp32 = fp32_state_dict(prec)
+    for name, p in ref_model.named_parameters():
+        rel = (fp32[name] - p.detach()).norm() / p.detach().norm()
+        assert rel < {torch.float16: 0.05, torch.bfloat16: 0.15}[prec.policy.compute_dtype], (name, rel)
+
+
+def test_fp32_preset_equals_plain_torch():
+    _, model, _, got = train("fp32", steps=10)
+    torch.manual_seed(0)
+    ref = make("mlp")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for s in range(10):
+        opt.zero_grad()
+        loss_fn(ref, batch("mlp", s)).backward()
+        opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def _snapshot(prec, opt):
+    return copy.deepcopy(prec.state_dict())
+
+
+def _equal_tree(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal_tree(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("preset", ALL)
+def test_injected_inf_is_skipped_bit_identically(preset):
+    prec, model, opt, _ = train(preset, steps=3)
+    before = _snapshot(prec, opt)
+    with prec.autocast():
+        loss = loss_fn(model, batch("mlp", 99))
+    prec.backward(loss)
+    first = next(iter(model.parameters()))
+    grad_holder = opt.masters[0] if isinstance(opt, MasterWeightOptimizer) else first
+    grad_holder.grad[0].fill_(float("inf") if "fp16" in preset else float("nan"))
+    info = prec.step(opt)
+    opt.zero_grad()
+    assert info.skipped.item() and info.found_inf.item() == 1.0 and not info.applied()
+    after = prec.state_dict()
+    for key in ("model", "optimizers"):
+        assert _equal_tree(before[key], after[key]), key
+    assert after["applied_steps"].item() == before["applied_steps"].item() == 3
+    if prec.policy.loss_scale == "dynamic":
+        assert prec.scaler.loss_scale.item() == info.scale.item() / 2  # backed off
+    else:
+        assert prec.scaler.loss_scale.item() == info.scale.item()
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-master", "bf16-master"])
+def test_grad_accumulation_equals_big_batch_and_unscales_once(preset):
+    def run(micro):
+        torch.manual_seed(0)
+        model = make("mlp")
+        prec = MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        calls = []
+        orig = prec.scaler.unscale_
+        prec.scaler.unscale_ = lambda grads: calls.append(1) or orig(grads)  # type: ignore[method-assign]
+        x, y = batch("mlp", 0, n=32)
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            with prec.autocast():
+                loss = loss_fn(model, (xs, ys)) / micro
+            prec.backward(loss)
+        prec.step(opt)
+        return fp32_state_dict(prec), len(calls)
+
+    big, n_big = run(1)
+    small, n_small = run(4)
+    assert n_big == n_small == 1
+    tol = 1e-6 if preset == "fp32" else 2e-3
+    for k in big:
+        torch.testing.assert_close(small[k], big[k], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("preset", ALL)
+def test_resume_is_bit_identical(preset):
+    _, _, _, full = train(preset, steps=8)
+    prec, _, _, first = train(preset, steps=5)
+    buf = io.BytesIO()
+    torch.save(prec.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, map_location="cpu", weights_only=True)
+    prec2, model2, _, second = train(preset, steps=3, start=5, seed=123, state=state)  # other init: all comes from state
+    assert first + second == full
+    ref_prec, ref_model, _, _ = train(preset, steps=8)
+    assert _equal_tree(prec2.state_dict()["model"], ref_prec.state_dict()["model"])
+    assert _equal_tree(prec2.state_dict()["optimizers"], ref_prec.state_dict()["optimizers"])
+
+
+def test_scheduler_and_ema_only_advance_on_applied_steps():
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision("bf16-mixed")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ema = [p.detach().clone() for p in model.parameters()]
+    for s, poison in enumerate([False, True, False]):
+        with prec.autocast():
+            loss = loss_fn(model, batch("mlp", s))
+        prec.backward(loss * (float("nan") if poison else 1.0))
+        info = prec.step(opt, schedulers=[sched])
+        torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 0.1 * info.mask())
+        opt.zero_grad()
+        if poison:
+            ema_at_skip = [e.clone() for e in ema]
+    assert sched.last_epoch == 2  # three steps, one skipped
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert info.applied_steps.item() == 2
+    assert all(torch.isfinite(e).all() for e in ema)
+    assert any(not torch.equal(a, b) for a, b in zip(ema_at_skip, ema))
+
+
+def test_step_info_fields_are_device_tensors():
+    prec, model, opt, _ = train("fp16-mixed", steps=1)
+    with prec.autocast():
+        loss = loss_fn(model, batch("mlp", 1))
+    prec.backward(loss)
+    info = prec.step(opt)
+    assert info.found_inf.dtype == torch.float32 and info.found_inf.dim() == 0
+    assert info.skipped.dtype == torch.bool and info.scale.item() == 2.0 ** 16
+    assert info.applied_steps.dtype == torch.int64 and info.applied_steps.item() == 2
+
+
+def test_clip_grad_norm_on_unscaled_gradients():
+    torch.manual_seed(0)
+    res = {}
+    for preset in ("fp32", "fp16-master"):
+        model = make("mlp")
+        torch.manual_seed(0)
+        model = make("mlp")
+        prec = MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with prec.autocast():
+            loss = loss_fn(model, batch("mlp", 0))
+        prec.backward(loss)
+        res[preset] = prec.clip_grad_norm_(0.1)
+        prec.step(opt)
+    # the fp16-master norm is of unscaled gradients (not 65536x larger)
+    torch.testing.assert_close(res["fp16-master"], res["fp32"], rtol=2e-2, atol=1e-4)
+
+
+def test_fp32_checkpoint_loads_into_master_run_and_exports_back():
+    torch.manual_seed(5)
+    donor = make("mlp")
+    fp32 = {k: v.clone() for k, v in donor.state_dict().items()}
+    model = make("mlp")
+    prec = MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    prec.load_model_state_dict(fp32)
+    out = fp32_state_dict(prec)
+    for k, v in fp32.items():
+        assert torch.equal(out[k], v), k  # exact: masters were not rounded through bf16
+    assert model[0].weight.dtype == torch.bfloat16
+    assert torch.equal(model[0].weight, fp32["0.weight"].to(torch.bfloat16))
+
+
+def test_other_policy_checkpoint_raises_or_converts():
+    prec, _, _, _ = train("fp16-master", steps=3)
+    sd = copy.deepcopy(prec.state_dict())
+    model = make("mlp")
+    other = MixedPrecision("bf16-master")
+    model, opt = other.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    msg = ("the checkpoint was saved under policy 'p=f16,c=f16,o=f32,m=f32,ls=dynamic,i=norm,tf32=0,comp=none' but this run "
+           "uses 'p=bf16,c=bf16,o=f32,m=f32,ls=none,i=norm,tf32=0,comp=none'; convert it explicitly with "
+           "mixprec.convert_state_dict(state, 'bf16-master')")
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        other.load_state_dict(sd)
+    assert _equal_tree(before, other.state_dict())  # nothing changed
+    other.load_state_dict(convert_state_dict(sd, "bf16-master"))
+    exported = fp32_state_dict(other)
+    for k, v in fp32_state_dict(sd).items():
+        assert torch.equal(exported[k], v)
+    # and to a mixed policy, where the FP32 params are the masters
+    model3 = make("mlp")
+    mixed = MixedPrecision("fp16-mixed")
+    model3, opt3 = mixed.prepare(model3, torch.optim.AdamW(model3.parameters(), lr=1e-2))
+    mixed.load_state_dict(convert_state_dict(sd, "fp16-mixed"))
+    for k, v in fp32_state_dict(sd).items():
+        assert torch.equal(model3.state_dict()[k], v)
+    assert mixed.scaler.loss_scale.item() == prec.scaler.loss_scale.item()  # both scale dynamically: kept
+
+
+def test_convert_refuses_compensated_policies():
+    prec, _, _, _ = train("fp16-master", steps=1)
+    with pytest.raises(ValueError, match=re.escape("cannot convert: the target policy 'bf16-pure' uses compensated updates")):
+        convert_state_dict(prec.state_dict(), "bf16-pure")
+
+
+def test_for_inference_halves_weights_keeps_islands():
+    torch.manual_seed(0)
+    model = make("transformer").eval()
+    x = batch("transformer", 0)[0]
+    with torch.no_grad():
+        ref = model(x)
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    for_inference(model, "bf16")
+    after = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.norm.weight.dtype == torch.float32 and model.head.weight.dtype == torch.bfloat16
+    assert after < 0.52 * before
+    with torch.no_grad():
+        out = model(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0.1, atol=0.1)
+    with pytest.raises(ValueError, match=re.escape("for_inference casts to 'bf16' or 'fp16', got 'f32'")):
+        for_inference(model, "f32")
+
+
+# ----- misuse: each raises a clear error and leaves state intact ------------------------------------------
+def test_prepare_twice():
+    prec, model, opt, _ = train("bf16-mixed", steps=1)
+    with pytest.raises(ValueError, match=re.escape("prepare() was already called on this MixedPrecision object")):
+        prec.prepare(model, opt)
+    with pytest.raises(ValueError, match=re.escape("this model was already prepared by another MixedPrecision")):
+        MixedPrecision("bf16-mixed").prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_optimizer_of_another_model():
+    model = make("mlp")
+    other = make("mlp")
+    with pytest.raises(ValueError, match=re.escape("optimizer 0 holds 6 tensor(s) that are not parameters of this model")):
+        MixedPrecision("fp16-master").prepare(model, torch.optim.SGD(other.parameters(), lr=0.1))
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # untouched
+
+
+def test_half_model_under_mixed_policy():
+    model = make("mlp").to(torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("the model has bf16 parameters but policy 'bf16-mixed' keeps parameters in FP32")):
+        MixedPrecision("bf16-mixed").prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_step_without_backward_and_before_prepare():
+    prec = MixedPrecision("fp16-mixed")
+    with pytest.raises(ValueError, match=re.escape("step() before prepare()")):
+        prec.step(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))
+    model = make("mlp")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=re.escape("unscale_()/clip_grad_norm_()/step() without backward() in this step")):
+        prec.step(opt)
+
+
+def test_step_with_the_unwrapped_optimizer():
+    model = make("mlp")
+    raw = torch.optim.SGD(model.parameters(), lr=0.1)
+    prec = MixedPrecision("fp16-master")
+    model, opt = prec.prepare(model, raw)
+    with pytest.raises(ValueError, match=re.escape("use the one prepare() returned (it holds the masters)")):
+        prec.step(raw)
+
+
+def test_backward_after_clip_and_bad_losses():
+    prec, model, opt, _ = train("fp16-mixed", steps=1)
+    with prec.autocast():
+        loss = loss_fn(model, batch("mlp", 1))
+    prec.backward(loss, retain_graph=True)
+    prec.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match=re.escape("backward() after the gradients were unscaled")):
+        prec.backward(loss)
+    with pytest.raises(ValueError, match=re.escape("backward(loss) needs a scalar floating loss, got shape (2,)")):
+        prec.backward(torch.ones(2, requires_grad=True))
+    with pytest.raises(ValueError, match=re.escape("the loss does not require grad")):
+        prec.backward(torch.tensor(1.0))
+
+
+def test_prepare_without_optimizer_and_bad_policy():
+    with pytest.raises(ValueError, match=re.escape("prepare(model) needs the optimizer(s) too")):
+        MixedPrecision("fp32").prepare(make("mlp"))
+    with pytest.raises(ValueError, match=re.escape("unknown precision preset 'fp16-mixd'")):
+        MixedPrecision("fp16-mixd")
+
+
+def test_load_foreign_state_dict():
+    prec, model, opt, _ = train("bf16-mixed", steps=1)
+    with pytest.raises(ValueError, match=re.escape("It looks like a plain optimizer state dict")):
+        prec.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match=re.escape("It looks like a model state dict; load it with prec.load_model_state_dict(sd)")):
+        prec.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match=re.escape("not a mixprec state dict: missing")):
+        prec.load_state_dict({})
+
+
+def test_policy_object_and_repr():
+    prec = MixedPrecision(Policy.parse("p=f32,c=bf16,i=none"))
+    assert prec.policy.fp32_islands == ()
+    assert "not prepared" in repr(prec)
