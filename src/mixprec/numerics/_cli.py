@@ -1,0 +1,379 @@
+"""``mixprec doctor`` and ``mixprec check``: the numerics diagnostics on the command line.
+
+``mixprec.cli`` builds the parser and calls :func:`register`. Exit codes: 0 done (for
+``check``: pass or warn), 1 the pre-flight check failed or the run failed, 2 bad arguments
+(one line on stderr, never a traceback; set ``MIXPREC_DEBUG=1`` for tracebacks of run failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DoctorResult", "register", "run_doctor"]
+
+_WORKLOAD_HELP = ("gpt, cnn, hf-gpt2, or MODULE:FUNCTION where FUNCTION(**options) returns a mixprec.bench.Workload "
+                  "or a 4-tuple (model, optimizer_fn, batches, loss_fn): optimizer_fn(params) -> optimizer, batches "
+                  "an iterable of batches, loss_fn(model, batch) -> scalar loss")
+
+_EPILOG_DOCTOR = """\
+what it does:
+  1. pre-flight check: one forward/backward of the workload's model in FP32 and under --policy on the
+     first batch; loss, outputs and gradients compared (relative error, SQNR); on inf/NaN, the first
+     module that produced it, re-run in FP32 to tell whether precision is the cause;
+  2. --steps training steps in FP32 with a NumericsMonitor: activation, activation-gradient and
+     parameter-gradient histograms against the FP16/BF16 ranges, BF16 stagnation of the updates;
+  3. the report: modules at FP16 overflow risk, gradients lost to underflow at scale 1 and at the
+     policy's loss scale, the loss-scale range, FP32 islands and a preset;
+  4. a precision audit of the workload prepared under --policy (dtypes of parameters, masters,
+     gradients, optimizer states, communication; silent downgrades flagged);
+  5. DIR/doctor-grad-hist.png (activation gradients in log2 bins with the FP16 and BF16 ranges, before and
+     after the loss scale) and DIR/doctor.json.
+
+examples:
+  mixprec doctor                                  # gpt workload, fp16-mixed
+  mixprec doctor -w cnn -p bf16-master --steps 20
+  mixprec doctor -w my_model:make -o batch_size=8 --out diag/
+
+exit status: 0 done, 1 the pre-flight check failed (or the run failed), 2 bad arguments.
+"""
+
+_EPILOG_CHECK = """\
+examples:
+  mixprec check my_model:make --policy fp16-mixed
+  mixprec check gpt -p bf16-master --json check.json
+
+The model runs twice on the first batch, in FP32 and under the policy (deep copies; nothing is
+changed). Exit status: 0 pass or warn, 1 fail, 2 bad arguments.
+"""
+
+
+class _ArgError(Exception):
+    """Bad input: one line on stderr, exit status 2."""
+
+
+# ----- helpers ----------------------------------------------------------------------------------------
+def _options(items: list[str]) -> dict[str, Any]:
+    from ..cli import UsageError, _parse_option
+
+    out: dict[str, Any] = {}
+    for text in items:
+        try:
+            k, v = _parse_option(text)
+        except UsageError:
+            raise _ArgError(f"-o/--option expects KEY=VALUE, got {text!r} (e.g. -o n_layer=4)") from None
+        out[k] = v
+    return out
+
+
+def _policy(text: str) -> Any:
+    from .._policy import Policy
+
+    try:
+        return Policy.parse(text)
+    except (ValueError, TypeError) as e:
+        raise _ArgError(f"--policy: {e}") from None
+
+
+def _device(text: str) -> Any:
+    import torch
+
+    if text in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise _ArgError(f"--device {text!r}: use auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise _ArgError("--device cuda was asked for but no CUDA device is available")
+    return dev
+
+
+def _load(spec: str, options: dict[str, Any]) -> Any:
+    """The workload, via mixprec.bench.load_workload (its errors are user errors)."""
+    from ..bench import BenchError, load_workload
+
+    try:
+        return load_workload(spec, **options)
+    except BenchError as e:
+        raise _ArgError(str(e)) from None
+
+
+def _to_device(obj: Any, device: Any) -> Any:
+    from ._tree import map_tensors
+
+    return map_tensors(obj, lambda t: t.to(device))
+
+
+def _first_batches(workload: Any, n: int, device: Any) -> list[Any]:
+    batches = list(itertools.islice(iter(workload.batches), n))
+    if not batches:
+        raise _ArgError(f"workload {workload.name!r} yields no batches")
+    return [_to_device(b, device) for b in batches]
+
+
+def _scale_for(policy: Any, check_result: Any) -> float:
+    if policy.loss_scale == "none":
+        return 1.0
+    if check_result is not None and check_result.finite:
+        return float(check_result.loss_scale)
+    if policy.init_scale is not None:
+        return float(policy.init_scale)
+    return 2.0**16 if policy.loss_scale == "dynamic" else 1.0
+
+
+# ----- doctor --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DoctorResult:
+    """Everything ``mixprec doctor`` found (see :func:`run_doctor`)."""
+
+    workload: str
+    policy: str
+    device: str
+    steps: int
+    losses: list[float]
+    report: Any
+    check: Any
+    audit: Any
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (schema ``mixprec.doctor/1``)."""
+        from ._report import jsonable
+
+        return {
+            "schema": "mixprec.doctor/1", "workload": self.workload, "policy": self.policy, "device": self.device,
+            "steps": self.steps, "losses": jsonable(self.losses), "report": self.report.to_dict(),
+            "check": self.check.to_dict() if self.check is not None else None,
+            "audit": self.audit.to_dict() if self.audit is not None else None, "notes": self.notes,
+        }
+
+
+def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, every: int = 1, device: Any = None,
+               seed: int = 0, options: dict[str, Any] | None = None, run_check: bool = True,
+               max_elements: int | None = None) -> DoctorResult:
+    """Check, monitor, report and audit a workload for a policy (the engine of ``mixprec doctor``).
+
+    Args:
+        workload: A :class:`mixprec.bench.Workload` or a spec for ``mixprec.bench.load_workload``.
+        policy: The policy to diagnose.
+        steps: FP32 training steps observed by the :class:`NumericsMonitor`.
+        every: Monitor sampling interval.
+        device: ``None``: CUDA when available, else CPU.
+        seed: RNG seed of the monitored run and the check.
+        options: Workload size options.
+        run_check: Run the pre-flight check on the first batch.
+        max_elements: Histogram subsampling for large tensors (see NumericsMonitor).
+
+    Returns:
+        :class:`DoctorResult`.
+    """
+    import torch
+
+    from .._autocast import autocast
+    from .._policy import Policy
+    from ._audit import audit
+    from ._check import check
+    from ._monitor import NumericsMonitor
+
+    pol = Policy.parse(policy)
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    w = _load(workload, options or {}) if isinstance(workload, str) else workload
+    notes: list[str] = []
+    base = w.model.to(dev)
+    batches = _first_batches(w, max(steps, 1), dev)
+
+    check_result = check(base, batches[0], pol, w.loss_fn, seed=seed) if run_check else None
+
+    # The monitored run is FP32, as in Micikevicius et al.: values that would flush or overflow
+    # in FP16 are still visible, so the report can say what FP16 would do to them.
+    model = copy.deepcopy(base)
+    opt = w.optimizer_fn(model.parameters())
+    losses: list[float] = []
+    mon = NumericsMonitor(model, every=every, optimizer=opt, max_elements=max_elements)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with mon, autocast.fp32(dev.type):
+            for b in batches[:steps]:
+                loss = w.loss_fn(model, b)
+                loss.backward()
+                if getattr(w, "clip_grad_norm", None):
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(float(loss.detach()))
+    report = mon.report(loss_scale=_scale_for(pol, check_result), device=dev)
+
+    audit_result = None
+    try:
+        from .._precision import MixedPrecision
+    except ImportError as e:  # MixedPrecision needs the loss scalers; without them, no audit of the prepared setup
+        notes.append(f"audit skipped: mixprec.MixedPrecision is unavailable ({e})")
+    else:
+        prepared = copy.deepcopy(base)
+        prec = MixedPrecision(pol)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            prepared, popt = prec.prepare(prepared, w.optimizer_fn(prepared.parameters()))
+        audit_result = audit(prepared, popt, prec)
+    return DoctorResult(workload=w.name, policy=str(pol), device=str(dev), steps=len(losses), losses=losses,
+                        report=report, check=check_result, audit=audit_result, notes=notes)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    prog = "mixprec doctor"
+    try:
+        options = _options(args.option)
+        pol = _policy(args.policy)
+        dev = _device(args.device)
+        if args.steps < 1:
+            raise _ArgError(f"--steps {args.steps}: need at least 1")
+        if args.every < 1:
+            raise _ArgError(f"--every {args.every}: need at least 1")
+        if args.threads is not None:
+            if args.threads < 1:
+                raise _ArgError(f"--threads {args.threads}: must be at least 1")
+            import torch
+
+            torch.set_num_threads(args.threads)
+        if not args.no_plot:
+            try:
+                from ._plots import _pyplot
+
+                _pyplot()
+            except ImportError as e:
+                raise _ArgError(f"{e} (or pass --no-plot)") from None
+        w = _load(args.workload, options)
+    except _ArgError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    json_to_stdout = args.json == "-"
+    out_file = sys.stderr if json_to_stdout else sys.stdout
+    print(f"{prog}: workload {w.name}, policy {pol.name or str(pol)}, device {dev}, {args.steps} monitored FP32 step(s)",
+          file=out_file)
+    try:
+        res = run_doctor(w, pol, steps=args.steps, every=args.every, device=dev, seed=args.seed,
+                         run_check=not args.no_check)
+    except _ArgError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if os.environ.get("MIXPREC_DEBUG"):
+            raise
+        print(f"{prog}: error: the run failed: {type(e).__name__}: {e} (MIXPREC_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+    if res.check is not None:
+        res.check.print(file=out_file)
+        print(file=out_file)
+    res.report.print(file=out_file)
+    if res.audit is not None:
+        print(file=out_file)
+        res.audit.print(file=out_file)
+    for n in res.notes:
+        print(f"note: {n}", file=out_file)
+    written = []
+    out = Path(args.out)
+    if not args.no_plot:
+        from ._plots import plot_gradient_histogram
+
+        written.append(plot_gradient_histogram(res.report, out / "doctor-grad-hist.png",
+                                               title=f"{w.name}: activation-gradient magnitudes (FP32 run, "
+                                                     f"{res.steps} steps) vs the FP16/BF16 ranges"))
+    payload = json.dumps(res.to_dict(), indent=1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "doctor.json").write_text(payload)
+    written.append(out / "doctor.json")
+    if args.json is not None:
+        if json_to_stdout:
+            print(payload)
+        else:
+            Path(args.json).write_text(payload)
+            written.append(Path(args.json))
+    print(f"written: {', '.join(str(p) for p in written)}", file=out_file)
+    return 1 if res.check is not None and res.check.verdict == "fail" else 0
+
+
+# ----- check --------------------------------------------------------------------------------------------
+def _cmd_check(args: argparse.Namespace) -> int:
+    prog = "mixprec check"
+    try:
+        options = _options(args.option)
+        pol = _policy(args.policy)
+        dev = _device(args.device)
+        w = _load(args.workload, options)
+        batch = _first_batches(w, 1, dev)[0]
+    except _ArgError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    from ._check import check
+
+    try:
+        res = check(w.model.to(dev), batch, pol, w.loss_fn, seed=args.seed)
+    except Exception as e:
+        if os.environ.get("MIXPREC_DEBUG"):
+            raise
+        print(f"{prog}: error: the run failed: {type(e).__name__}: {e} (MIXPREC_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+    json_to_stdout = args.json == "-"
+    res.print(file=sys.stderr if json_to_stdout else sys.stdout)
+    if args.json is not None:
+        payload = json.dumps(res.to_dict(), indent=1)
+        if json_to_stdout:
+            print(payload)
+        else:
+            Path(args.json).write_text(payload)
+    return 1 if res.verdict == "fail" else 0
+
+
+# ----- registration ---------------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="workload option, repeatable (gpt: n_layer, n_embd, batch_size, ...; your function's keyword arguments)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``doctor`` and ``check`` subcommands to ``mixprec``'s parser."""
+    d = subparsers.add_parser(
+        "doctor",
+        help="diagnose a model's numerics: overflow, underflow, loss scale, stagnation, islands, preset",
+        description="Check a workload under a policy, watch a few FP32 training steps with hooks, and report what "
+                    "FP16/BF16 would do to its values, what loss scale and FP32 islands it needs, and which dtypes "
+                    "the prepared setup really uses.",
+        epilog=_EPILOG_DOCTOR, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d.add_argument("-w", "--workload", default="gpt", help=_WORKLOAD_HELP + " (default: gpt)")
+    d.add_argument("-p", "--policy", default="fp16-mixed", help="the policy to diagnose (default fp16-mixed)")
+    d.add_argument("--steps", type=int, default=10, help="monitored FP32 training steps (default 10)")
+    d.add_argument("--every", type=int, default=1, help="monitor one step in N (default 1)")
+    d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    d.add_argument("--out", metavar="DIR", default="mixprec-out", help="where to write the PNG and doctor.json "
+                   "(default mixprec-out)")
+    d.add_argument("--no-plot", action="store_true", help="do not write the histogram PNG (no matplotlib needed)")
+    d.add_argument("--no-check", action="store_true", help="skip the pre-flight check")
+    _common(d)
+    d.set_defaults(func=_cmd_doctor)
+
+    c = subparsers.add_parser(
+        "check",
+        help="pre-flight check: one step in FP32 and under a policy, compared, with a verdict",
+        description="Run the workload's model on its first batch in FP32 and under --policy; compare loss, outputs and "
+                    "gradients (relative error, SQNR in dB), check the device, and print a verdict with reasons.",
+        epilog=_EPILOG_CHECK, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("workload", help=_WORKLOAD_HELP)
+    c.add_argument("-p", "--policy", default="bf16-mixed", help="the policy to check (default bf16-mixed)")
+    _common(c)
+    c.set_defaults(func=_cmd_check)

@@ -1,0 +1,469 @@
+"""``NumericsMonitor``: sampled statistics of activations, activation gradients, parameter gradients and updates.
+
+Hooks (installed by :meth:`NumericsMonitor.attach`, removed by :meth:`detach`):
+
+* steps are counted at the optimizer: with ``optimizer=`` given, its ``step`` is wrapped (on
+  the instance; unwrapped on detach), so gradient-accumulation micro-batches and evaluation
+  forwards stay in their step. Without an optimizer, a forward pre-hook on the root module
+  starts a new step at every forward that records a graph (evaluation forwards under
+  ``no_grad`` do not count), unless you call :meth:`NumericsMonitor.step` yourself. At the
+  start of a sampled step the optimizer's tensors are snapshotted so the update can be measured;
+* a forward hook on each tracked module (leaf modules by default) adds the magnitudes of its
+  floating outputs to a :class:`~mixprec.numerics.Log2Histogram` and registers a tensor hook on
+  each output that records the gradient flowing back into it (the activation gradient);
+* a tensor hook on each parameter records its gradient as autograd produces it (before
+  accumulation, so in the dtype backward computes in).
+
+On steps that are not sampled every hook returns after one attribute check. Gradients are
+divided by the loss scale in use (read from ``loss_scale``) so the histograms hold true,
+unscaled magnitudes. Statistics stay on the device; :meth:`report` reads them back (host
+syncs happen there, and when taking the loss scale from a ``torch.amp.GradScaler``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .._dtypes import device_supports
+from .._policy import Policy
+from ._report import ModuleNumerics, NumericsReport, ParamNumerics, build_report
+from ._stats import Log2Histogram
+from ._tree import floating_tensors
+
+__all__ = ["NumericsMonitor"]
+
+# Every preset keeps normalization layers in FP32 (i=norm); the report needs to know which those are.
+_NORM_POLICY = Policy(fp32_islands=("norm",))
+
+# Every preset keeps normalization layers in FP32 (i=norm); the report needs to know which those are.
+_NORM_POLICY = Policy(fp32_islands=("norm",))
+
+ModuleSelection = Literal["leaves", "all"] | Iterable[str] | Callable[[str, nn.Module], bool]
+
+
+@dataclasses.dataclass
+class _ModuleRecord:
+    name: str
+    type_name: str
+    norm_island: bool
+    act: Log2Histogram = dataclasses.field(default_factory=Log2Histogram)
+    act_grad: Log2Histogram = dataclasses.field(default_factory=Log2Histogram)
+    act_dtypes: set[str] = dataclasses.field(default_factory=set)
+    grad_dtypes: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class _ParamRecord:
+    name: str
+    module: str
+    dtype: str
+    numel: int
+    grad: Log2Histogram = dataclasses.field(default_factory=Log2Histogram)
+    grad_dtypes: set[str] = dataclasses.field(default_factory=set)
+    # update statistics: [updated elements, below half a bf16 ulp, below half an f16 ulp]
+    update_counts: torch.Tensor | None = None
+
+
+def _short(dt: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}.get(
+        dt, str(dt).removeprefix("torch."))
+
+
+class NumericsMonitor:
+    """Watch a model's numerics during training, every ``every`` steps, and report what precision it needs.
+
+    Args:
+        model: The model (any precision; hooks see values as they are computed).
+        every: Sample one step in ``every`` (step 0 is sampled).
+        optimizer: Optional; when given, the update of each sampled step is measured on the
+            tensors the optimizer holds (the FP32 masters of a ``MasterWeightOptimizer``) to
+            report BF16/FP16 stagnation (updates below half an ulp of the weight).
+        loss_scale: Where to read the loss scale the backward ran at, to unscale gradients: a
+            number, a 0-d tensor, a mixprec ``LossScaler`` (``.loss_scale``), a
+            ``MixedPrecision`` (``.scaler``), a ``torch.amp.GradScaler``, or a callable
+            returning one of these. ``None``: gradients are not scaled.
+        modules: Which modules to watch: ``"leaves"`` (default: modules without children, so
+            no value is counted twice), ``"all"``, qualified names, or a predicate ``(name, module) -> bool``.
+        params: Record parameter gradients.
+        max_elements: Estimate histograms of larger tensors from a strided subset of this many
+            elements (``None``: every element).
+        overflow_margin: A module is "at risk" in FP16 when its largest activation times this
+            factor reaches the FP16 maximum (16: four binades of headroom).
+        manual_steps: Count steps only by :meth:`step` calls (see there).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with NumericsMonitor(model, every=1, optimizer=opt) as mon:
+        ...     for _ in range(3):
+        ...         model(torch.randn(4, 8)).pow(2).mean().backward()
+        ...         opt.step(); opt.zero_grad()
+        >>> rep = mon.report()
+        >>> rep.recommended_preset in ("bf16-mixed", "fp16-mixed", "fp32")
+        True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        every: int = 1,
+        optimizer: Any = None,
+        loss_scale: Any = None,
+        modules: ModuleSelection = "leaves",
+        params: bool = True,
+        max_elements: int | None = None,
+        overflow_margin: float = 16.0,
+        manual_steps: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"NumericsMonitor watches an nn.Module, got {type(model).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every={every!r}: sample one step in every N, N a positive integer (e.g. every=100).")
+        if max_elements is not None and max_elements < 1:
+            raise ValueError(f"max_elements={max_elements!r} must be a positive integer or None.")
+        if not overflow_margin >= 1:
+            raise ValueError(f"overflow_margin={overflow_margin!r} must be >= 1 (16 = four binades of headroom).")
+        self.model = model
+        self.every = every
+        self.optimizer = optimizer
+        self.loss_scale = loss_scale
+        self.track_params = params
+        self.max_elements = max_elements
+        self.overflow_margin = float(overflow_margin)
+        self._selected = self._select(model, modules)
+        self._handles: list[RemovableHandle] = []
+        self._modules: dict[str, _ModuleRecord] = {}
+        self._params: dict[str, _ParamRecord] = {}
+        self._step = 0
+        self._started = False
+        self._recorded = False
+        self._manual = manual_steps
+        self._active = False
+        self._sampled_steps = 0
+        self._step_scale: torch.Tensor | float | None = None
+        self._scale_taken = False
+        self._last_scale: torch.Tensor | float | None = None
+        self._snapshot: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+        self._update_measured = False
+        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._wrapped_step: Any = None
+
+    # ----- selection and attachment ------------------------------------------------------------
+    @staticmethod
+    def _select(model: nn.Module, modules: ModuleSelection) -> list[tuple[str, nn.Module]]:
+        named = list(model.named_modules())
+        if modules == "leaves":
+            chosen = [(n, m) for n, m in named if not any(True for _ in m.children())]
+        elif modules == "all":
+            chosen = named
+        elif callable(modules):
+            chosen = [(n, m) for n, m in named if modules(n, m)]
+        elif isinstance(modules, Iterable) and not isinstance(modules, str):
+            wanted = list(modules)
+            by_name = dict(named)
+            missing = [w for w in wanted if w not in by_name]
+            if missing:
+                sample = ", ".join(repr(n) for n, _ in named[1:6])
+                raise ValueError(f"modules={missing!r} not found in the model; qualified names look like {sample}, ...")
+            chosen = [(w, by_name[w]) for w in wanted]
+        else:
+            raise ValueError(f"modules={modules!r}: use 'leaves', 'all', a list of qualified names or a predicate.")
+        return chosen
+
+    def attach(self) -> NumericsMonitor:
+        """Install the hooks (idempotent). Returns self."""
+        if self._handles:
+            return self
+        self._handles.append(self.model.register_forward_pre_hook(self._on_root_forward, prepend=True))
+        self._wrap_optimizer_step()
+        for name, module in self._selected:
+            rec = self._modules.setdefault(
+                name, _ModuleRecord(name, type(module).__name__, _NORM_POLICY.is_fp32_island(module, name)))
+            self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, rec)))
+        if self.track_params:
+            owner: dict[int, str] = {}
+            for mname, module in self.model.named_modules():
+                for pname, p in module.named_parameters(recurse=False):
+                    owner.setdefault(id(p), mname)
+            for pname, p in self.model.named_parameters():
+                if not p.requires_grad or not p.is_floating_point():
+                    continue
+                rec_p = self._params.setdefault(
+                    pname, _ParamRecord(pname, owner.get(id(p), ""), _short(p.dtype), p.numel()))
+                self._handles.append(p.register_hook(functools.partial(self._on_param_grad, rec_p)))
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; the statistics collected so far are kept for :meth:`report`."""
+        self._finish_update()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._unwrap_optimizer_step()
+
+    def __enter__(self) -> NumericsMonitor:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def reset(self) -> None:
+        """Forget the statistics (hooks stay)."""
+        self._modules = {n: _ModuleRecord(n, r.type_name, r.norm_island) for n, r in self._modules.items()}
+        self._params = {n: _ParamRecord(n, r.module, r.dtype, r.numel) for n, r in self._params.items()}
+        if self._handles:
+            self.detach()
+            self.attach()
+        self._sampled_steps = 0
+        self._snapshot = None
+
+    # ----- step counting ---------------------------------------------------------------------------
+    @property
+    def sampling(self) -> bool:
+        """Whether the current step is sampled."""
+        return self._active
+
+    def step(self) -> None:
+        """Mark the end of a training step (call after ``optimizer.step()``).
+
+        Not needed when the monitor was given the optimizer (its ``step`` counts). Without one,
+        every root forward that records a graph starts a new step; call this instead when a step
+        has several such forwards (gradient accumulation). The first call switches the monitor to
+        counting only these calls (``manual_steps=True`` does so from the start).
+        """
+        self._manual = True
+        self._end_step()
+        self._begin_step()
+
+    def _begin_step(self) -> None:
+        self._started = True
+        self._active = self._step % self.every == 0
+        self._scale_taken = False
+        self._recorded = False
+        if self._active:
+            self._take_snapshot()
+
+    def _end_step(self) -> None:
+        if self._started:
+            self._finish_update()
+            self._step += 1
+
+    def _on_root_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._started:
+            self._begin_step()
+        elif not self._manual and self._wrapped_step is None and torch.is_grad_enabled():
+            self._end_step()
+            self._begin_step()
+
+    def _wrap_optimizer_step(self) -> None:
+        opt = self.optimizer
+        if opt is None or not callable(getattr(opt, "step", None)) or self._wrapped_step is not None:
+            return
+        original = opt.step
+        monitor = self
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if monitor._wrapped_step is step and not monitor._manual:
+                monitor._end_step()
+                monitor._begin_step()
+            return out
+
+        self._wrapped_step = step
+        self._original_step = original
+        opt.step = step
+
+    def _unwrap_optimizer_step(self) -> None:
+        step, self._wrapped_step = self._wrapped_step, None
+        if step is None:
+            return
+        if self.optimizer.__dict__.get("step") is step:
+            if self._original_step == type(self.optimizer).step.__get__(self.optimizer):
+                del self.optimizer.step  # back to the class's method
+            else:
+                self.optimizer.step = self._original_step
+        # else: something wrapped step after us; our wrapper stays in its chain but is inert now
+
+    # ----- the loss scale ------------------------------------------------------------------------------
+    def _resolve_scale(self) -> torch.Tensor | float | None:
+        src = self.loss_scale
+        for _ in range(3):
+            if src is None:
+                return None
+            if isinstance(src, (int, float)) and not isinstance(src, bool):
+                return float(src)
+            if isinstance(src, torch.Tensor):
+                return src.detach().clone()
+            if hasattr(src, "_scale") and hasattr(src, "get_scale"):  # torch.amp.GradScaler
+                if not src.is_enabled():
+                    return None
+                s = getattr(src, "_scale", None)
+                return s.detach().clone() if isinstance(s, torch.Tensor) else float(src.get_scale())
+            if hasattr(src, "loss_scale"):
+                src = src.loss_scale
+                continue
+            if hasattr(src, "scaler"):
+                src = src.scaler
+                continue
+            if callable(src):
+                src = src()
+                continue
+            break
+        raise TypeError(
+            f"loss_scale={self.loss_scale!r}: give a number, a tensor, a LossScaler, a MixedPrecision, a "
+            "torch.amp.GradScaler or a function returning the scale."
+        )
+
+    def _scale_for_step(self) -> torch.Tensor | float | None:
+        if not self._scale_taken:
+            self._step_scale = self._resolve_scale()
+            self._scale_taken = True
+            if self._step_scale is not None:
+                self._last_scale = self._step_scale
+        return self._step_scale
+
+    # ----- hooks -----------------------------------------------------------------------------------------
+    def _mark_recorded(self) -> None:
+        if not self._recorded:
+            self._recorded = True
+            self._sampled_steps += 1
+
+    def _on_forward(self, rec: _ModuleRecord, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._active:
+            return
+        self._mark_recorded()
+        for t in floating_tensors(output):
+            rec.act.add_(t, max_elements=self.max_elements)
+            rec.act_dtypes.add(_short(t.dtype))
+            if t.requires_grad and torch.is_grad_enabled():
+                t.register_hook(functools.partial(self._on_act_grad, rec))
+
+    def _on_act_grad(self, rec: _ModuleRecord, grad: torch.Tensor) -> None:
+        if grad is None or not self._active:
+            return
+        self._mark_recorded()
+        rec.act_grad.add_(grad, scale=self._scale_for_step(), max_elements=self.max_elements)
+        rec.grad_dtypes.add(_short(grad.dtype))
+        return
+
+    def _on_param_grad(self, rec: _ParamRecord, grad: torch.Tensor) -> None:
+        if grad is None or not self._active:
+            return
+        self._mark_recorded()
+        rec.grad.add_(grad, scale=self._scale_for_step(), max_elements=self.max_elements)
+        rec.grad_dtypes.add(_short(grad.dtype))
+        return
+
+    # ----- update (stagnation) measurement -------------------------------------------------------------
+    def _optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        opt = self.optimizer
+        if opt is None:
+            return []
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        model_params = getattr(opt, "model_params", None)
+        masters = getattr(opt, "masters", None)
+        out: list[tuple[str, torch.Tensor]] = []
+        if isinstance(model_params, list) and isinstance(masters, list) and len(model_params) == len(masters):
+            for p, m in zip(model_params, masters):
+                out.append((names.get(id(p), f"param{len(out)}"), m))
+            return [(n, t) for n, t in out if t.is_floating_point()]
+        for g in getattr(opt, "param_groups", []):
+            for p in g["params"]:
+                if isinstance(p, torch.Tensor) and p.is_floating_point():
+                    out.append((names.get(id(p), f"param{len(out)}"), p))
+        return out
+
+    @torch.no_grad()
+    def _take_snapshot(self) -> None:
+        tensors = self._optimizer_tensors()
+        self._snapshot = [(n, t, t.detach().clone()) for n, t in tensors] if tensors else None
+
+    @torch.no_grad()
+    def _finish_update(self) -> None:
+        snap, self._snapshot = self._snapshot, None
+        if not snap:
+            return
+        half_ulp_bits = {"bf16": 7, "f16": 10}
+        for name, live, before in snap:
+            delta = live.detach().float() - before.float()
+            w = before.float().abs()
+            # A zero weight can take any update (small values are representable), so it counts
+            # as updated but never as stagnant.
+            updated = (delta != 0) & torch.isfinite(delta)
+            # half an ulp of w in a format with m mantissa bits: 2**(floor(log2 w) - m - 1);
+            # frexp gives w = f * 2**e with f in [0.5, 1), so floor(log2 w) = e - 1.
+            e = torch.frexp(torch.where(w > 0, w, 1.0)).exponent
+            counts = [updated.sum()]
+            for m in half_ulp_bits.values():
+                half_ulp = torch.ldexp(torch.ones_like(w), (e - 2 - m))
+                counts.append((updated & (w > 0) & (delta.abs() < half_ulp)).sum())
+            c = torch.stack(counts)
+            rec = self._params.get(name)
+            if rec is None:
+                rec = self._params.setdefault(name, _ParamRecord(name, "", _short(live.dtype), live.numel()))
+            rec.update_counts = c if rec.update_counts is None else rec.update_counts + c.to(rec.update_counts.device)
+            self._update_measured = True
+
+    # ----- report -------------------------------------------------------------------------------------------
+    def report(self, *, loss_scale: float | None = None, max_lost: float = 0.001,
+               device: torch.device | str | None = None) -> NumericsReport:
+        """Summarise what was observed (host syncs happen here).
+
+        Args:
+            loss_scale: The scale to evaluate "lost at the current scale" against; default: the
+                last scale read from ``loss_scale`` (1.0 when none).
+            max_lost: The fraction of non-zero gradient values a recommended loss scale may
+                still flush to zero in FP16 (default 0.1%).
+            device: Device whose BF16 support decides the recommended preset (default: the model's).
+
+        Returns:
+            :class:`NumericsReport` (``.table()``, ``.to_dict()``, ``str()``).
+        """
+        if loss_scale is None:
+            last = self._last_scale
+            loss_scale = float(last) if last is not None else 1.0
+        dev = torch.device(device) if device is not None else self._device
+        modules = [
+            ModuleNumerics.from_histograms(r.name, r.type_name, r.act, r.act_grad, sorted(r.act_dtypes),
+                                           sorted(r.grad_dtypes), loss_scale, r.norm_island)
+            for r in self._modules.values()
+        ]
+        params = [
+            ParamNumerics.from_record(r.name, r.module, r.dtype, r.numel, r.grad, sorted(r.grad_dtypes),
+                                      r.update_counts.tolist() if r.update_counts is not None else None, loss_scale)
+            for r in self._params.values()
+        ]
+        pooled = self.histograms
+        return build_report(
+            modules=modules, params=params, act_grads=pooled["activation_grads"], param_grads=pooled["param_grads"],
+            activations=pooled["activations"],
+            loss_scale=float(loss_scale), max_lost=max_lost, sampled_steps=self._sampled_steps, every=self.every,
+            overflow_margin=self.overflow_margin, bf16_supported=device_supports(torch.bfloat16, dev),
+            device=str(dev), update_measured=self._update_measured,
+        )
+
+    @property
+    def histograms(self) -> dict[str, Log2Histogram]:
+        """Pooled histograms: ``activations``, ``activation_grads`` (unscaled), ``param_grads`` (unscaled)."""
+        out = {"activations": Log2Histogram(), "activation_grads": Log2Histogram(), "param_grads": Log2Histogram()}
+        for r in self._modules.values():
+            out["activations"].merge_(r.act)
+            out["activation_grads"].merge_(r.act_grad)
+        for p in self._params.values():
+            out["param_grads"].merge_(p.grad)
+        return out
+
+    def __repr__(self) -> str:
+        state = "attached" if self._handles else "detached"
+        return (f"NumericsMonitor({len(self._modules)} modules, {len(self._params)} params, every={self.every}, "
+                f"{self._sampled_steps} sampled steps, {state})")
+

@@ -1,0 +1,539 @@
+"""The numerics report (what the monitor found and what it recommends), tables and JSON.
+
+Plain-text tables need nothing; :func:`print_tables` uses ``rich`` when it is installed
+(``pip install rich`` or ``mixprec[cli]``) and falls back to plain text otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import IO, Any
+
+from .._policy import Policy
+from ._stats import Log2Histogram, thresholds
+
+__all__ = [
+    "ModuleNumerics",
+    "NumericsReport",
+    "ParamNumerics",
+    "ScaleRange",
+    "build_report",
+    "format_table",
+    "jsonable",
+    "print_tables",
+    "rich_console",
+]
+
+F16 = thresholds("f16")
+#: The largest static scale mixprec recommends (DynamicScaler's default ceiling, 2**24).
+MAX_RECOMMENDED_SCALE = 2.0**24
+#: Headroom the recommended scale leaves under the largest gradient, in binades (x16).
+HEADROOM_BITS = 4
+#: BF16 stagnation above this fraction of updated elements is reported as a problem.
+STAGNATION_WARN = 0.01
+
+
+# ----- small formatting helpers ---------------------------------------------------------------------
+def _g(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    if x == 0:
+        return "0"
+    return f"{x:.{digits}g}"
+
+
+def _pct(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0%"
+    if x < 0.0001:
+        return "<0.01%"
+    return f"{x:.2%}"
+
+
+def _pow2(x: float | None) -> str:
+    if x is None:
+        return "-"
+    e = math.log2(x)
+    return f"2^{int(e)}" if e.is_integer() else _g(x)
+
+
+def jsonable(obj: Any) -> Any:
+    """Convert dataclasses, tuples, sets and non-finite floats into JSON-safe values (inf/NaN -> null)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+    """A plain-text table: columns padded to width, numbers right-aligned."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in cells:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+
+    def numeric(c: str) -> bool:
+        return bool(c) and (c[0].isdigit() or c[0] in "-<+" and len(c) > 1 and c[1].isdigit())
+
+    def line(r: Sequence[str]) -> str:
+        # The first column holds names (which may look numeric, e.g. "0.weight"): always left-aligned.
+        return "  ".join(
+            c.rjust(w) if i and numeric(c) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
+
+    out = []
+    if title:
+        out.append(title)
+    out.append(line(list(headers)))
+    out.append("  ".join("-" * w for w in widths))
+    out.extend(line(r) for r in cells)
+    return "\n".join(out)
+
+
+def rich_console(file: IO[str] | None = None) -> Any:
+    """A ``rich`` console on ``file``.
+
+    Raises:
+        ImportError: rich is not installed; the message says how to install it.
+    """
+    try:
+        from rich.console import Console
+    except ImportError:
+        raise ImportError("rich tables need the 'rich' package: pip install rich (or pip install 'mixprec[cli]')") from None
+    # Not a terminal (a pipe, a file, CI logs): rich would wrap at 80 columns; tables need more.
+    width = None if file is None or (hasattr(file, "isatty") and file.isatty()) else 200
+    return Console(file=file, soft_wrap=True, width=width)
+
+
+def print_tables(tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[Any]]]], lines: Sequence[str] = (),
+                 file: IO[str] | None = None, use_rich: bool | None = None, header: Sequence[str] = ()) -> None:
+    """Print ``header`` lines, the ``(title, headers, rows)`` tables, then ``lines``: with rich when available.
+
+    Args:
+        use_rich: ``True`` requires rich (ImportError with an install hint), ``False`` never
+            uses it, ``None`` uses it when installed.
+    """
+    import sys
+
+    file = file if file is not None else sys.stdout
+    console = None
+    if use_rich is not False:
+        try:
+            console = rich_console(file)
+        except ImportError:
+            if use_rich:
+                raise
+    if console is None:
+        for ln in header:
+            print(ln, file=file)
+        for title, headers, rows in tables:
+            print(format_table(headers, rows, title), file=file)
+            print(file=file)
+        for ln in lines:
+            print(ln, file=file)
+        return
+    from rich.table import Table
+
+    for ln in header:
+        console.print(ln, highlight=False, markup=False)
+    for title, headers, rows in tables:
+        t = Table(title=title, title_justify="left", show_lines=False)
+        for h in headers:
+            t.add_column(h, overflow="fold")
+        for r in rows:
+            t.add_row(*[str(c) for c in r])
+        console.print(t)
+    for ln in lines:
+        console.print(ln, highlight=False, markup=False)
+
+
+# ----- the report's pieces --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModuleNumerics:
+    """What one module's outputs and output gradients looked like (gradients unscaled).
+
+    Attributes:
+        name: Qualified module name (``""`` is the root).
+        type: Class name.
+        act_dtypes / grad_dtypes: Dtypes the outputs and their gradients were computed in.
+        act_absmax: Largest finite output magnitude seen.
+        act_nonfinite: Fraction of output values that were inf/NaN.
+        act_overflow_f16: Fraction of output values that would overflow FP16.
+        fp16_headroom_bits: ``log2(65504 / act_absmax)``: binades left before FP16 overflows
+            (negative: already beyond).
+        grad_absmax: Largest unscaled gradient magnitude flowing into the outputs.
+        grad_lost_f16: Fraction of non-zero output gradients that flush to zero in FP16 at scale 1.
+        grad_lost_f16_at_scale: The same at the report's loss scale.
+        samples: Output tensors recorded.
+        norm_island: The module is a normalization layer, an FP32 island under every preset (``i=norm``).
+    """
+
+    name: str
+    type: str
+    act_dtypes: list[str]
+    grad_dtypes: list[str]
+    act_absmax: float
+    act_nonfinite: float
+    act_overflow_f16: float
+    fp16_headroom_bits: float | None
+    grad_absmax: float
+    grad_lost_f16: float
+    grad_lost_f16_at_scale: float
+    samples: int
+    norm_island: bool = False
+
+    @classmethod
+    def from_histograms(cls, name: str, type_name: str, act: Log2Histogram, grad: Log2Histogram,
+                        act_dtypes: list[str], grad_dtypes: list[str], scale: float,
+                        norm_island: bool = False) -> ModuleNumerics:
+        a = act.summary()
+        fa = act.fractions("f16", 1.0)
+        gsum = grad.summary()
+        amax = a["absmax"]
+        return cls(
+            name=name, type=type_name, act_dtypes=act_dtypes, grad_dtypes=grad_dtypes, act_absmax=amax,
+            act_nonfinite=fa["nonfinite"], act_overflow_f16=fa["overflow"],
+            fp16_headroom_bits=math.log2(F16.max / amax) if amax > 0 else None,
+            grad_absmax=gsum["absmax"], grad_lost_f16=grad.lost_fraction("f16", 1.0),
+            grad_lost_f16_at_scale=grad.lost_fraction("f16", scale), samples=act.samples, norm_island=norm_island,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamNumerics:
+    """One parameter's gradients (unscaled) and updates.
+
+    Attributes:
+        name / module / dtype / numel: The parameter.
+        grad_dtypes: Dtypes its gradients arrived in.
+        grad_absmax: Largest unscaled gradient magnitude.
+        grad_zero: Fraction of gradient values that were exactly zero.
+        grad_lost_f16 / grad_lost_f16_at_scale: Fraction of non-zero gradient values that flush
+            to zero in FP16 at scale 1 / at the report's loss scale.
+        updated: Elements whose weight changed in the measured steps (``None``: not measured).
+        stagnant_bf16 / stagnant_f16: Fraction of those whose update was below half an ulp of
+            the weight in BF16 / FP16: they would not move if the weight were stored in that format.
+    """
+
+    name: str
+    module: str
+    dtype: str
+    numel: int
+    grad_dtypes: list[str]
+    grad_absmax: float
+    grad_zero: float
+    grad_lost_f16: float
+    grad_lost_f16_at_scale: float
+    updated: int | None
+    stagnant_bf16: float | None
+    stagnant_f16: float | None
+
+    @classmethod
+    def from_record(cls, name: str, module: str, dtype: str, numel: int, grad: Log2Histogram, grad_dtypes: list[str],
+                    update_counts: list[int] | None, scale: float) -> ParamNumerics:
+        s = grad.summary()
+        updated = stag_b = stag_h = None
+        if update_counts is not None:
+            updated = int(update_counts[0])
+            stag_b = update_counts[1] / updated if updated else 0.0
+            stag_h = update_counts[2] / updated if updated else 0.0
+        return cls(
+            name=name, module=module, dtype=dtype, numel=numel, grad_dtypes=grad_dtypes, grad_absmax=s["absmax"],
+            grad_zero=s["zero"] / s["total"] if s["total"] else 0.0, grad_lost_f16=grad.lost_fraction("f16", 1.0),
+            grad_lost_f16_at_scale=grad.lost_fraction("f16", scale), updated=updated, stagnant_bf16=stag_b,
+            stagnant_f16=stag_h,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleRange:
+    """Loss scales for FP16 (powers of two; gradients unscaled).
+
+    Attributes:
+        low: Smallest scale at which at most ``max_lost`` of the non-zero gradient values flush
+            to zero (``None``: no scale up to 2**40 is enough).
+        high: Largest scale at which the largest gradient stays below the FP16 maximum
+            (``None``: no gradient was seen).
+        recommended: A static scale inside ``[low, high]`` with up to 16x headroom below ``high``,
+            at most 2**24; ``high`` when the range is empty.
+        feasible: ``low <= high``: one static scale keeps the largest gradient finite and
+            recovers the small ones.
+        max_lost: The tolerance used for ``low``.
+    """
+
+    low: float | None
+    high: float | None
+    recommended: float | None
+    feasible: bool
+    max_lost: float
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsReport:
+    """What :class:`~mixprec.numerics.NumericsMonitor` observed, and what it recommends.
+
+    Attributes:
+        device: Where the model ran.
+        sampled_steps / every: How much was observed.
+        loss_scale: The scale "at the current scale" figures refer to.
+        modules / params: Per-module and per-parameter statistics.
+        overflow_risk: Names of modules whose activations overflow FP16 or come within
+            ``overflow_margin`` of its maximum, largest first.
+        activation_grad_underflow / param_grad_underflow: ``{"f16": {"scale_1": f, "current_scale": f},
+            "bf16": {...}}``: fractions of non-zero gradient values that flush to zero.
+        grad_absmax: Largest unscaled gradient (activation or parameter).
+        scale_range: :class:`ScaleRange` for FP16.
+        stagnation: ``{"bf16": f, "f16": f, "worst": [[name, f], ...]}``; fractions of updated
+            weight elements whose update is below half an ulp (``None`` without an optimizer).
+        recommended_islands: FP32 islands to add for FP16 (policy ``i=`` entries).
+        recommended_preset: The preset mixprec recommends for this model on this device.
+        fp16_policy: A policy string for FP16 with the recommended scale and islands, or ``None``
+            when FP16 cannot work.
+        findings: The reasoning, one sentence per finding.
+        histograms: Pooled log2 histograms (``activations``, ``activation_grads``, ``param_grads``):
+            ``{"total", "zero", "nonfinite", "absmax", "bins": {k: count}}`` (bin k: ``[2**k, 2**(k+1))``).
+    """
+
+    device: str
+    sampled_steps: int
+    every: int
+    loss_scale: float
+    modules: list[ModuleNumerics]
+    params: list[ParamNumerics]
+    overflow_risk: list[str]
+    activation_grad_underflow: dict[str, dict[str, float]]
+    param_grad_underflow: dict[str, dict[str, float]]
+    grad_absmax: float
+    scale_range: ScaleRange
+    stagnation: dict[str, Any]
+    recommended_islands: list[str]
+    recommended_preset: str
+    fp16_policy: str | None
+    findings: list[str]
+    histograms: dict[str, dict[str, Any]]
+
+    def module(self, name: str) -> ModuleNumerics:
+        """The statistics of one module by qualified name (KeyError when not watched)."""
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(f"module {name!r} was not watched; watched: {[m.name for m in self.modules][:10]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (schema ``mixprec.numerics/1``; inf/NaN as null)."""
+        d = jsonable(self)
+        d["schema"] = "mixprec.numerics/1"
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        """:meth:`to_dict` as a JSON string."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    # ----- tables -----
+    def tables(self, top: int = 15) -> list[tuple[str, list[str], list[list[str]]]]:
+        """``(title, headers, rows)`` for the module and parameter tables (``top`` rows each)."""
+        mods = sorted(self.modules, key=lambda m: -m.act_absmax)[:top]
+        mod_rows = [[
+            m.name or "(root)", m.type, "/".join(m.act_dtypes) or "-", _g(m.act_absmax),
+            "-" if m.fp16_headroom_bits is None else f"{m.fp16_headroom_bits:+.1f}",
+            _pct(m.act_nonfinite) if m.act_nonfinite else "0%", _g(m.grad_absmax),
+            _pct(m.grad_lost_f16), _pct(m.grad_lost_f16_at_scale),
+        ] for m in mods]
+        scale = _pow2(self.loss_scale)
+        mod_table = (
+            f"Modules (top {len(mods)} of {len(self.modules)} by activation magnitude; gradients unscaled)",
+            ["module", "type", "dtype", "act absmax", "FP16 headroom (bits)", "act inf/nan", "grad absmax",
+             "grad lost FP16 @1", f"@{scale}"],
+            mod_rows,
+        )
+        params = sorted(self.params, key=lambda p: -(p.grad_lost_f16 or 0))[:top]
+        par_rows = [[
+            p.name, p.dtype, "/".join(p.grad_dtypes) or "-", _g(p.grad_absmax), _pct(p.grad_zero),
+            _pct(p.grad_lost_f16), _pct(p.grad_lost_f16_at_scale), _pct(p.stagnant_bf16), _pct(p.stagnant_f16),
+        ] for p in params]
+        par_table = (
+            f"Parameters (top {len(params)} of {len(self.params)} by FP16 gradient underflow)",
+            ["parameter", "dtype", "grad dtype", "grad absmax", "grad zero", "lost FP16 @1", f"@{scale}",
+             "update < 1/2 ulp BF16", "FP16"],
+            par_rows,
+        )
+        return [mod_table, par_table]
+
+    def summary_lines(self) -> list[str]:
+        """The findings and recommendations as text lines."""
+        sr = self.scale_range
+        lines = [f"mixprec numerics report: {self.sampled_steps} sampled step(s) (every {self.every}), device "
+                 f"{self.device}, loss scale {_pow2(self.loss_scale)}"]
+        ag = self.activation_grad_underflow["f16"]
+        pg = self.param_grad_underflow["f16"]
+        lines.append(
+            f"FP16 gradient underflow (non-zero values that flush to zero): activation gradients "
+            f"{_pct(ag['scale_1'])} at scale 1, {_pct(ag['current_scale'])} at {_pow2(self.loss_scale)}; parameter "
+            f"gradients {_pct(pg['scale_1'])} / {_pct(pg['current_scale'])}."
+        )
+        if sr.high is not None or sr.low is not None:
+            lines.append(
+                f"FP16 loss-scale range: {_pow2(sr.low)} .. {_pow2(sr.high)} "
+                f"({'feasible' if sr.feasible else 'EMPTY: no static scale fits'}); recommended static scale "
+                f"{_pow2(sr.recommended)}."
+            )
+        st = self.stagnation
+        if st.get("bf16") is not None:
+            lines.append(f"Updates below half an ulp of the weight: {_pct(st['bf16'])} in BF16, {_pct(st['f16'])} in FP16.")
+        lines.append("Findings:")
+        lines.extend(f"  - {f}" for f in self.findings)
+        islands = "+".join(self.recommended_islands) or "-"
+        lines.append(f"Recommended preset: {self.recommended_preset}. FP32 islands for FP16: {islands}.")
+        if self.fp16_policy:
+            lines.append(f"FP16 policy: {self.fp16_policy}")
+        return lines
+
+    def table(self, top: int = 15) -> str:
+        """The report as plain text: summary, findings, module and parameter tables."""
+        parts = ["\n".join(self.summary_lines())]
+        parts += [format_table(h, r, t) for t, h, r in self.tables(top)]
+        return "\n\n".join(parts)
+
+    def print(self, file: IO[str] | None = None, top: int = 15, use_rich: bool | None = None) -> None:
+        """Print the tables (with rich when installed) and the summary."""
+        lines = self.summary_lines()
+        print_tables(self.tables(top), lines[1:], file=file, use_rich=use_rich, header=lines[:1])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _underflow(h: Log2Histogram, scale: float) -> dict[str, dict[str, float]]:
+    return {
+        dt: {"scale_1": h.lost_fraction(dt, 1.0), "current_scale": h.lost_fraction(dt, scale)}
+        for dt in ("f16", "bf16")
+    }
+
+
+def _scale_range(pooled: Log2Histogram, gmax: float, max_lost: float) -> ScaleRange:
+    low = pooled.smallest_scale_keeping("f16", max_lost=max_lost)
+    high = None
+    if gmax > 0 and math.isfinite(gmax):
+        e = math.floor(math.log2(F16.max / gmax))
+        if gmax * 2.0**e >= F16.max:  # exactly at the boundary
+            e -= 1
+        high = 2.0**e
+    if high is None:
+        rec = low
+        feasible = low is not None
+    elif low is None or low > high:
+        rec, feasible = high, False
+    else:
+        rec = min(max(low, high / 2**HEADROOM_BITS), high)
+        if rec > MAX_RECOMMENDED_SCALE and low <= MAX_RECOMMENDED_SCALE:
+            rec = MAX_RECOMMENDED_SCALE
+        feasible = True
+    return ScaleRange(low=low, high=high, recommended=rec, feasible=feasible, max_lost=max_lost)
+
+
+def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], act_grads: Log2Histogram,
+                 param_grads: Log2Histogram, loss_scale: float, max_lost: float, sampled_steps: int, every: int,
+                 overflow_margin: float, bf16_supported: bool, device: str, update_measured: bool,
+                 activations: Log2Histogram | None = None) -> NumericsReport:
+    """Turn the monitor's statistics into findings and recommendations (see :class:`NumericsReport`)."""
+    findings: list[str] = []
+    risk = sorted(
+        (m for m in modules if m.act_nonfinite > 0 or m.act_absmax * overflow_margin >= F16.max),
+        key=lambda m: -m.act_absmax,
+    )
+    for m in risk:
+        if m.act_nonfinite > 0:
+            findings.append(f"{m.name or '(root)'} ({m.type}) produced inf/NaN activations ({_pct(m.act_nonfinite)}).")
+        elif m.act_overflow_f16 > 0:
+            findings.append(f"{m.name or '(root)'} ({m.type}) has activations up to {_g(m.act_absmax)}, beyond the FP16 "
+                            f"maximum 65504: it overflows in FP16.")
+        else:
+            findings.append(f"{m.name or '(root)'} ({m.type}) has activations up to {_g(m.act_absmax)}, within "
+                            f"{overflow_margin:g}x of the FP16 maximum 65504: at risk of overflow in FP16.")
+
+    pooled = Log2Histogram().merge_(act_grads).merge_(param_grads)
+    gmax = max(act_grads.summary()["absmax"], param_grads.summary()["absmax"])
+    sr = _scale_range(pooled, gmax, max_lost)
+    ag = _underflow(act_grads, loss_scale)
+    pg = _underflow(param_grads, loss_scale)
+    lost1 = pooled.lost_fraction("f16", 1.0)
+    if lost1 > max_lost:
+        findings.append(f"{_pct(lost1)} of the non-zero gradient values flush to zero in FP16 without loss scaling "
+                        f"(activation gradients {_pct(ag['f16']['scale_1'])}, parameter gradients {_pct(pg['f16']['scale_1'])}).")
+    if loss_scale != 1.0:
+        lost_s = pooled.lost_fraction("f16", loss_scale)
+        findings.append(f"At the current loss scale {_pow2(loss_scale)}, {_pct(lost_s)} still flush to zero"
+                        + (f" and the largest gradient ({_g(gmax)}) overflows FP16." if gmax * loss_scale >= F16.max else "."))
+    if sr.feasible and sr.recommended is not None and (lost1 > max_lost or sr.high is not None and sr.high < 1):
+        findings.append(f"A static loss scale in {_pow2(sr.low)}..{_pow2(sr.high)} keeps the largest gradient finite and "
+                        f"loses at most {_pct(max_lost)} of the small ones; {_pow2(sr.recommended)} leaves headroom.")
+    elif not sr.feasible and sr.high is not None:
+        findings.append(f"The gradients span more than FP16 can hold: any scale that keeps the largest ({_g(gmax)}) "
+                        f"finite (<= {_pow2(sr.high)}) still flushes more than {_pct(max_lost)} of the small ones.")
+
+    # stagnation
+    updated = sum(p.updated or 0 for p in params)
+    stagnation: dict[str, Any] = {"bf16": None, "f16": None, "worst": []}
+    if update_measured:
+        stag_b = sum((p.stagnant_bf16 or 0) * (p.updated or 0) for p in params)
+        stag_h = sum((p.stagnant_f16 or 0) * (p.updated or 0) for p in params)
+        stagnation["bf16"] = stag_b / updated if updated else 0.0
+        stagnation["f16"] = stag_h / updated if updated else 0.0
+        worst = sorted((p for p in params if p.updated), key=lambda p: -(p.stagnant_bf16 or 0))[:5]
+        stagnation["worst"] = [[p.name, p.stagnant_bf16] for p in worst if p.stagnant_bf16]
+        if stagnation["bf16"] > STAGNATION_WARN:
+            names = ", ".join(n for n, _ in stagnation["worst"][:3])
+            findings.append(
+                f"{_pct(stagnation['bf16'])} of weight updates are below half a BF16 ulp of the weight (most in {names}): "
+                "BF16 weights without FP32 masters would not move there. Keep FP32 weights (bf16-mixed) or masters "
+                "(bf16-master), or use compensated updates (bf16-pure); avoid bf16-true."
+            )
+
+    # islands and presets
+    islands: list[str] = []
+    for m in risk:
+        if m.name and not m.norm_island:
+            islands.append(f"name:{m.name}")
+    fp16_ok = sr.feasible and all(m.name or m.norm_island for m in risk)
+    fp16_policy = None
+    if fp16_ok:
+        island_spec = "+".join(["norm", *islands])
+        init = sr.recommended if sr.recommended is not None else 2.0**16
+        fp16_policy = str(Policy.parse(f"p=f32,c=f16,o=f32,ls=dynamic:{int(init) if init >= 1 else init},i={island_spec}"))
+    if bf16_supported:
+        preset = "bf16-mixed"
+        findings.append("Recommended bf16-mixed: BF16 has FP32's exponent range, so no loss scaling is needed"
+                        + (" and the FP16 overflows above do not occur" if risk else "")
+                        + "; FP32 weights keep small updates.")
+    elif fp16_ok:
+        preset = "fp16-mixed"
+        findings.append(f"This device has no BF16: use FP16 with the policy below (static scale {_pow2(sr.recommended)} or "
+                        "dynamic scaling starting there" + (f", FP32 islands {', '.join(islands)})." if islands else ")."))
+    else:
+        preset = "fp32"
+        findings.append("This device has no BF16 and FP16 cannot hold this model's values: stay in FP32 (or TF32).")
+    if not findings:
+        findings.append("No numerical problems seen.")
+
+    hist = {"activation_grads": act_grads.summary(), "param_grads": param_grads.summary()}
+    if activations is not None:
+        hist["activations"] = activations.summary()
+    return NumericsReport(
+        device=device, sampled_steps=sampled_steps, every=every, loss_scale=loss_scale, modules=modules, params=params,
+        overflow_risk=[m.name for m in risk], activation_grad_underflow=ag, param_grad_underflow=pg, grad_absmax=gmax,
+        scale_range=sr, stagnation=stagnation, recommended_islands=islands, recommended_preset=preset,
+        fp16_policy=fp16_policy, findings=findings, histograms=hist,
+    )

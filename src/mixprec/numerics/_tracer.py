@@ -1,0 +1,514 @@
+"""Find the first module whose values became inf or NaN, in forward or in backward.
+
+``trace_nonfinite`` runs one forward (and backward) step under hooks on every module and stops
+at the first place a non-finite value appears, in execution order:
+
+* forward, **input**: a module is called with inf/NaN inputs although every module before it
+  produced finite outputs, so the values were made by its caller's own code between submodule
+  calls (or they are in the batch, for the root);
+* forward, **output**: a module received finite inputs and returned inf/NaN (modules run
+  children first, so a parent is only named when its children were clean: then the cause is
+  its own code);
+* backward, **grad_input** / **param_grad**: a module received a finite gradient for its outputs
+  and produced an inf/NaN gradient for its inputs or one of its parameters;
+* backward, **grad_output**: an inf/NaN gradient arrived at a module's output from code that
+  is not a watched module (its caller's own code, or the loss).
+
+To see each module's own gradient contributions the tracer passes every module's inputs and
+outputs through an identity autograd function that *copies* them (a view would make in-place
+operations such as ``ReLU(inplace=True)`` illegal), so a trace uses more memory than a plain
+step. It syncs with the host at every check. It is a diagnostic for one batch, not a
+training-time hook.
+
+Optionally the guilty module is re-run in FP32 (a copy, autocast off) on the same inputs (and,
+for backward, the same output gradient): a finite FP32 result means precision is the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .._autocast import autocast, resolve_device_type
+from .._casting import cast_module, is_prepared
+from .._policy import Policy
+from ._report import jsonable
+from ._stats import TensorStats, tensor_stats, thresholds
+from ._tree import floating_tensors, map_tensors
+
+__all__ = ["FP32Rerun", "TraceResult", "trace_nonfinite"]
+
+Phase = Literal["forward", "backward"]
+Where = Literal["input", "output", "grad_input", "grad_output", "param_grad", "loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FP32Rerun:
+    """The guilty module re-run in FP32 on the same inputs.
+
+    Attributes:
+        finite: The FP32 result has no inf/NaN.
+        absmax: Its largest magnitude (of the outputs in forward, of the input and parameter
+            gradients in backward).
+        exceeds: The formats (``"f16"``, ``"bf16"``) whose maximum ``absmax`` exceeds.
+        precision_is_cause: ``True`` when FP32 is finite (the low precision made the inf/NaN),
+            ``False`` when FP32 fails too (a bug, bad data or a diverged model), ``None`` when
+            the re-run could not be made.
+        note: How it was run, or why not.
+    """
+
+    finite: bool | None
+    absmax: float | None
+    exceeds: list[str]
+    precision_is_cause: bool | None
+    note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceResult:
+    """Where inf/NaN first appeared in one training step.
+
+    Attributes:
+        found: Whether any inf/NaN appeared.
+        phase: ``"forward"`` or ``"backward"``.
+        module: Qualified name of the module to blame (``""`` is the root model; ``None`` when the
+            values came from the batch or the loss function).
+        module_type: Its class name.
+        where: ``"output"``, ``"input"`` (made by the module's own code before calling the
+            submodule named in ``detail``), ``"grad_input"``, ``"param_grad"``, ``"grad_output"``
+            (made by the module's own code after calling the submodule named in ``detail``), or
+            ``"loss"``.
+        detail: One line on exactly where (the submodule, the parameter).
+        kind: ``"inf"``, ``"nan"`` or ``"inf and nan"``.
+        input_stats: Statistics of what flowed into the step that failed (forward: the module's
+            inputs; backward: the gradient of its outputs), in ``stats_dtype``.
+        output_stats: Statistics of the non-finite tensors.
+        stats_dtype: The format the statistics are computed for.
+        fp32_rerun: :class:`FP32Rerun`, or ``None`` when not asked for.
+        loss: The loss value (``None`` when the trace stopped before it).
+        policy: The policy the step ran under (``None``: the model as given).
+        loss_scale: The loss was multiplied by this before backward.
+    """
+
+    found: bool
+    phase: Phase | None = None
+    module: str | None = None
+    module_type: str | None = None
+    where: Where | None = None
+    detail: str = ""
+    kind: str = ""
+    input_stats: list[TensorStats] = dataclasses.field(default_factory=list)
+    output_stats: list[TensorStats] = dataclasses.field(default_factory=list)
+    stats_dtype: str = "f16"
+    fp32_rerun: FP32Rerun | None = None
+    loss: float | None = None
+    policy: str | None = None
+    loss_scale: float = 1.0
+
+    @property
+    def explanation(self) -> str:
+        """A paragraph saying what happened, whether precision is the cause and what to do."""
+        if not self.found:
+            loss = "" if self.loss is None else f" (loss {self.loss:.6g})"
+            return f"No inf/NaN in forward or backward{loss}."
+        name = "the root model" if self.module == "" else repr(self.module)
+        typ = f" ({self.module_type})" if self.module_type else ""
+        if self.where == "loss":
+            head = f"{self.phase}: {self.kind} first appeared in the loss, computed from finite model outputs"
+        elif self.module is None:
+            head = f"{self.phase}: the batch already contains {self.kind}" if self.where == "input" else \
+                f"{self.phase}: {self.kind} came back from the loss function into the model's output gradient"
+        elif self.where == "output":
+            head = f"forward: {self.kind} first appeared in the output of {name}{typ}, whose inputs were finite"
+        elif self.where == "input":
+            head = f"forward: {self.kind} first appeared in the code of {name}{typ} itself, {self.detail}; every " \
+                   "submodule before returned finite values"
+        elif self.where == "grad_output":
+            head = f"backward: {self.kind} first appeared in the backward of the code of {name}{typ} itself, " \
+                   f"{self.detail}"
+        elif self.where == "param_grad":
+            head = f"backward: {self.kind} first appeared in the gradient of {self.detail} of {name}{typ}, " \
+                   "whose output gradient was finite"
+        else:
+            head = f"backward: {self.kind} first appeared in the input gradient of {name}{typ}, whose output " \
+                   "gradient was finite"
+        parts = [head + "."]
+        if self.input_stats:
+            amax = max(s.absmax for s in self.input_stats)
+            what = "inputs" if self.phase == "forward" else "incoming gradient"
+            parts.append(f"Its {what}: absmax {amax:.4g} in {self.stats_dtype}.")
+        r = self.fp32_rerun
+        if r is not None:
+            if r.precision_is_cause:
+                ex = f", largest value {r.absmax:.4g}" + (f" > the {'/'.join(r.exceeds)} maximum" if r.exceeds else "")
+                parts.append(f"Re-run in FP32: finite{ex}: precision is the cause.")
+                if self.module:
+                    fix = "lower the loss scale" if self.phase == "backward" and self.loss_scale > 1 else \
+                        "rescale the computation"
+                    parts.append(f"Keep it in FP32 (policy island i=norm+name:{self.module}), use bf16, or {fix}.")
+                elif self.module == "":
+                    parts.append("Use bf16, or find the overflowing operation in the model's forward and run it in "
+                                 "FP32 (mixprec.autocast.fp32()).")
+            elif r.precision_is_cause is False:
+                parts.append("Re-run in FP32: also non-finite: not a precision problem (check the inputs, the data, "
+                             "the learning rate).")
+            else:
+                parts.append(f"FP32 re-run: {r.note}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (inf/NaN as null), with the explanation."""
+        d = jsonable(self)
+        d["input_stats"] = [s.to_dict() for s in self.input_stats]
+        d["output_stats"] = [s.to_dict() for s in self.output_stats]
+        d["explanation"] = self.explanation
+        return d
+
+    def __str__(self) -> str:
+        return self.explanation
+
+
+# ----- the trace machinery ---------------------------------------------------------------------------
+class _Stop(Exception):
+    """Raised from a hook to end the traced step at the first inf/NaN."""
+
+
+class _Tap(torch.autograd.Function):
+    """Identity (a copy) whose backward hands the incoming gradients to a callback."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[tuple[torch.Tensor | None, ...]], None], *tensors: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        ctx.callback(grads)
+        return (None, *grads)
+
+
+def _nonfinite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _kind(tensors: list[torch.Tensor]) -> str:
+    has_nan = any(bool(torch.isnan(t).any()) for t in tensors)
+    has_inf = any(bool(torch.isinf(t).any()) for t in tensors)
+    return "inf and nan" if has_nan and has_inf else "nan" if has_nan else "inf"
+
+
+@dataclasses.dataclass
+class _Event:
+    phase: Phase
+    module: str | None
+    where: Where
+    detail: str
+    bad: list[torch.Tensor]
+    incoming: list[torch.Tensor]
+    rerun: str | None  # module to re-run
+
+
+class _Tracer:
+    def __init__(self, model: nn.Module, backward: bool) -> None:
+        self.model = model
+        self.backward = backward
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.modules = dict(model.named_modules())
+        self.stack: list[str] = []
+        self.parent: dict[str, str | None] = {}
+        self.last_child: dict[str, str] = {}
+        self.saved_inputs: dict[str, tuple[Any, Any]] = {}
+        self.saved_grad_out: dict[str, list[torch.Tensor | None]] = {}
+        self.grad_out_ok: set[str] = set()
+        self.event: _Event | None = None
+        self.handles: list[RemovableHandle] = []
+        self.enabled = True
+
+    def attach(self) -> None:
+        for name, m in self.model.named_modules():
+            self.handles.append(m.register_forward_pre_hook(functools.partial(self.pre, name), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(functools.partial(self.post, name), with_kwargs=True))
+            for pname, p in m.named_parameters(recurse=False):
+                if p.requires_grad:
+                    self.handles.append(p.register_hook(functools.partial(self.param_grad, name, pname)))
+
+    def detach(self) -> None:
+        self.enabled = False
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def stop(self, event: _Event) -> None:
+        if self.event is None:
+            self.event = event
+        raise _Stop
+
+    # forward
+    def pre(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if not self.enabled:
+            return None
+        parent = self.stack[-1] if self.stack else None
+        bad = _nonfinite(floating_tensors((args, kwargs)))
+        if bad:
+            if parent is None:
+                self.stop(_Event("forward", None if name == "" else name, "input", "the model's inputs" if name == ""
+                                 else f"inputs of {name!r} called from outside the model", bad, [], None))
+            after = self.last_child.get(parent) if parent is not None else None
+            where = f"between {after!r} and {name!r}" if after else f"before calling {name!r}"
+            self.stop(_Event("forward", parent, "input", where, bad,
+                             floating_tensors(self.saved_inputs.get(parent, ((), {}))) if parent is not None else [],
+                             parent))
+        self.parent[name] = parent
+        self.stack.append(name)
+        self.saved_inputs[name] = (args, kwargs)
+        if not self.backward or not torch.is_grad_enabled():
+            return None
+        return self._tap((args, kwargs), functools.partial(self.grad_input, name))
+
+    def post(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if not self.enabled:
+            return None
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        parent = self.parent.get(name)
+        if parent is not None:
+            self.last_child[parent] = name
+        bad = _nonfinite(floating_tensors(output))
+        if bad:
+            self.stop(_Event("forward", name, "output", "its output", bad, floating_tensors((args, kwargs)), name))
+        if not self.backward or not torch.is_grad_enabled():
+            return None
+        return self._tap(output, functools.partial(self.grad_output, name))
+
+    @staticmethod
+    def _tap(obj: Any, callback: Callable[[tuple[torch.Tensor | None, ...]], None]) -> Any:
+        tensors = [t for t in floating_tensors(obj) if t.requires_grad]
+        unique = list({id(t): t for t in tensors}.values())
+        if not unique:
+            return None
+        copies = _Tap.apply(callback, *unique)
+        new = {id(t): c for t, c in zip(unique, copies)}
+        return map_tensors(obj, lambda t: new.get(id(t), t))
+
+    # backward
+    def _incoming(self, name: str | None) -> list[torch.Tensor]:
+        return [g for g in self.saved_grad_out.get(name, []) if g is not None] if name is not None else []
+
+    def grad_output(self, name: str, grads: tuple[torch.Tensor | None, ...]) -> None:
+        if not self.enabled:
+            return
+        self.saved_grad_out[name] = list(grads)
+        bad = _nonfinite([g for g in grads if g is not None])
+        if not bad:
+            self.grad_out_ok.add(name)
+            return
+        parent = self.parent.get(name)
+        if name == "" or parent is None:
+            self.stop(_Event("backward", None, "grad_output", "the loss function's backward", bad, [], None))
+        self.stop(_Event("backward", parent, "grad_output", f"after calling {name!r}", bad,
+                         self._incoming(parent), parent))
+
+    def grad_input(self, name: str, grads: tuple[torch.Tensor | None, ...]) -> None:
+        if not self.enabled:
+            return
+        bad = _nonfinite([g for g in grads if g is not None])
+        if bad:
+            self.stop(_Event("backward", name, "grad_input", "its input gradient", bad,
+                             self._incoming(name), name))
+
+    def param_grad(self, name: str, pname: str, grad: torch.Tensor) -> None:
+        if not self.enabled or grad is None:
+            return
+        bad = _nonfinite([grad])
+        if bad:
+            self.stop(_Event("backward", name, "param_grad", f"parameter {pname!r}", bad,
+                             self._incoming(name), name))
+
+
+# ----- FP32 re-run --------------------------------------------------------------------------------------
+def _fp32_copy(module: nn.Module) -> nn.Module:
+    m = copy.deepcopy(module)
+    for sub in m.modules():  # drop every hook (the tracer's, cast_module's input/output casts)
+        sub._forward_hooks.clear()
+        sub._forward_pre_hooks.clear()
+        sub._backward_hooks.clear()
+        sub._backward_pre_hooks.clear()
+        for attr in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            d = getattr(sub, attr, None)
+            if isinstance(d, dict):
+                d.clear()
+    m.zero_grad(set_to_none=True)
+    return m.float()
+
+
+def _to_fp32(obj: Any, requires_grad: bool) -> Any:
+    def conv(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        x = t.detach().float()
+        return x.requires_grad_(True) if requires_grad else x
+    return map_tensors(obj, conv)
+
+
+def _rerun(ev: _Event, tracer: _Tracer, device_type: str) -> FP32Rerun:
+    name = ev.rerun
+    if name is None or name not in tracer.modules or name not in tracer.saved_inputs:
+        return FP32Rerun(None, None, [], None, "not re-run: the values did not come from a module")
+    module = tracer.modules[name]
+    args, kwargs = tracer.saved_inputs[name]
+    try:
+        m32 = _fp32_copy(module)
+        with torch.autocast(device_type=device_type, enabled=False):
+            if ev.phase == "forward":
+                with torch.no_grad():
+                    out = m32(*_to_fp32(args, False), **_to_fp32(kwargs, False))
+                results = floating_tensors(out)
+            else:
+                a32, k32 = _to_fp32(args, True), _to_fp32(kwargs, True)
+                with torch.enable_grad():
+                    out = m32(*a32, **k32)
+                    outs = list({id(t): t for t in floating_tensors(out) if t.requires_grad}.values())
+                    gouts = tracer.saved_grad_out.get(name)
+                    if gouts is None or len(gouts) != len(outs):
+                        return FP32Rerun(None, None, [], None, "not re-run: the output gradient was not recorded")
+                    pairs = [(o, g.detach().float()) for o, g in zip(outs, gouts) if g is not None]
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                results = [t.grad for t in floating_tensors((a32, k32)) if t.grad is not None]
+                results += [p.grad for p in m32.parameters() if p.grad is not None]
+    except Exception as e:  # a module that cannot run alone (needs state from its caller)
+        return FP32Rerun(None, None, [], None, f"could not re-run {name!r} alone in FP32: {type(e).__name__}: {e}")
+    if not results:
+        return FP32Rerun(None, None, [], None, "the FP32 re-run produced no floating tensors")
+    finite = not _nonfinite(results)
+    absmax = max(float(torch.where(torch.isnan(t), 0.0, t.abs()).max()) if t.numel() else 0.0 for t in results)
+    exceeds = [d for d in ("f16", "bf16") if absmax > thresholds(d).max]
+    return FP32Rerun(finite, absmax, exceeds, finite, f"{name or 'the model'} copied to FP32, autocast off, same "
+                     + ("inputs" if ev.phase == "forward" else "inputs and output gradient"))
+
+
+# ----- public entry point ------------------------------------------------------------------------------
+def _call_model(model: nn.Module, batch: Any) -> Any:
+    return model(batch)
+
+
+def trace_nonfinite(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    policy: Policy | str | None = None,
+    *,
+    loss_scale: float = 1.0,
+    backward: bool = True,
+    rerun_fp32: bool = True,
+    copy_model: bool = True,
+    stats_dtype: str | torch.dtype | None = None,
+) -> TraceResult:
+    """Run one step and name the first module (forward or backward) whose values became inf or NaN.
+
+    Args:
+        model: The model. With ``policy=None`` it runs as it is (call this inside your own
+            ``autocast`` region, or on a model prepared by ``MixedPrecision``).
+        batch: One batch, as ``loss_fn`` takes it.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss`` (forward included). ``None``: forward
+            only, as ``model(batch)``.
+        policy: Run under this policy instead (a preset or grammar string): a copy of ``model``
+            is cast with :func:`mixprec.cast_module` and run inside :class:`mixprec.autocast`.
+            The model itself is never changed.
+        loss_scale: Multiply the loss by this before backward (to reproduce a loss-scaled step).
+        backward: Also trace the backward pass (needs ``loss_fn``).
+        rerun_fp32: Re-run the guilty module in FP32 to say whether precision is the cause.
+        copy_model: Trace a deep copy, so parameters, gradients and buffers (BatchNorm
+            statistics) of ``model`` stay untouched. ``False`` saves memory; gradients are then
+            saved and restored, but buffers do change.
+        stats_dtype: Format for the statistics of the failing module's inputs; default: the
+            policy's compute dtype when it is a half type, else ``f16``.
+
+    Returns:
+        :class:`TraceResult`; ``str(result)`` explains it.
+
+    Raises:
+        ValueError: ``policy`` given for a model already prepared with ``cast_module``; a
+            non-scalar loss.
+
+    Host syncs: one per tensor checked (a diagnostic, not for the training loop).
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> with torch.no_grad():
+        ...     _ = m[0].weight.fill_(3e4)
+        >>> r = trace_nonfinite(m, torch.ones(2, 4), lambda m, b: m(b).sum(), policy="p=bf16,c=bf16")
+        >>> r.found
+        False
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"trace_nonfinite needs an nn.Module, got {type(model).__name__}")
+    pol = Policy.parse(policy) if policy is not None else None
+    if pol is not None and is_prepared(model):
+        raise ValueError(
+            "this model is already prepared (cast_module / MixedPrecision.prepare): trace it as it is with policy=None "
+            "inside prec.autocast(), or pass the FP32 model with policy=..."
+        )
+    device_type = resolve_device_type(model)
+    work = copy.deepcopy(model) if copy_model or pol is not None else model
+    if work is not model:
+        work.zero_grad(set_to_none=True)
+    if pol is not None:
+        cast_module(work, pol)
+    if stats_dtype is None:
+        stats_dtype = pol.compute_dtype if pol is not None and pol.compute_dtype != torch.float32 else "f16"
+    stats_name = thresholds(stats_dtype).dtype
+    do_backward = backward and loss_fn is not None
+
+    saved_grads = None
+    if not copy_model and pol is None:
+        saved_grads = [(p, p.grad) for p in work.parameters()]
+        for p, _ in saved_grads:
+            p.grad = None
+
+    tracer = _Tracer(work, do_backward)
+    tracer.attach()
+    loss_value: float | None = None
+    region = autocast(pol, device_type) if pol is not None else contextlib.nullcontext()
+    try:
+        try:
+            with region:
+                out = loss_fn(work, batch) if loss_fn is not None else _call_model(work, batch)
+            if loss_fn is not None:
+                if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                    raise ValueError(f"loss_fn must return a scalar tensor, got {type(out).__name__} "
+                                     f"{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}")
+                loss_value = float(out.detach().float())
+                if not math.isfinite(loss_value):
+                    tracer.stop(_Event("forward", None, "loss", "the loss function", [out.detach()], [], None))
+                if do_backward:
+                    (out.float() * loss_scale).backward()
+        except _Stop:
+            pass
+    finally:
+        tracer.detach()
+        if saved_grads is not None:
+            for p, g in saved_grads:
+                p.grad = g
+
+    ev = tracer.event
+    pol_str = str(pol) if pol is not None else None
+    if ev is None:
+        return TraceResult(found=False, loss=loss_value, policy=pol_str, loss_scale=loss_scale, stats_dtype=stats_name)
+    module = ev.module
+    mtype = type(tracer.modules[module]).__name__ if module is not None and module in tracer.modules else None
+    rerun = _rerun(ev, tracer, device_type) if rerun_fp32 and ev.rerun is not None else None
+    return TraceResult(
+        found=True, phase=ev.phase, module=module, module_type=mtype, where=ev.where, detail=ev.detail,
+        kind=_kind(ev.bad), input_stats=[tensor_stats(t, stats_name) for t in ev.incoming],
+        output_stats=[tensor_stats(t, stats_name) for t in ev.bad], stats_dtype=stats_name, fp32_rerun=rerun,
+        loss=loss_value, policy=pol_str, loss_scale=loss_scale,
+    )

@@ -1,0 +1,190 @@
+"""trace_nonfinite names the first module that produced inf/NaN, in forward or backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import cast_module
+from mixprec.numerics import trace_nonfinite
+
+FP16 = "p=f32,c=f16"  # fp16 autocast, no loss scaling (the trace scales explicitly)
+
+
+def _loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x).float().pow(2).mean()
+
+
+class Planted(nn.Module):
+    """``big`` produces activations around 1e6 (> 65504): inf/NaN in FP16, finite in FP32 and BF16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)  # in-place on a module output: the tracer must cope
+        self.big = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.big.weight.mul_(1e6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.big(self.act(self.a(x)))))
+
+
+class _Blow(torch.autograd.Function):
+    """Identity forward, gradient x1e6 backward (a planted backward blow-up)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g * 1e6
+
+
+class BlowUp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Blow.apply(x)
+
+
+class PlantedBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.blowup = BlowUp()
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.blowup(self.a(x))))
+
+
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_planted_forward_overflow_is_named_in_forward() -> None:
+    r = trace_nonfinite(Planted(), X, _loss, FP16)
+    assert r.found and (r.phase, r.module, r.where, r.module_type) == ("forward", "big", "output", "Linear")
+    assert r.input_stats and r.input_stats[0].all_finite and r.input_stats[0].dtype == "f16"
+    assert not r.output_stats[0].all_finite
+    rr = r.fp32_rerun
+    assert rr is not None and rr.finite and rr.precision_is_cause and rr.exceeds == ["f16"] and rr.absmax > 65504
+    assert "'big' (Linear)" in r.explanation and "precision is the cause" in r.explanation
+    assert "i=norm+name:big" in str(r)
+    assert r.to_dict()["module"] == "big"
+
+
+def test_the_same_model_is_clean_in_bf16_and_fp32() -> None:
+    for policy in ("bf16-mixed", "fp32"):
+        r = trace_nonfinite(Planted(), X, _loss, policy)
+        assert not r.found and r.loss is not None
+        assert str(r).startswith("No inf/NaN")
+
+
+def test_planted_backward_blow_up_is_named_in_backward() -> None:
+    r = trace_nonfinite(PlantedBackward(), X, _loss, FP16, loss_scale=2.0**10)
+    assert (r.found, r.phase, r.module, r.where) == (True, "backward", "blowup", "grad_input")
+    assert all(s.all_finite for s in r.input_stats)  # the gradient arriving at its output was finite
+    assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause
+    assert "lower the loss scale" in r.explanation
+    # with FP16 parameters (fp16-master) too; and no inf/NaN in FP32
+    assert trace_nonfinite(PlantedBackward(), X, _loss, "fp16-master", loss_scale=2.0**10).module == "blowup"
+    assert not trace_nonfinite(PlantedBackward(), X, _loss, "fp32", loss_scale=2.0**10).found
+
+
+def test_a_parameter_gradient_overflow_names_its_module() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    # Large activations into the head: its weight gradient (activations x output gradient, summed over
+    # the batch) overflows FP16 first, while the gradients flowing between modules stay finite.
+    r = trace_nonfinite(m, X * 300, _loss, FP16, loss_scale=2.0**8)
+    assert (r.phase, r.module, r.where) == ("backward", "1", "param_grad")
+    assert "parameter 'weight'" in r.detail
+    # A larger input overflows earlier: in the root's cast of the FP32 output gradient back to FP16
+    # (cast_module's output cast is the root's own code), before any module's backward runs.
+    r = trace_nonfinite(m, X * 1000, _loss, FP16, loss_scale=2.0**8)
+    assert (r.phase, r.module, r.where) == ("backward", "", "grad_output")
+    assert r.input_stats[0].absmax > 65504
+
+
+def test_overflow_in_a_parents_own_code_names_the_parent() -> None:
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.lin(x) * 1e6)  # the multiply is Inner's own code
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inner = Inner()
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.inner(x))
+
+    r = trace_nonfinite(Outer(), X, _loss, FP16)
+    assert (r.phase, r.module, r.where) == ("forward", "inner", "input")
+    assert "between 'inner.lin' and 'inner.out'" in r.detail
+    assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause
+
+
+def test_bad_data_and_bad_loss_are_not_blamed_on_a_module() -> None:
+    bad = X.clone()
+    bad[0, 0] = float("nan")
+    r = trace_nonfinite(Planted(), bad, _loss, "fp32")
+    assert (r.phase, r.module, r.where, r.kind) == ("forward", None, "input", "nan")
+    assert "the batch already contains nan" in str(r)
+    r = trace_nonfinite(PlantedBackward(), X, lambda m, x: m(x).sum() * float("inf"), "fp32")
+    assert (r.phase, r.module, r.where) == ("forward", None, "loss")
+
+
+def test_precision_is_not_the_cause_when_fp32_fails_too() -> None:
+    class LogNeg(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(x - 100)  # NaN in any precision
+
+    m = nn.Sequential(nn.Linear(8, 8), LogNeg(), nn.Linear(8, 1))
+    r = trace_nonfinite(m, X, _loss, FP16)
+    assert (r.module, r.where) == ("1", "output")
+    assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause is False
+    assert "not a precision problem" in str(r)
+
+
+def test_the_model_is_left_untouched() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    m(X).sum().backward()
+    before = copy.deepcopy(m.state_dict())
+    grads = [p.grad.clone() for p in m.parameters()]
+    for kwargs in ({}, {"copy_model": False}):
+        trace_nonfinite(m, X, _loss, **kwargs)
+        assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), grads))
+        assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in m.modules())
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items() if "running" not in k and "num_batches" not in k)
+    trace_nonfinite(m, X, _loss, FP16)  # policy runs use a cast copy
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+
+
+def test_a_prepared_model_is_traced_as_it_is() -> None:
+    m = cast_module(Planted(), "fp16-master")
+    with pytest.raises(ValueError, match="already prepared"):
+        trace_nonfinite(m, X, _loss, "fp16-master")
+    r = trace_nonfinite(m, X, _loss)  # half parameters compute in FP16 without autocast
+    assert (r.phase, r.module) == ("forward", "big")
+
+
+def test_forward_only_without_loss_fn() -> None:
+    r = trace_nonfinite(Planted(), X, policy=FP16)
+    assert (r.phase, r.module, r.loss) == ("forward", "big", None)
