@@ -1,0 +1,58 @@
+"""``mixprec.bench``: the side-by-side precision benchmark behind ``mixprec compare``.
+
+Train the same model, from the same initial weights, on the same batches, under each
+precision preset and a plain ``torch.amp`` baseline, interleaved step by step; report step
+time (median, p10-p90), throughput, peak and model-state memory, final train/validation
+loss (or accuracy) with the gap to FP32, skipped steps, the loss scale, and MFU on a GPU.
+
+Example:
+    >>> from mixprec.bench import run_compare
+    >>> result = run_compare("gpt", "fp32,bf16-mixed", steps=20)      # doctest: +SKIP
+    >>> result.row("bf16-mixed").val_loss_gap                          # doctest: +SKIP
+
+Workloads: ``"gpt"``, ``"cnn"``, ``"hf-gpt2"`` or ``"MODULE:FUNCTION"`` (see
+:func:`load_workload` for your own). JSON schema ``mixprec.compare/1``: top-level keys
+``schema``, ``environment`` (torch, python, device, device_name, cpu: model/flags/threads,
+cuda), ``workload`` (name, description, parameters, unit, items_per_step, flops_per_step,
+options, initial_weights_sha256, batches_sha256, ...), ``settings`` (presets, baseline, steps,
+warmup, device, fp16_cpu, seed, ...), ``rows`` (one per preset and the baseline: name, label,
+kind, status, reason, policy, step_time_ms {median, p10, p90, mean, n}, throughput,
+achieved_tflops, mfu, peak_memory_bytes, model_state_bytes(_per_param), final_train_loss,
+val_loss, val_metric, *_gap, skipped_steps, final_loss_scale, losses, loss_scales,
+init_weights_sha256, ...) and ``notes``. Non-finite numbers are written as ``null``.
+"""
+
+from ._fp16_emulation import FP16Emulation
+from ._memory import LiveTensorTracker, model_state_bytes
+from ._runner import (
+    ALL_PRESETS,
+    BASELINE,
+    CompareResult,
+    RowResult,
+    default_presets,
+    parse_presets,
+    resolve_device,
+    run_compare,
+)
+from ._timing import DENSE_PEAK_TFLOPS, peak_tflops
+from ._workloads import BUILTIN_WORKLOADS, BenchError, Workload, load_workload
+
+__all__ = [
+    "ALL_PRESETS",
+    "BASELINE",
+    "BUILTIN_WORKLOADS",
+    "DENSE_PEAK_TFLOPS",
+    "BenchError",
+    "CompareResult",
+    "FP16Emulation",
+    "LiveTensorTracker",
+    "RowResult",
+    "Workload",
+    "default_presets",
+    "load_workload",
+    "model_state_bytes",
+    "parse_presets",
+    "peak_tflops",
+    "resolve_device",
+    "run_compare",
+]

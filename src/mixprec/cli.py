@@ -1,0 +1,292 @@
+"""The ``mixprec`` command: ``compare`` (this module), ``doctor`` and ``check`` (mixprec.numerics).
+
+Exit codes: 0 success, 1 a failure while running, 2 bad arguments (one line on stderr,
+never a traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+__all__ = ["build_parser", "main"]
+
+_EPILOG_COMPARE = """\
+examples:
+  mixprec compare                                   # gpt workload, default presets for this device
+  mixprec compare -w cnn -p fp32,bf16-mixed,fp16-mixed --steps 200 --out results/
+  mixprec compare -w hf-gpt2 -o n_layer=4 -o n_embd=128 --json results.json
+  mixprec compare -w my_bench:make                  # your own: make() returns a Workload or
+                                                    # (model, optimizer_fn, batches, loss_fn)
+
+presets: fp32, tf32, bf16-mixed, fp16-mixed, bf16-master, fp16-master, bf16-pure, fp16-pure, all.
+The torch-amp baseline row (torch.autocast + torch.amp.GradScaler, as the PyTorch recipe writes
+it) is added unless --baseline none. On a CPU, fp16 rows run an FP16 emulation (FP16 storage and
+rounding, FP32 arithmetic, like GPU kernels) unless --native-fp16; CPU timings do not show GPU
+speed-ups.
+"""
+
+
+class UsageError(Exception):
+    """Bad command-line arguments: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise UsageError(f"mixprec compare: error: -o/--option expects KEY=VALUE, got {text!r} (e.g. -o n_layer=4)")
+    v: Any = value.strip()
+    for conv in (int, float):
+        try:
+            v = conv(value)
+            break
+        except ValueError:
+            continue
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        v = v.lower() == "true"
+    return key.strip(), v
+
+
+def _baseline_arg(text: str) -> str:
+    parts = [p.strip().lower() for p in text.split(",") if p.strip()]
+    allowed = ("auto", "fp16", "bf16", "none")
+    bad = [p for p in parts if p not in allowed]
+    if not parts or bad:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from auto, fp16, bf16, fp16,bf16, none)")
+    return ",".join(parts)
+
+
+def _add_compare(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "compare",
+        help="train one model under each precision preset and torch.amp, side by side",
+        description="Train the same model, data and seed under each precision preset and a torch.amp "
+        "baseline, interleaved, and report speed, memory and accuracy side by side.",
+        epilog=_EPILOG_COMPARE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-w", "--workload", default="gpt", help="gpt (default), cnn, hf-gpt2, or MODULE:FUNCTION")
+    p.add_argument("-p", "--presets", default=None,
+                   help="comma-separated presets, or 'all' (default: all on a GPU; fp32,bf16-mixed,fp16-mixed,"
+                        "bf16-master,fp16-master on a CPU)")
+    p.add_argument("--baseline", default="auto", type=_baseline_arg,
+                   help="torch-amp baseline dtype: auto, fp16, bf16, fp16,bf16 (two rows) or none (auto: fp16 on "
+                        "a GPU; on a CPU fp16 emulated when an fp16 preset runs emulated, else bf16)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per row (default: 200 on CPU, 300 on GPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 5 on CPU, 10 on GPU)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    p.add_argument("--native-fp16", action="store_true",
+                   help="on a CPU, run fp16 rows with torch's native CPU fp16 kernels instead of the emulation (slow)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="workload size option, repeatable (gpt/hf-gpt2: n_layer, n_head, n_embd, block_size, "
+                        "batch_size, lr, ...; cnn: width, batch_size, ...; your function's keyword arguments)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every row's RNG stream (default 0)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
+    p.add_argument("--out", metavar="DIR", default=None, help="write PNG plots and compare.json into DIR")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the GPU's dense peak TFLOP/s for MFU, when its name is not in mixprec's table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_compare)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, str | None]:
+    """The ``mixprec`` parser, and why ``doctor``/``check`` are missing (``None`` when present)."""
+    from . import __version__
+
+    parser = _Parser(prog="mixprec", description="Mixed-precision training for PyTorch: benchmark and diagnostics.")
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_compare(subparsers)
+    missing: str | None = None
+    try:
+        from .numerics import _cli as numerics_cli  # type: ignore[import-not-found, unused-ignore]
+    except ModuleNotFoundError as e:
+        missing = f"not installed in this build ({e})"
+    except Exception as e:  # a broken numerics module must not take `compare` down with it
+        missing = f"failed to load: {type(e).__name__}: {e}"
+    else:
+        try:
+            numerics_cli.register(subparsers)
+        except Exception as e:
+            missing = f"failed to register: {type(e).__name__}: {e}"
+    return parser, missing
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``mixprec`` command line; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser, numerics_missing = build_parser()
+        if args_list and args_list[0] in ("doctor", "check") and numerics_missing:
+            raise UsageError(f"mixprec {args_list[0]}: unavailable: mixprec.numerics is {numerics_missing}")
+        try:
+            args = parser.parse_args(args_list)
+        except SystemExit as e:  # --help / --version
+            return int(e.code or 0) if not isinstance(e.code, str) else 2
+        if getattr(args, "func", None) is None:
+            parser.print_help(sys.stderr)
+            return 2
+        args.argv = None if argv is None else list(argv)
+        return int(args.func(args))
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mixprec: interrupted", file=sys.stderr)
+        return 130
+
+
+# ----- compare ------------------------------------------------------------------------------------
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import BenchError
+
+    prog = "mixprec compare"
+    try:
+        options = dict(_parse_option(o) for o in args.option)
+        if args.threads is not None:
+            if args.threads < 1:
+                raise BenchError(f"--threads {args.threads}: must be at least 1")
+            torch.set_num_threads(args.threads)
+        if args.steps is not None and args.steps < 2:
+            raise BenchError(f"--steps {args.steps}: need at least 2")
+        if args.warmup is not None and args.warmup < 1:
+            raise BenchError(f"--warmup {args.warmup}: need at least 1 (memory is measured on the last warm-up step)")
+        if args.out is not None:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise BenchError("--out needs matplotlib for the plots: pip install matplotlib (or 'mixprec[cli]')") from None
+        return _run_compare(args, options)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except BenchError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    from pathlib import Path
+
+    from .bench import parse_presets, resolve_device, run_compare
+    from .bench._plots import write_plots
+    from .bench._report import print_report, write_json
+
+    device = resolve_device(args.device)
+    presets = parse_presets(args.presets, device)  # validates before the (slower) workload build
+    json_to_stdout = args.json == "-"
+    report_file = sys.stderr if json_to_stdout else sys.stdout
+    console = _console(report_file)
+    intro = (
+        f"mixprec compare: {args.workload} on {device}, presets {', '.join(presets)}"
+        + ("" if args.baseline == "none" else f" + torch-amp baseline ({args.baseline})")
+    )
+    if device.type == "cpu":
+        intro += ". CPU run: timings here do not show GPU speed-ups."
+    _say(console, report_file, intro)
+
+    progress = _Progress(enabled=not args.no_progress)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = run_compare(
+                args.workload, presets, baseline=args.baseline, steps=args.steps, warmup=args.warmup, device=device,
+                fp16_cpu="native" if args.native_fp16 else "emulate", seed=args.seed,
+                peak_tflops_override=args.peak_tflops, progress=progress, workload_options=options,
+            )
+        finally:
+            progress.close()
+    result.settings["command"] = "mixprec " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
+    print_report(result, report_file)
+    seen: set[str] = set()
+    for w in caught:
+        if issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning, FutureWarning)):
+            continue
+        msg = " ".join(str(w.message).split())
+        if msg not in seen and not msg.startswith("fp16 on CPU"):
+            seen.add(msg)
+            _say(console, report_file, f"warning: {msg}", dim=True)
+    if args.json is not None:
+        write_json(result, args.json)
+        if not json_to_stdout:
+            _say(console, report_file, f"JSON written to {args.json}")
+    if args.out is not None:
+        out = Path(args.out)
+        paths = write_plots(result, out)
+        write_json(result, out / "compare.json")
+        _say(console, report_file, f"Plots and compare.json written to {out}/: {', '.join(p.name for p in paths)}")
+    elif args.json is None:
+        _say(console, report_file, "Add --out DIR for plots (loss curves, loss scale, memory, speed) and JSON.", dim=True)
+    # Exit 1 when nothing could be measured (every row unavailable or failed).
+    return 0 if any(r.status == "ok" for r in result.rows) else 1
+
+
+def _console(file: Any) -> Any:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console(file=file)
+
+
+def _say(console: Any, file: Any, text: str, dim: bool = False) -> None:
+    if console is None:
+        print(text, file=file)
+    else:
+        console.print(f"[dim]{text}[/dim]" if dim else text, highlight=False, markup=dim, soft_wrap=True)
+
+
+class _Progress:
+    """Progress bars on stderr (one per row) when stderr is a terminal and rich is installed."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._progress: Any = None
+        self._tasks: dict[str, Any] = {}
+        if not enabled or not sys.stderr.isatty():
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+        except ImportError:
+            return
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=Console(file=sys.stderr), transient=True,
+        )
+        self._progress.start()
+
+    def __call__(self, event: str, label: str, step: int, total: int) -> None:
+        if self._progress is None:
+            return
+        if event == "start":
+            self._tasks[label] = self._progress.add_task(label, total=total)
+        elif event == "step" and label in self._tasks:
+            self._progress.update(self._tasks[label], completed=step)
+        elif event == "eval" and label in self._tasks:
+            self._progress.update(self._tasks[label], description=f"{label} (evaluating)")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

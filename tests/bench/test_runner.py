@@ -1,0 +1,209 @@
+"""The side-by-side runner: same weights and batches for every row, reproducibility, rows that
+cannot run, the JSON record and the plots."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mixprec.bench import (
+    BenchError,
+    Workload,
+    load_workload,
+    parse_presets,
+    run_compare,
+)
+from mixprec.bench._plots import PLOT_FILES, write_plots
+
+TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, eval_batches=1)
+MIXED_ROWS = "fp32,bf16-mixed,fp16-mixed,bf16-master,fp16-master"
+
+
+def _digest(obj: Any) -> str:
+    h = hashlib.sha256()
+    for t in obj if isinstance(obj, (list, tuple)) else [obj]:
+        h.update(bytes(t.detach().cpu().contiguous().clone().untyped_storage()))
+    return h.hexdigest()
+
+
+class Recorder:
+    """Wraps a workload's loss_fn: records, per model object, the batches it saw and its first weights."""
+
+    def __init__(self, w: Workload) -> None:
+        self.inner = w.loss_fn
+        self.batches: dict[int, list[str]] = {}
+        self.first_weights: dict[int, dict[str, torch.Tensor]] = {}
+        w.loss_fn = self
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        key = id(model)
+        if model.training:
+            self.batches.setdefault(key, []).append(_digest(list(batch)))
+            if key not in self.first_weights:
+                self.first_weights[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return self.inner(model, batch)
+
+
+def test_every_row_sees_the_same_initial_weights_and_batches() -> None:
+    w = load_workload("gpt", **TINY)
+    pristine = {k: v.clone() for k, v in w.model.state_dict().items()}
+    rec = Recorder(w)
+    result = run_compare(w, MIXED_ROWS, baseline="fp16", steps=4, warmup=1, device="cpu")
+    assert [r.status for r in result.rows] == ["ok"] * 6, [(r.name, r.reason) for r in result.rows]
+    # one model object per row, each fed the same 4 batches in the same order (one more model,
+    # the throwaway FP32 copy that counts FLOPs, sees the first batch once)
+    sequences = [s for s in rec.batches.values() if len(s) == 4]
+    assert len(sequences) == 6 and all(s == sequences[0] for s in sequences)
+    assert len(rec.batches) == 7
+    # initial weights: recorded before any cast, identical for every row ...
+    shas = {r.init_weights_sha256 for r in result.rows}
+    assert len(shas) == 1 and shas == {result.workload["initial_weights_sha256"]}
+    # ... and what each model held at its first forward is the same FP32 weights, rounded to
+    # the row's parameter dtype (half-precision presets store half parameters).
+    assert len(rec.first_weights) == 7
+    for weights in rec.first_weights.values():
+        for k, v in weights.items():
+            assert torch.equal(v.float(), pristine[k].to(v.dtype).float()), k
+
+
+def test_fp32_results_are_reproducible_run_to_run() -> None:
+    def once() -> dict:
+        r = run_compare("gpt", "fp32", baseline="none", steps=5, warmup=1, device="cpu", workload_options=TINY)
+        row = r.row("fp32")
+        return {"losses": row.losses, "val": row.val_loss, "state": row.model_state_bytes, "peak": row.peak_memory_bytes}
+
+    a, b = once(), once()
+    assert a == b
+    assert all(x is not None for x in a["losses"])
+
+
+def test_fp16_mixed_matches_the_torch_amp_fp16_baseline() -> None:
+    # Same recipe (FP32 params, fp16 autocast, dynamic scaling from 2**16): same numbers.
+    r = run_compare("gpt", "fp16-mixed", baseline="fp16", steps=4, warmup=1, device="cpu", workload_options=TINY)
+    mp, amp = r.row("fp16-mixed"), r.row("torch-amp")
+    assert mp.label == "fp16-mixed (fp16 emulated)" and amp.label == "torch-amp fp16 (emulated)"
+    torch.testing.assert_close(torch.tensor(mp.losses), torch.tensor(amp.losses), rtol=1e-3, atol=1e-4)
+    assert mp.final_loss_scale == amp.final_loss_scale
+
+
+def test_rejected_preset_becomes_an_unavailable_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mixprec._precision as precision
+
+    real = precision.MixedPrecision
+
+    class Picky(real):  # type: ignore[misc, valid-type]
+        def __init__(self, policy: Any = "bf16-mixed", **kw: Any) -> None:
+            if policy == "bf16-master":
+                raise ValueError("bf16-master is not supported in this test")
+            super().__init__(policy, **kw)
+
+    monkeypatch.setattr(precision, "MixedPrecision", Picky)
+    r = run_compare("gpt", "fp32,bf16-master", baseline="none", steps=3, warmup=1, device="cpu", workload_options=TINY)
+    assert r.row("fp32").status == "ok"
+    bad = r.row("bf16-master")
+    assert bad.status == "unavailable" and "not supported in this test" in (bad.reason or "")
+    assert bad.step_time_ms is None
+
+
+def test_rows_that_fail_mid_run_do_not_stop_the_others() -> None:
+    w = load_workload("gpt", **TINY)
+    inner = w.loss_fn
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if model.training and next(model.parameters()).dtype == torch.bfloat16 and len(calls) > 3:
+            raise RuntimeError("kernel missing for bf16")
+        calls.append(1)
+        return inner(model, batch)
+
+    calls: list[int] = []
+    w.loss_fn = loss_fn
+    r = run_compare(w, "fp32,bf16-master", baseline="none", steps=4, warmup=1, device="cpu")
+    assert r.row("fp32").status == "ok"
+    assert r.row("bf16-master").status == "failed" and "kernel missing" in (r.row("bf16-master").reason or "")
+
+
+def test_loss_fn_contract_and_short_batches_are_bench_errors() -> None:
+    w = load_workload("gpt", **TINY)
+    inner = w.loss_fn
+    w.loss_fn = lambda m, b: inner(m, b).expand(3)
+    with pytest.raises(BenchError, match="scalar floating tensor"):
+        run_compare(w, "fp32", baseline="none", steps=2, warmup=1, device="cpu")
+    w2 = load_workload("gpt", **TINY)
+    w2.batches = [next(iter(w2.batches))]
+    with pytest.raises(BenchError, match="ran out after 1 of the 3 steps"):
+        run_compare(w2, "fp32", baseline="none", steps=3, warmup=1, device="cpu")
+
+
+def test_parse_presets() -> None:
+    assert parse_presets("fp32, 16-mixed,mixed_bfloat16") == ["fp32", "fp16-mixed", "bf16-mixed"]
+    assert parse_presets("all")[0] == "fp32" and len(parse_presets("all")) == 8
+    assert parse_presets("torch-amp,fp32") == ["fp32"]
+    assert "fp16-pure" not in parse_presets(None, "cpu")
+    with pytest.raises(BenchError, match=r"unknown preset 'bf16-mixd'; Did you mean 'bf16-mixed'\?"):
+        parse_presets("fp32,bf16-mixd")
+    with pytest.raises(BenchError, match="no presets given"):
+        parse_presets(" , ")
+
+
+def test_baseline_choice_on_cpu() -> None:
+    r = run_compare("gpt", "fp32", steps=2, warmup=1, device="cpu", workload_options=TINY)
+    assert r.row("torch-amp").label == "torch-amp bf16" and r.settings["baseline"] == "bf16"
+    assert r.row("torch-amp").final_loss_scale == 1.0
+
+
+# ----- JSON and plots ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_result() -> Any:
+    torch.set_num_threads(1)
+    return run_compare("cnn", "fp32,bf16-mixed,fp16-pure", baseline="fp16", steps=4, warmup=1, device="cpu",
+                       workload_options=dict(width=4, batch_size=16))
+
+
+def test_json_has_the_documented_schema(small_result: Any) -> None:
+    d = json.loads(json.dumps(small_result.to_dict(), allow_nan=False))
+    assert d["schema"] == "mixprec.compare/1"
+    assert set(d) == {"schema", "environment", "workload", "settings", "rows", "notes"}
+    env = d["environment"]
+    for key in ("torch", "python", "device", "device_name", "cpu", "mixprec", "platform"):
+        assert key in env
+    assert env["torch"] == torch.__version__
+    assert {"model", "flags", "cores", "torch_threads"} <= set(env["cpu"]) and env["cpu"]["torch_threads"] == 1
+    wl = d["workload"]
+    for key in ("name", "description", "parameters", "unit", "items_per_step", "initial_weights_sha256", "batches_sha256"):
+        assert key in wl
+    assert wl["name"] == "cnn" and wl["metric"] == "accuracy"
+    st = d["settings"]
+    assert st["presets"] == ["fp32", "bf16-mixed", "fp16-pure"] and st["steps"] == 4 and st["warmup"] == 1
+    assert [r["name"] for r in d["rows"]] == ["fp32", "bf16-mixed", "fp16-pure", "torch-amp"]
+    for r in d["rows"]:
+        assert r["status"] == "ok"
+        assert set(r["step_time_ms"]) == {"median", "p10", "p90", "mean", "n"} and r["step_time_ms"]["n"] == 3
+        for key in ("throughput", "peak_memory_bytes", "model_state_bytes", "model_state_bytes_per_param",
+                    "final_train_loss", "val_loss", "val_metric", "skipped_steps", "final_loss_scale"):
+            assert key in r
+        assert isinstance(r["peak_memory_bytes"], int) and r["peak_memory_bytes"] > 0
+        assert len(r["losses"]) == 4 and len(r["loss_scales"]) == 4
+        assert r["mfu"] is None  # CPU
+    fp32 = d["rows"][0]
+    assert fp32["val_loss_gap"] == 0.0 and fp32["model_state_bytes_per_param"] >= 16.0
+    assert d["rows"][2]["emulated_fp16"] is True
+    assert any("do not show GPU speed-ups" in n for n in d["notes"])
+
+
+def test_plots_are_valid_pngs(small_result: Any, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    paths = write_plots(small_result, tmp_path / "plots")
+    assert [p.name for p in paths] == list(PLOT_FILES)
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", p
+        assert data[12:16] == b"IHDR"
+        width, height = struct.unpack(">II", data[16:24])
+        assert width >= 400 and height >= 300, (p, width, height)
+        assert len(data) > 10_000

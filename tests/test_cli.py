@@ -1,0 +1,151 @@
+"""The `mixprec` command line: compare smoke runs per workload, outputs, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mixprec.cli import main
+
+TINY_LM = ["-o", "n_layer=1", "-o", "n_head=2", "-o", "n_embd=16", "-o", "block_size=16", "-o", "batch_size=4",
+           "-o", "eval_batches=1"]
+FAST = ["--steps", "3", "--warmup", "1", "--no-progress"]
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], rc: int) -> str:
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_compare_gpt_smoke_with_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "out"
+    rc = main(["compare", *TINY_LM, *FAST, "-p", "fp32,bf16-mixed,fp16-mixed", "--out", str(out_dir),
+               "--json", str(tmp_path / "r.json")])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "fp16-mixed (fp16 emulated)" in out and "torch-amp fp16 (emulated)" in out
+    assert "do not show GPU speed-ups" in out
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert d["schema"] == "mixprec.compare/1" and [r["name"] for r in d["rows"]] == ["fp32", "bf16-mixed", "fp16-mixed", "torch-amp"]
+    assert json.loads((out_dir / "compare.json").read_text())["workload"]["name"] == "gpt"
+    for name in ("loss_curves.png", "loss_scale.png", "memory.png", "speed.png"):
+        assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_cnn_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["compare", "-w", "cnn", "-o", "width=4", "-o", "batch_size=16", *FAST, "-p", "fp32,bf16-master",
+               "--baseline", "bf16"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "bf16-master" in out and "val acc" in out and "torch-amp bf16" in out
+
+
+def test_compare_hf_gpt2_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    rc = main(["compare", "-w", "hf-gpt2", *TINY_LM, *FAST, "-p", "fp32,fp16-master", "--json", "-"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    d = json.loads(out)  # the JSON alone on stdout; the table went to stderr
+    assert d["workload"]["name"] == "hf-gpt2" and "fp16-master (fp16 emulated)" in err
+    assert all(r["status"] == "ok" for r in d["rows"])
+
+
+USER_MODULE = '''
+import torch
+
+def make(width=4):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, width, generator=g), torch.randn(8, 1, generator=g)) for _ in range(10)]
+    loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]).float(), b[1])
+    return model, (lambda params: torch.optim.SGD(params, lr=0.01)), batches, loss_fn
+
+def wrong():
+    return {"model": None}
+
+def not_scalar():
+    model, opt_fn, batches, _ = make()
+    return model, opt_fn, batches, (lambda m, b: m(b[0]))
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "mixprec_cli_wl.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return "mixprec_cli_wl"
+
+
+def test_compare_user_workload_smoke(user_module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["compare", "-w", f"{user_module}:make", "-o", "width=3", *FAST, "-p", "fp32,bf16-mixed", "--baseline", "none"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "bf16-mixed" in out and "torch-amp" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["-p", "fp32,bf16-mixd"], "unknown preset 'bf16-mixd'; Did you mean 'bf16-mixed'?"),
+        (["-w", "gtp"], "unknown workload 'gtp'; choose one of: gpt, cnn, hf-gpt2, or your own as MODULE:FUNCTION. Did you mean 'gpt'?"),
+        (["-w", "no_such_module_xyz:make"], "no module named 'no_such_module_xyz'"),
+        (["-w", "mixprec_cli_wl:nope"], "module 'mixprec_cli_wl' has no function 'nope'"),
+        (["-w", "mixprec_cli_wl:wrong"], "must return a mixprec.bench.Workload or a 4-tuple (model, optimizer_fn, batches, loss_fn); got dict"),
+        (["-w", "mixprec_cli_wl:not_scalar", "--baseline", "none"], "loss_fn must return a scalar floating tensor"),
+        (["-w", "mixprec_cli_wl:make", "--steps", "50"], "its batches ran out after 10 of the 50 steps"),
+        (["-o", "nlayer=2"], "unknown gpt workload option 'nlayer'"),
+        (["-o", "n_layer"], "-o/--option expects KEY=VALUE"),
+        (["--steps", "1"], "--steps 1: need at least 2"),
+        (["--device", "cuda:0"] if not __import__("torch").cuda.is_available() else ["--device", "tpu"], "device"),
+        (["--baseline", "fp8"], "argument --baseline: invalid choice: 'fp8'"),
+        (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    ],
+)
+def test_bad_arguments_give_one_clear_line_and_exit_2(
+    user_module: str, args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _one_line_error(capsys, main(["compare", *FAST, *args]))
+    assert line.startswith("mixprec compare: error: ")
+    assert expected in line
+
+
+def test_unknown_subcommand_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line_error(capsys, main(["comprae"]))
+    assert "invalid choice: 'comprae'" in line
+    assert main(["compare", "--help"]) == 0
+    assert "MODULE:FUNCTION" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+
+
+def test_doctor_and_check_register_when_numerics_exists(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        import mixprec.numerics._cli  # noqa: F401
+    except ImportError:
+        line = _one_line_error(capsys, main(["doctor"]))
+        assert "mixprec doctor: unavailable" in line
+    else:
+        assert main(["doctor", "--help"]) == 0
+
+
+def test_console_entry_point_errors_without_traceback(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.cli", "compare", "-p", "fp16-mixd"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120, check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "mixprec compare: error: unknown preset 'fp16-mixd'; Did you mean 'fp16-mixed'? choose from: fp32, tf32, "
+        "bf16-mixed, fp16-mixed, bf16-master, fp16-master, bf16-pure, fp16-pure, or 'all' (the torch-amp baseline is "
+        "set with --baseline)"
+    )
