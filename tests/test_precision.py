@@ -1,6 +1,7 @@
 import copy
 import io
 import re
+import warnings
 
 import pytest
 import torch
@@ -55,7 +56,11 @@ def loss_fn(model, b):
 def train(preset, kind="mlp", steps=20, lr=1e-2, seed=0, opt_cls=torch.optim.AdamW, start=0, state=None):
     model = make(kind, seed)
     prec = MixedPrecision(preset)
-    model, opt = prec.prepare(model, opt_cls(model.parameters(), lr=lr))
+    kwargs = {}
+    if preset == "fp16-pure" and opt_cls is torch.optim.AdamW:
+        # fp16-pure keeps AdamW states in fp16, where the default eps=1e-8 rounds to 0 (prepare() warns).
+        kwargs["eps"] = 1e-4
+    model, opt = prec.prepare(model, opt_cls(model.parameters(), lr=lr, **kwargs))
     if state is not None:
         prec.load_state_dict(state)
     losses = []
@@ -72,7 +77,7 @@ def train(preset, kind="mlp", steps=20, lr=1e-2, seed=0, opt_cls=torch.optim.Ada
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
 @pytest.mark.parametrize("preset", ["fp16-master", "bf16-mixed", "bf16-master", "fp16-mixed"])
 def test_tracks_fp32_reference(preset, kind):
-    steps = 200 if kind == "mlp" else 60
+    steps = 200
     _, ref_model, _, ref = train("fp32", kind, steps)
     prec, model, _, got = train(preset, kind, steps)
     tol = TOL[prec.policy.compute_dtype]
@@ -81,11 +86,36 @@ def test_tracks_fp32_reference(preset, kind):
     ref_tail, got_tail = sum(ref[-tail:]) / tail, sum(got[-tail:]) / tail
     assert ref_tail < 0.6 * ref[0]
     assert abs(got_tail - ref_tail) <= tol * max(1.0, ref_tail) + 0.02, (ref_tail, got_tail)
-    # The FP32 weights (masters where present) stay close to the reference's.
+    # Held-out loss (a batch never trained on) agrees too.
+    with torch.no_grad(), prec.autocast():
+        held = loss_fn(model, batch(kind, 10_000)).item()
+    with torch.no_grad():
+        ref_held = loss_fn(ref_model, batch(kind, 10_000)).item()
+    assert abs(held - ref_held) <= tol * max(1.0, ref_held) + 0.02, (ref_held, held)
+    # The FP32 weights (masters where present) stay close to the reference's. The MLP is
+    # compared per parameter; the transformer is driven to ~0 loss, where the trajectory drifts
+    # along flat directions (measured 0.12-0.13 global relative difference for every half
+    # preset, fp16 included), so it is compared globally with a bound that still catches a
+    # broken update (an untrained or diverged model is at >= 0.5).
     fp32 = fp32_state_dict(prec)
-    for name, p in ref_model.named_parameters():
-        rel = (fp32[name] - p.detach()).norm() / p.detach().norm()
-        assert rel < {torch.float16: 0.05, torch.bfloat16: 0.15}[prec.policy.compute_dtype], (name, rel)
+    if kind == "mlp":
+        for name, p in ref_model.named_parameters():
+            rel = (fp32[name] - p.detach()).norm() / p.detach().norm()
+            assert rel < {torch.float16: 0.01, torch.bfloat16: 0.05}[prec.policy.compute_dtype], (name, rel)
+    else:
+        ref_vec = torch.cat([p.detach().flatten() for _, p in ref_model.named_parameters()])
+        got_vec = torch.cat([fp32[n].flatten() for n, _ in ref_model.named_parameters()])
+        assert (got_vec - ref_vec).norm() / ref_vec.norm() < 0.25
+
+
+def test_fp16_pure_warns_when_adam_eps_vanishes_in_fp16():
+    model = make("mlp")
+    with pytest.warns(UserWarning, match=re.escape("has eps=1e-08, below the smallest normal f16 number 6.1e-05")):
+        MixedPrecision("fp16-pure").prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model = make("mlp")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*below the smallest normal.*")
+        MixedPrecision("fp16-pure").prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4))
 
 
 def test_fp32_preset_equals_plain_torch():
@@ -129,6 +159,12 @@ def test_injected_inf_is_skipped_bit_identically(preset):
     opt.zero_grad()
     assert info.skipped.item() and info.found_inf.item() == 1.0 and not info.applied()
     after = prec.state_dict()
+    if preset == "bf16-pure":
+        # The stochastic-rounding generator advances on a skipped step: the skip is decided on
+        # the device, so the random bits are drawn before it is known (resume still restores it).
+        for sd in (before, after):
+            for o in sd["optimizers"]:
+                o["mixprec"].pop("generators")
     for key in ("model", "optimizers"):
         assert _equal_tree(before[key], after[key]), key
     assert after["applied_steps"].item() == before["applied_steps"].item() == 3

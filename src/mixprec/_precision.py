@@ -12,6 +12,7 @@ import dataclasses
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
+from typing import cast as typing_cast
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from ._dtypes import check_device_support, dtype_name, parse_dtype
 from ._master import GradAccumulation, MasterWeightOptimizer
 from ._policy import Policy
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, step_optimizer
+from .distributed import check_prepare_target, local_grad
 
 __all__ = [
     "MixedPrecision",
@@ -189,6 +191,8 @@ class MixedPrecision:
                 "this model was already prepared by another MixedPrecision (or cast_module); prepare a fresh model, "
                 "or call mixprec.uncast_module(model) first."
             )
+        # DDP: raises (prepare the plain model, then mixprec.distributed.wrap_ddp). FSDP2: FP32 shards are the masters.
+        fsdp = check_prepare_target(model, self.policy, self.grad_accumulation)
         model_params = list(model.parameters())
         by_id = {id(p): p for p in model_params}
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
@@ -226,13 +230,17 @@ class MixedPrecision:
             )
         if self.policy.compensation != "none":
             _check_convertible(optimizers, self.policy)
+        elif not self.policy.has_masters and self.policy.param_dtype != torch.float32:
+            _warn_tiny_eps(optimizers, self.policy.param_dtype)
 
         # --- from here on the model and optimizers change ---
         originals = {id(p): p.data for p in floating}  # FP32 tensors the cast replaces (no copy)
-        cast_module(model, self.policy)
+        # FSDP2 gathers half-precision copies itself: hooks only, parameters (the masters) stay FP32.
+        fsdp_masters = fsdp and self.policy.has_masters
+        cast_module(model, self.policy.replace(param_dtype=torch.float32, master_dtype=None) if fsdp_masters else self.policy)
         wrapped: list[Optimizer] = []
         for opt in optimizers:
-            if self.policy.has_masters:
+            if self.policy.has_masters and not fsdp:
                 initial = {p: originals[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in originals}
                 opt = MasterWeightOptimizer(
                     opt, master_dtype=self.policy.master_dtype or torch.float32,
@@ -304,7 +312,8 @@ class MixedPrecision:
     def _grads(self, optimizer: Optimizer) -> list[torch.Tensor]:
         if isinstance(optimizer, MasterWeightOptimizer):
             return optimizer.master_grads()
-        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        # FSDP2's DTensor gradients: unscale/check the local shard (found_inf is agreed across ranks after).
+        return [local_grad(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def unscale_(self, optimizer: Optimizer) -> torch.Tensor:
         """Unscale this optimizer's gradients in place (once per step) and check them for inf/NaN.
@@ -366,14 +375,16 @@ class MixedPrecision:
         skipped = step_optimizer(optimizer, found_inf)
         self._stage[id(optimizer)] = "idle"
         self._iteration_found_inf.append(found_inf)
-        assert self._applied_steps is not None  # set by prepare (internal invariant)
+        applied_steps = typing_cast(torch.Tensor, self._applied_steps)  # set by prepare()
         if all(s == "idle" for s in self._stage.values()):
             # Every optimizer of this iteration has stepped: one scale update for the iteration.
             any_inf = torch.stack([f.to(found_inf.device) for f in self._iteration_found_inf]).amax()
-            self.scaler.update(any_inf)
-            self._applied_steps += (any_inf == 0).to(self._applied_steps.device, torch.int64)
+            # Book-keeping first: update() may raise NumericsError (escalation), and a caller that
+            # catches it must not carry this iteration's flag into the next one.
             self._iteration_found_inf.clear()
-        info = StepInfo(found_inf=found_inf, skipped=skipped, scale=scale_used, applied_steps=self._applied_steps.clone())
+            applied_steps += (any_inf == 0).to(applied_steps.device, torch.int64)
+            self.scaler.update(any_inf)
+        info = StepInfo(found_inf=found_inf, skipped=skipped, scale=scale_used, applied_steps=applied_steps.clone())
         if schedulers and info.applied():
             for s in schedulers:
                 s.step()
@@ -443,8 +454,7 @@ class MixedPrecision:
                 opt.load_state_dict(entry)
         if sd.get("scaler") is not None:
             self.scaler.load_state_dict(sd["scaler"])
-        assert self._applied_steps is not None
-        self._applied_steps.copy_(sd["applied_steps"])
+        typing_cast(torch.Tensor, self._applied_steps).copy_(sd["applied_steps"])
 
     @torch.no_grad()
     def load_model_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
@@ -464,6 +474,27 @@ class MixedPrecision:
 
 
 # ----- helpers for optimizers ---------------------------------------------------------------------------
+def _warn_tiny_eps(optimizers: Sequence[Optimizer], dtype: torch.dtype) -> None:
+    """Warn when an optimizer's ``eps`` vanishes in the parameters' half dtype (Adam-family NaNs).
+
+    With half-precision parameters and no masters, torch's Adam/AdamW keep their states and
+    compute ``sqrt(v) + eps`` in that dtype; an ``eps`` below the dtype's smallest normal number
+    (FP16: 6.1e-5; the default 1e-8 rounds to 0) lets a zero second moment give ``0 / 0 = NaN``.
+    """
+    tiny = torch.finfo(dtype).tiny
+    for i, opt in enumerate(optimizers):
+        small = sorted({g["eps"] for g in opt.param_groups if isinstance(g.get("eps"), float) and g["eps"] < tiny})
+        if small:
+            warnings.warn(
+                f"optimizer {i} ({type(opt).__name__}) has eps={small[0]:g}, below the smallest normal {dtype_name(dtype)} "
+                f"number {tiny:.2g}: with {dtype_name(dtype)} parameters and states it rounds towards 0 and a zero second "
+                f"moment gives NaN updates. Use eps >= {tiny:.0e} (e.g. 1e-4), or a preset with FP32 masters "
+                "('fp16-master') or compensated updates ('bf16-pure').",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def _optimizer_tensors(opt: Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
