@@ -239,3 +239,19 @@ def test_torch_grad_scaler_drives_it():
     scaler.update()
     _assert_same(snap, _snapshot(opt))
     assert scaler.get_scale() == 512.0
+
+
+@pytest.mark.parametrize("mode", ["fp32", "compute"])
+def test_which_gradient_buffers_persist(mode):
+    model, opt, _ = _prepared(torch.bfloat16, grad_accumulation=mode)
+    half = [(p, m) for p, m in zip(opt.model_params, opt.masters) if p is not m]
+    _loss(model, *_batch()).backward()
+    if mode == "fp32":  # accumulated into FP32 during backward; no half gradient kept
+        assert all(p.grad is None and m.grad is not None and m.grad.dtype == torch.float32 for p, m in half)
+    else:  # half gradients only, until the step
+        assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and m.grad is None for p, m in half)
+    opt.step()
+    if mode == "fp32":  # the FP32 gradients stay until zero_grad (they may be accumulated into)
+        assert all(m.grad is not None for _, m in half)
+    else:  # the transient FP32 buffers and the consumed half gradients are gone
+        assert all(p.grad is None and m.grad is None for p, m in half)

@@ -31,8 +31,8 @@ class MasterWeightOptimizer(Optimizer):
            (default) a post-accumulate-grad hook adds each one into its master's FP32 ``.grad``
            and frees it, so micro-batch accumulation happens in FP32 and no half gradient
            buffer persists (Megatron's ``main_grad``). With ``"compute"`` the half gradients
-           stay on the model and are upcast into transient FP32 buffers at step time
-           (least persistent memory).
+           stay on the model and are upcast into transient FP32 buffers at step time, freed
+           after the step (least persistent memory).
         2. The (possibly loss-scaled) FP32 gradients are unscaled and checked for inf/NaN by one
            fused kernel per (device, dtype) group (:meth:`unscale_`).
         3. The wrapped optimizer steps on the masters, skipping on the device when it supports
@@ -213,6 +213,16 @@ class MasterWeightOptimizer(Optimizer):
                 for (p, m), b in zip(pending, bufs):
                     m.grad = b if m.grad is None else m.grad.add_(b)
                     p.grad = None
+        elif self._hooks and any(p.grad is not None for p, m in zip(self._model_params, self._masters) if p is not m):
+            # The hooks moved every half gradient into its master and cleared it, so something wrote
+            # .grad afterwards: DDP's reducer does (it reduced the gradient the hook had already taken,
+            # and the masters hold this rank's unreduced gradient: the replicas would drift apart).
+            raise ValueError(
+                "a half-precision parameter received a gradient after it was accumulated into its FP32 master; this "
+                "happens when the model is wrapped in DistributedDataParallel directly. Wrap it with "
+                "mixprec.distributed.wrap_ddp(prec, model) instead (it reduces before accumulating), or use "
+                "grad_accumulation='compute'."
+            )
         return [m.grad for m in self._masters if m.grad is not None]
 
     def unscale_(self, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,6 +293,12 @@ class MasterWeightOptimizer(Optimizer):
             if found_inf is None or not bool(found_inf.item()):
                 result = inner.step(closure) if closure is not None else inner.step()
         self.copy_to_model_()
+        if self.grad_accumulation == "compute":
+            # The FP32 gradient buffers were transient: drop them so only the half gradients'
+            # 2 bytes per parameter persist between steps (16 B/param with AdamW, not 20).
+            for p, m in zip(self._model_params, self._masters):
+                if p is not m:
+                    m.grad = None
         return result
 
     # ----- checkpoints ---------------------------------------------------------------------------------
