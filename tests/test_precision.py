@@ -411,3 +411,30 @@ def test_policy_object_and_repr():
     prec = MixedPrecision(Policy.parse("p=f32,c=bf16,i=none"))
     assert prec.policy.fp32_islands == ()
     assert "not prepared" in repr(prec)
+
+
+@pytest.mark.parametrize("preset", ["tf32", "fp32"])
+def test_backward_runs_with_the_policys_tf32_switch(preset):
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(torch.backends.cuda.matmul.allow_tf32)
+            return g
+
+    model = make("mlp")
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = preset == "fp32"  # the opposite of the policy
+    with prec.autocast():
+        loss = Probe.apply(model(batch("mlp", 0)[0])).float().pow(2).mean()
+    prec.backward(loss)
+    assert seen == [preset == "tf32"]
+    assert torch.backends.cuda.matmul.allow_tf32 == (preset == "fp32")  # restored
+    torch.backends.cuda.matmul.allow_tf32 = before

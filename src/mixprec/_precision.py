@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 from typing import cast as typing_cast
 
@@ -142,13 +142,21 @@ class MixedPrecision:
         self._iteration_found_inf: list[torch.Tensor] = []
         self._applied_steps: torch.Tensor | None = None
         self._param_names: list[list[str]] = []
+        self.check_result: Any = None  # the pre-flight CheckResult when prepare(check_batch=...) ran it
 
     def __repr__(self) -> str:
         state = "prepared" if self.model is not None else "not prepared"
         return f"MixedPrecision({str(self.policy)!r}, scaler={type(self.scaler).__name__}, {state})"
 
     # ----- prepare ---------------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, *optimizers: Optimizer) -> tuple[Any, ...]:
+    def prepare(
+        self,
+        model: nn.Module,
+        *optimizers: Optimizer,
+        check_batch: Any = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        on_check_fail: Literal["warn", "raise"] = "warn",
+    ) -> tuple[Any, ...]:
         """Cast ``model`` for the policy and wrap the optimizers it needs.
 
         * ``fp32``/``tf32``/``*-mixed``: parameters stay FP32, FP32 islands and output casting
@@ -164,6 +172,12 @@ class MixedPrecision:
         Args:
             model: The model, with FP32 parameters on its training device.
             *optimizers: One or more optimizers built from ``model``'s parameters.
+            check_batch: Optional first batch: before anything is cast, run the pre-flight check
+                (:func:`mixprec.numerics.preflight`: one forward/backward in FP32 and under the
+                policy, on copies of the model) and warn or raise on a bad verdict. Precision is
+                never switched for you. The result is kept in ``self.check_result``.
+            loss_fn: ``loss_fn(model, batch) -> scalar loss`` for the check (forward only if ``None``).
+            on_check_fail: ``"warn"`` (default) or ``"raise"`` (:class:`mixprec.NumericsError`).
 
         Returns:
             ``(model, optimizer, ...)``: the same model object, then the optimizers to use from
@@ -228,10 +242,17 @@ class MixedPrecision:
                 UserWarning,
                 stacklevel=2,
             )
+        if on_check_fail not in ("warn", "raise"):
+            raise ValueError(f"on_check_fail={on_check_fail!r}; use 'warn' or 'raise'.")
         if self.policy.compensation != "none":
             _check_convertible(optimizers, self.policy)
         elif not self.policy.has_masters and self.policy.param_dtype != torch.float32:
             _warn_tiny_eps(optimizers, self.policy.param_dtype)
+
+        if check_batch is not None:
+            from .numerics import preflight
+
+            self.check_result = preflight(model, check_batch, self.policy, loss_fn, on_fail=on_check_fail)
 
         # --- from here on the model and optimizers change ---
         originals = {id(p): p.data for p in floating}  # FP32 tensors the cast replaces (no copy)
@@ -279,7 +300,9 @@ class MixedPrecision:
         """Backpropagate ``loss``, scaled when the policy scales.
 
         Call it once per micro-batch; gradients accumulate (in FP32 for master-weight policies)
-        and are unscaled once, at :meth:`clip_grad_norm_` or :meth:`step`.
+        and are unscaled once, at :meth:`clip_grad_norm_` or :meth:`step`. Under a TF32 policy
+        the backward matmuls run in TF32 as the forward ones do, and under any other policy
+        without it (the global switches are restored afterwards).
 
         Args:
             loss: A scalar floating tensor that requires grad.
@@ -305,7 +328,14 @@ class MixedPrecision:
                     "backward() after the gradients were unscaled (by clip_grad_norm_ or unscale_) in the same step would "
                     "mix scaled and unscaled gradients; call step() first."
                 )
-        self.scaler.scale(loss).backward(**backward_kwargs)
+        # Autocast regions end before backward, so the TF32 switch they set is gone here; the
+        # backward matmuls are as large as the forward ones and follow the policy too.
+        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.policy.tf32
+        try:
+            self.scaler.scale(loss).backward(**backward_kwargs)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
         for oid in self._stage:
             self._stage[oid] = "backward"
 

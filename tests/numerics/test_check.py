@@ -176,3 +176,23 @@ def test_dropout_is_switched_off_in_both_runs_unless_asked() -> None:
 def test_loss_fn_must_return_a_scalar() -> None:
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar loss tensor, got Tensor of shape \(16, 1\)"):
         check(Overflows(), X, "bf16-mixed", lambda m, b: m(b))
+
+
+def test_mixed_precision_prepare_runs_the_check_on_the_first_batch() -> None:
+    from mixprec import MixedPrecision
+
+    model = Overflows()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prec = MixedPrecision("fp16-mixed")
+    with pytest.raises(NumericsError, match=re.escape("pre-flight check failed for policy 'fp16-mixed'")):
+        prec.prepare(model, opt, check_batch=X, loss_fn=mse, on_check_fail="raise")
+    # Refused before anything changed: same weights, not prepared, the policy untouched.
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert prec.model is None and str(prec.policy) == str(MixedPrecision("fp16-mixed").policy)
+    model2 = TinyLM()
+    prec2 = MixedPrecision("bf16-mixed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prec2.prepare(model2, torch.optim.SGD(model2.parameters(), lr=0.1), check_batch=IDX, loss_fn=lm_loss)
+    assert prec2.check_result.verdict == "pass" and prec2.model is model2
