@@ -1,24 +1,66 @@
-"""Distributed glue: every rank takes the same skip decision.
+"""Distributed glue: every rank takes the same skip decision; DDP and FSDP2 under a mixprec policy.
 
-When ``torch.distributed`` is initialised with more than one rank, a ``found_inf`` flag is
-all-reduced with ``MAX`` over the process group before anyone decides to skip, so one rank's
-overflow makes every rank skip the step (otherwise the replicas' weights would drift apart).
+* ``found_inf`` agreement: when ``torch.distributed`` is initialised with more than one rank, the
+  scalers all-reduce their ``found_inf`` flag with ``MAX`` (:func:`agree_found_inf_`) before
+  anyone decides to skip, so one rank's overflow makes every rank skip the step (otherwise the
+  replicas' weights would drift apart).
+* DDP (:func:`wrap_ddp`): prepare the plain model, then wrap it. mixprec's communication hook
+  reduces gradients in FP32 (default) or in the compute dtype, and for master-weight policies
+  with ``grad_accumulation="fp32"`` it accumulates the *reduced* gradient into the FP32 masters.
+* FSDP2 (:func:`fully_shard`, :func:`fsdp_mixed_precision`): shard first, then build the
+  optimizer and ``prepare``. FSDP2 keeps FP32 sharded parameters itself, so they are the masters
+  of ``*-master`` policies; ``prepare`` then installs hooks but neither casts nor wraps.
+
+See docs/distributed.md for the launch commands and the table of supported combinations.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["agree_found_inf_", "is_distributed"]
+if TYPE_CHECKING:  # imported lazily at run time: _scaler imports this module
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ._policy import Policy
+    from ._precision import MixedPrecision
+
+__all__ = [
+    "agree_found_inf_",
+    "fsdp_mixed_precision",
+    "fully_shard",
+    "is_distributed",
+    "reduce_dtype_for",
+    "resolve_group",
+    "wrap_ddp",
+]
+
+ReduceDtype = Literal["fp32", "compute"] | torch.dtype | str | None
 
 
+# ----- groups and agreement ------------------------------------------------------------------------
 def is_distributed(group: Any = None) -> bool:
     """Return ``True`` when ``torch.distributed`` is initialised and ``group`` (default: world) has more than one rank."""
     dist = torch.distributed
     return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1)
+
+
+def resolve_group(group: Any = None) -> Any:
+    """Return the process group to use: ``group`` itself, or the world group when ``None``.
+
+    Raises:
+        ValueError: ``torch.distributed`` is not initialised (call ``init_process_group`` first).
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "torch.distributed is not initialised; call torch.distributed.init_process_group(...) first "
+            "(torchrun sets the environment it reads)."
+        )
+    return group if group is not None else dist.group.WORLD
 
 
 def agree_found_inf_(found_inf: Tensor, group: Any = None) -> Tensor:
@@ -50,3 +92,401 @@ def agree_found_inf_(found_inf: Tensor, group: Any = None) -> Tensor:
         return found_inf
     dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
     return found_inf
+
+
+def reduce_dtype_for(policy: Policy | str, reduce_dtype: ReduceDtype = None) -> torch.dtype:
+    """The dtype gradients are reduced in across ranks under ``policy``.
+
+    Args:
+        policy: A :class:`mixprec.Policy` or anything ``Policy.parse`` accepts.
+        reduce_dtype: ``None`` or ``"fp32"`` (default: FP32 for every policy, so sums of FP16
+            gradients neither overflow nor lose low bits), ``"compute"`` (the policy's compute
+            dtype: half the traffic), or an explicit ``f32``/``bf16``/``f16`` dtype.
+
+    Returns:
+        A ``torch.dtype``.
+
+    Raises:
+        ValueError: an unknown value.
+
+    Example:
+        >>> reduce_dtype_for("fp16-master"), reduce_dtype_for("bf16-mixed", "compute")
+        (torch.float32, torch.bfloat16)
+    """
+    from ._dtypes import parse_dtype
+    from ._policy import Policy
+
+    policy = Policy.parse(policy)
+    if reduce_dtype is None or reduce_dtype == "fp32":
+        return torch.float32
+    if reduce_dtype == "compute":
+        return policy.compute_dtype
+    try:
+        dt = parse_dtype(reduce_dtype)
+    except (ValueError, TypeError):
+        dt = None
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype!r} is not understood; use None/'fp32' (default), 'compute' (here "
+            f"{policy.compute_dtype}), or one of torch.float32, torch.bfloat16, torch.float16."
+        )
+    return dt
+
+
+# ----- DDP ------------------------------------------------------------------------------------------
+class _DDPState:
+    """What mixprec's DDP communication hook needs (one per wrapped model)."""
+
+    def __init__(self, group: Any, reduce_dtype: torch.dtype, masters: dict[int, Tensor]) -> None:
+        self.group = group
+        self.world = torch.distributed.get_world_size(group)
+        self.reduce_dtype = reduce_dtype
+        self.masters = masters  # id(half param) -> FP32 master whose .grad gets the reduced gradient
+        self.armed = True  # does DDP reduce in this backward (False inside ddp.no_sync())
+        self.handles: list[Any] = []  # the gated accumulation hooks
+
+
+def _reduce_hook(state, bucket):  # type: ignore[no-untyped-def]
+    # (_DDPState, dist.GradBucket) -> Future[Tensor]. Unannotated on purpose: DDP compares the
+    # annotations with its own types, and `from __future__ import annotations` makes them strings.
+    """DDP comm hook: average a bucket in ``state.reduce_dtype``; feed FP32-accumulating masters.
+
+    Algorithm, per bucket (a flat buffer of the parameters' local gradients, in their dtype):
+        1. If some parameters accumulate into FP32 masters: upcast the bucket to FP32 and add
+           the masters' partial sums (micro-batches run under ``no_sync``) at their offsets.
+        2. Cast to the reduce dtype, divide by the world size, all-reduce (sum).
+        3. Masters take their slices of the result in FP32 (``master.grad = reduced``); DDP gets
+           the result back in the bucket's dtype and writes it into ``param.grad`` as usual.
+    """
+    dist = torch.distributed
+    buf: Tensor = bucket.buffer()
+    accum: list[tuple[int, int, Tensor]] = []
+    if state.masters:
+        offset = 0
+        for p in bucket.parameters():
+            m = state.masters.get(id(p))
+            if m is not None:
+                accum.append((offset, p.numel(), m))
+            offset += p.numel()
+    src = buf
+    if accum:
+        src = buf.to(torch.float32)
+        for off, n, m in accum:
+            if m.grad is not None:  # FP32 partial sum from micro-batches under no_sync()
+                src[off:off + n].add_(m.grad.reshape(-1))
+    comm = src.to(state.reduce_dtype)  # no copy when the dtypes already match
+    comm.div_(state.world)
+    fut = dist.all_reduce(comm, group=state.group, async_op=True).get_future()
+
+    def _done(f: torch.futures.Future[list[Tensor]]) -> Tensor:
+        reduced = f.value()[0]
+        if accum:
+            r32 = reduced.to(torch.float32)
+            for off, n, m in accum:
+                m.grad = r32[off:off + n].view_as(m)
+        return reduced.to(buf.dtype)
+
+    return fut.then(_done)
+
+
+class _GatedAccumulate:
+    """Post-accumulate-grad hook for DDP: move the local half gradient into the FP32 master only
+    when DDP does not reduce in this backward (``no_sync``); otherwise leave it for DDP's reducer."""
+
+    def __init__(self, state: _DDPState, master: Tensor) -> None:
+        self.state = state
+        self.master = master
+
+    @torch.no_grad()
+    def __call__(self, param: Tensor) -> None:
+        if self.state.armed or param.grad is None:
+            return
+        if self.master.grad is None:
+            self.master.grad = param.grad.to(self.master.dtype)
+        else:
+            self.master.grad.add_(param.grad)
+        param.grad = None
+
+
+def wrap_ddp(
+    prec: MixedPrecision,
+    model: nn.Module,
+    *,
+    reduce_dtype: ReduceDtype = None,
+    process_group: Any = None,
+    **ddp_kwargs: Any,
+) -> DistributedDataParallel:
+    """Wrap a model prepared by ``prec`` in ``DistributedDataParallel`` with mixprec's gradient reduction.
+
+    Order: ``model, opt = prec.prepare(model, opt)`` first, then ``ddp = wrap_ddp(prec, model)``;
+    run the forward through ``ddp`` and keep using ``prec.backward``/``prec.step(opt)``.
+
+    What it does:
+        * registers a communication hook that averages gradients in :func:`reduce_dtype_for`
+          (FP32 by default, also for FP16/BF16 parameters; ``"compute"`` halves the traffic);
+        * master-weight policies with ``grad_accumulation="fp32"``: the optimizer's own
+          accumulation hooks (which would hide the gradients from DDP's reducer) are replaced by
+          hooks that accumulate into the FP32 masters only under ``ddp.no_sync()``, and the comm
+          hook adds those partial sums to the last micro-batch's gradient and hands the reduced
+          FP32 result to the masters: accumulation and reduction both stay in FP32;
+        * broadcasts the FP32 masters from the group's first rank (DDP broadcasts only the
+          model's half-precision parameters);
+        * the scaler agrees ``found_inf`` over ``process_group`` (it is set on the scaler when
+          the scaler has none).
+
+    Args:
+        prec: A prepared :class:`mixprec.MixedPrecision`.
+        model: The model passed to ``prec.prepare`` (not yet wrapped).
+        reduce_dtype: See :func:`reduce_dtype_for`.
+        process_group: The DDP group (default: world).
+        **ddp_kwargs: Passed to ``DistributedDataParallel`` (``device_ids``, ``bucket_cap_mb``, ...).
+
+    Returns:
+        The ``DistributedDataParallel`` module.
+
+    Raises:
+        ValueError: ``prec`` not prepared, or prepared for another model; a model already wrapped;
+            torch.distributed not initialised; an unknown ``reduce_dtype``; an FSDP2 model.
+
+    Host syncs: none per step; a broadcast of the masters once, here.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ._master import MasterWeightOptimizer
+
+    if prec.model is None:
+        raise ValueError("wrap_ddp(prec, model): prec is not prepared; call model, opt = prec.prepare(model, opt) first.")
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            "wrap_ddp(prec, model) got a model already wrapped in DistributedDataParallel; pass the plain prepared "
+            "model and let wrap_ddp build the DDP module (it must register its gradient hooks first)."
+        )
+    if model is not prec.model:
+        raise ValueError("wrap_ddp(prec, model): model is not the model prec.prepare() returned; pass that one.")
+    if _is_fsdp2(model):
+        raise ValueError("wrap_ddp: this model is sharded with FSDP2 (fully_shard); FSDP2 and DDP do not combine.")
+    group = resolve_group(process_group)
+    rdtype = reduce_dtype_for(prec.policy, reduce_dtype)
+    masters: dict[int, Tensor] = {}
+    mwos = [o for o in prec.optimizers if isinstance(o, MasterWeightOptimizer)]
+    for o in mwos:
+        for p, m in zip(o.model_params, o.masters):
+            if p is not m and o.grad_accumulation == "fp32":
+                masters[id(p)] = m
+    state = _DDPState(group, rdtype, masters)
+    ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
+    ddp.register_comm_hook(state, _reduce_hook)
+
+    def _arm(module: nn.Module, args: Any) -> None:
+        # DDP prepares its reducer in forward iff grad is on and it is not under no_sync().
+        state.armed = bool(torch.is_grad_enabled() and ddp.require_backward_grad_sync)
+
+    ddp.register_forward_pre_hook(_arm)
+    by_id = {id(p): p for p in model.parameters()}
+    for o in mwos:
+        if o.grad_accumulation == "fp32":
+            o.remove_hooks()
+            for p, m in zip(o.model_params, o.masters):
+                if p is not m:
+                    # Kept on the state, not in o._hooks: an MWO without hooks reads only master.grad.
+                    state.handles.append(by_id[id(p)].register_post_accumulate_grad_hook(_GatedAccumulate(state, m)))
+        # DDP broadcast the half parameters from the first rank; the masters must follow.
+        src = torch.distributed.get_global_rank(group, 0) if process_group is not None else 0
+        with torch.no_grad():
+            for p, m in zip(o.model_params, o.masters):
+                if p is not m:
+                    torch.distributed.broadcast(m, src=src, group=process_group)
+            o.copy_to_model_()
+    scaler = prec.scaler
+    if process_group is not None and getattr(scaler, "process_group", "absent") is None:
+        scaler.process_group = process_group  # type: ignore[attr-defined]
+    return ddp
+
+
+# ----- FSDP2 ----------------------------------------------------------------------------------------
+def _is_fsdp2(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp_mixed_precision(
+    policy: Policy | str, *, reduce_dtype: ReduceDtype = None, island: bool = False, root: bool = False
+) -> Any:
+    """Map a mixprec policy onto FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+
+    * ``*-mixed``/``fp32``/``tf32`` (FP32 parameters, autocast compute): ``param_dtype=None`` (FSDP2
+      gathers FP32; ``prec.autocast()`` computes in the compute dtype), gradients reduced in FP32.
+    * ``*-master``: ``param_dtype`` = the compute dtype (FSDP2 gathers half-precision parameters
+      and keeps the FP32 shards: those are the masters), ``output_dtype`` on the root only.
+      FP32 islands (``island=True``) keep ``param_dtype=None``.
+    * Half parameters without masters (``bf16-pure``, ``fp16-pure``, ``bf16-true``): not
+      supported, FSDP2 would hold FP32 shards, i.e. masters the policy says not to keep.
+
+    Args:
+        policy: A :class:`mixprec.Policy` or preset.
+        reduce_dtype: See :func:`reduce_dtype_for` (default FP32).
+        island: The policy for a separately sharded FP32 island (normalization layers).
+        root: The policy for the root module (sets ``output_dtype``).
+
+    Returns:
+        A ``MixedPrecisionPolicy``.
+
+    Raises:
+        ValueError: a half-parameter policy without masters; an unknown ``reduce_dtype``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ._policy import Policy
+
+    policy = Policy.parse(policy)
+    _check_fsdp_policy(policy)
+    rdtype = reduce_dtype_for(policy, reduce_dtype)
+    half_params = policy.has_masters and not island
+    return MixedPrecisionPolicy(
+        param_dtype=policy.compute_dtype if half_params else None,
+        reduce_dtype=rdtype,
+        output_dtype=policy.output_dtype if (root and policy.has_masters) else None,
+        cast_forward_inputs=True,
+    )
+
+
+def _check_fsdp_policy(policy: Policy) -> None:
+    if policy.param_dtype != torch.float32 and not policy.has_masters:
+        raise ValueError(
+            f"policy {policy.name or str(policy)!r} stores parameters in half precision without FP32 masters, which "
+            "FSDP2 cannot do: it keeps the sharded parameters in their original dtype and only casts the gathered "
+            "copy. Use 'bf16-master' / 'fp16-master' (FSDP2's FP32 shards are the masters) or a '*-mixed' policy."
+        )
+
+
+def fully_shard(
+    model: nn.Module,
+    policy: Policy | str,
+    *,
+    modules: Iterable[nn.Module] = (),
+    reduce_dtype: ReduceDtype = None,
+    **fsdp_kwargs: Any,
+) -> nn.Module:
+    """Apply FSDP2's ``fully_shard`` bottom-up with the mapped mixed-precision policies.
+
+    Order: for ``*-master`` policies every FP32 island (normalization layers by default) with
+    parameters is sharded on its own with ``param_dtype=None`` so it keeps computing in FP32;
+    then each of ``modules`` (e.g. transformer blocks); then the root, with ``output_dtype``.
+    Call it on the FP32 model *before* building the optimizer (FSDP2 replaces the parameters
+    by DTensors) and before ``prec.prepare(model, optimizer)``.
+
+    Args:
+        model: The FP32 model.
+        policy: The policy the run will be prepared with.
+        modules: Submodules to shard as their own units (each one gathered separately).
+        reduce_dtype: See :func:`reduce_dtype_for` (default FP32).
+        **fsdp_kwargs: Passed to every ``fully_shard`` call (``mesh``, ``reshard_after_forward``...).
+
+    Returns:
+        ``model`` (now an ``FSDPModule``).
+
+    Raises:
+        ValueError: a policy FSDP2 cannot represent (see :func:`fsdp_mixed_precision`).
+    """
+    from torch.distributed.fsdp import fully_shard as _fully_shard
+
+    from ._casting import island_modules
+    from ._policy import Policy
+
+    policy = Policy.parse(policy)
+    _check_fsdp_policy(policy)
+    if policy.has_masters:
+        isl = fsdp_mixed_precision(policy, reduce_dtype=reduce_dtype, island=True)
+        for _, mod in island_modules(model, policy):
+            if mod is not model and any(True for _ in mod.parameters()):
+                _fully_shard(mod, mp_policy=isl, **fsdp_kwargs)
+    inner = fsdp_mixed_precision(policy, reduce_dtype=reduce_dtype)
+    for mod in modules:
+        _fully_shard(mod, mp_policy=inner, **fsdp_kwargs)
+    _fully_shard(model, mp_policy=fsdp_mixed_precision(policy, reduce_dtype=reduce_dtype, root=True), **fsdp_kwargs)
+    return model
+
+
+def _fsdp_param_dtype(module: nn.Module) -> tuple[bool, torch.dtype | None]:
+    """(known, param_dtype) of an FSDPModule's mixed-precision policy (private FSDP2 state)."""
+    try:
+        mp = module._get_fsdp_state()._mp_policy  # type: ignore[operator,union-attr]
+    except AttributeError:
+        return False, None
+    return True, mp.param_dtype
+
+
+def check_prepare_target(model: nn.Module, policy: Policy, grad_accumulation: str) -> bool:
+    """Validate a model handed to ``MixedPrecision.prepare``; return ``True`` for an FSDP2 model.
+
+    Raises:
+        ValueError: a DDP-wrapped model (prepare the plain model, then :func:`wrap_ddp`); an FSDP2
+            model under a policy FSDP2 cannot represent, with ``grad_accumulation="compute"``, or
+            whose ``MixedPrecisionPolicy`` computes in another dtype than ``policy`` (each
+            message names the module and both dtypes).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ._casting import island_modules
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            "prepare() got a DistributedDataParallel model. DDP builds its gradient buckets for the dtypes it sees, and "
+            "prepare() may change them; prepare the plain model, then wrap it: model, opt = prec.prepare(model, opt); "
+            "ddp = mixprec.distributed.wrap_ddp(prec, model)."
+        )
+    if not _is_fsdp2(model):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    name = policy.name or str(policy)
+    _check_fsdp_policy(policy)
+    if grad_accumulation != "fp32":
+        raise ValueError(
+            f"grad_accumulation={grad_accumulation!r} with FSDP2: FSDP2 accumulates gradients in its FP32 sharded "
+            "parameters' dtype, so compute-dtype accumulation is not available; use the default 'fp32'."
+        )
+    islands = {id(m) for _, m in island_modules(model, policy)} if policy.has_masters else set()
+    named = dict(model.named_modules())
+    want = policy.compute_dtype if policy.has_masters else None
+    for qname, mod in named.items():
+        if not isinstance(mod, FSDPModule):
+            continue
+        known, pdt = _fsdp_param_dtype(mod)
+        if not known:
+            continue
+        pdt = None if pdt == torch.float32 else pdt
+        expect = None if id(mod) in islands else want
+        if pdt != expect:
+            raise ValueError(
+                f"FSDP2 module {qname or '<root>'!r} gathers parameters in {pdt or 'their FP32 dtype'} but policy "
+                f"{name!r} needs {expect or 'FP32 (autocast computes in ' + str(policy.compute_dtype) + ')'} there; "
+                "shard with mixprec.distributed.fully_shard(model, policy) or "
+                "mp_policy=mixprec.distributed.fsdp_mixed_precision(policy)."
+            )
+    if policy.has_masters:
+        # An island whose parameters sit in a half-precision FSDP group would compute in half.
+        for qname, mod in island_modules(model, policy):
+            if isinstance(mod, FSDPModule) or not any(True for _ in mod.parameters(recurse=False)):
+                continue
+            parts = qname.split(".") if qname else []
+            for k in range(len(parts) - 1, -1, -1):
+                owner = named.get(".".join(parts[:k]))
+                if isinstance(owner, FSDPModule):
+                    raise ValueError(
+                        f"FP32 island {qname!r} is not sharded on its own, so FSDP2 would gather its parameters in "
+                        f"{policy.compute_dtype} with its parent; shard it first (mixprec.distributed.fully_shard does) "
+                        "or drop it from the policy's fp32_islands."
+                    )
+    return True
+
+
+def local_grad(t: Tensor) -> Tensor:
+    """The local shard of a DTensor gradient (in-place ops on it change the DTensor), else ``t``."""
+    if type(t) is Tensor:  # the common case, without an attribute lookup
+        return t
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
