@@ -12,6 +12,7 @@ See README.md for the presets and a training example.
 from . import distributed, numerics, optim
 from ._autocast import autocast
 from ._casting import cast_module, cast_tree, uncast_module
+from ._checkpoint import load, save
 from ._errors import NumericsError
 from ._finite import all_finite
 from ._grad_scaler import GradScaler
@@ -46,8 +47,10 @@ __all__ = [
     "distributed",
     "for_inference",
     "fp32_state_dict",
+    "load",
     "numerics",
     "optim",
+    "save",
     "tensor_stats",
     "uncast_module",
 ]

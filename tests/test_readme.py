@@ -1,0 +1,45 @@
+"""The README's example runs as written (in a temporary directory) and its commands exist."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_example_trains_and_saves(tmp_path, monkeypatch):
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README has no python example"
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU warns that it is slow
+        exec(compile(blocks[0], "README.md", "exec"), ns)  # noqa: S102 - our own README
+    assert (tmp_path / "ckpt.pt").exists()
+    info = ns["info"]
+    assert int(info.applied_steps) >= 90  # a few early steps may be skipped while the scale settles
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert state["policy"] == str(ns["prec"].policy)
+
+
+def test_readme_set_up_commands_are_the_ci_ones():
+    text = README.read_text()
+    ci = (README.parent / ".ci" / "run").read_text()
+    test_cmd = ".venv/bin/python -m pytest -q"
+    assert f"```bash\n{test_cmd}\n```" in text
+    assert ci.strip().splitlines()[-1] == test_cmd
+    assert "pip install torch==2.13.0 -e '.[cli,test]' && .venv/bin/mixprec compare" in text
+
+
+def test_cli_commands_named_in_the_readme_exist():
+    out = subprocess.run([sys.executable, "-m", "mixprec.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for cmd in ("compare", "doctor", "check"):
+        assert cmd in out.stdout
