@@ -1,0 +1,412 @@
+"""Checkpoints that survive a crash and refuse to run code: ``save`` and ``load``.
+
+``save`` writes atomically: the checkpoint goes to a temporary file in the target's directory,
+which is flushed and ``fsync``-ed, renamed over the target (``os.replace``, atomic on POSIX and
+Windows) and the directory is ``fsync``-ed so that the rename itself is durable. A crash (or a
+full disk, or an exception) at any point leaves either the old checkpoint or the new one, never
+a half-written file under the target's name.
+
+``load`` reads with ``torch.load(..., weights_only=True)``, so a file from an untrusted source
+cannot execute code, then checks the format marker, the format version, a CRC32 over the
+whole state and the mixprec state dict inside (its version and policy). Every failure is a
+:class:`CheckpointError` (a ``ValueError``) that names the file and what to do.
+
+File format (a ``torch.save`` zip file holding one dict)::
+
+    {
+        "format": "mixprec.checkpoint",     # marker: a non-mixprec file is recognised
+        "format_version": 1,                # of this envelope; load refuses newer ones
+        "mixprec_version": "0.1.0",         # informational
+        "torch_version": "2.13.0+cpu",      # informational
+        "checksum": {"algorithm": "crc32", "value": int, "tensors": int, "bytes": int},
+        "state": {...},                     # MixedPrecision.state_dict() (+ your own extra keys)
+    }
+
+The checksum covers every entry of ``state`` in order: each tensor's dtype, shape and bytes
+(torch does not check the zip's CRCs, so a flipped bit in a tensor would otherwise load
+silently) and the ``repr`` of every other value with its key path.
+
+A file written by ``torch.save(prec.state_dict(), path)`` (no envelope) loads too, without the
+checksum check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pickle
+import tempfile
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any, Union
+
+import torch
+
+from ._policy import Policy
+from ._precision import MixedPrecision, _validate_state
+
+__all__ = ["CheckpointError", "FORMAT", "FORMAT_VERSION", "load", "save"]
+
+#: The marker in every file ``save`` writes.
+FORMAT = "mixprec.checkpoint"
+#: Version of the envelope described in the module docstring.
+FORMAT_VERSION = 1
+
+PathLike = Union[str, "os.PathLike[str]"]
+_LEAVES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded: truncated, corrupted, foreign, unsafe or too new.
+
+    The message names the file, what is wrong with it and what to do.
+    """
+
+
+# ----- saving ---------------------------------------------------------------------------------------
+def save(state: Any, path: PathLike) -> None:
+    """Write a mixprec checkpoint atomically: a crash mid-write leaves the previous file intact.
+
+    Algorithm:
+        1. Check ``state`` (a mixprec state dict of loadable types) and compute its CRC32.
+        2. ``torch.save`` the envelope into ``.<name>.<random>.tmp`` in the target's directory;
+           flush and ``fsync`` it.
+        3. ``os.replace`` it over ``path`` (atomic), then ``fsync`` the directory (POSIX).
+        On any exception the temporary file is removed and the target is untouched.
+
+    A process killed between 2 and 3 leaves its temporary file behind (the target is intact);
+    such ``.*.tmp`` files can be deleted.
+
+    Args:
+        state: ``MixedPrecision.state_dict()`` (you may add your own keys, e.g. ``"epoch"``, with
+            values ``torch.load(weights_only=True)`` accepts: tensors, numbers, strings, None,
+            and lists/tuples/dicts of them), or a prepared ``MixedPrecision`` (its state dict is taken).
+        path: The checkpoint file. Its directory must exist.
+
+    Raises:
+        TypeError: ``state`` is not a state dict or holds a value ``weights_only`` loading would
+            refuse (the message gives its key path); ``path`` is not a path.
+        ValueError: ``state`` is not a mixprec state dict (wrong keys, version or policy).
+        FileNotFoundError: the directory does not exist.
+        OSError: writing failed (e.g. disk full); the previous checkpoint is intact.
+
+    Host syncs: every tensor is copied to the CPU (``torch.save`` does the same) and checksummed.
+
+    Example:
+        >>> mixprec.save(prec.state_dict(), "ckpt.pt")  # doctest: +SKIP
+        >>> prec.load_state_dict(mixprec.load("ckpt.pt"))  # doctest: +SKIP
+    """
+    if isinstance(state, MixedPrecision):
+        state = state.state_dict()
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"mixprec.save(state, path) needs the dict MixedPrecision.state_dict() returns, got {type(state).__name__}."
+        )
+    _validate_state(state)
+    _parse_policy(state["policy"], where="save()")
+    target = _check_path(path, "save")
+    directory = os.path.dirname(target) or "."
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"mixprec.save: the directory {directory!r} does not exist; create it first "
+                                "(os.makedirs(d, exist_ok=True)).")
+    crc, n_tensors, n_bytes = _checksum(state, check_types=True)
+    envelope = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "mixprec_version": _mixprec_version(),
+        "torch_version": str(torch.__version__),  # TorchVersion is a str subclass weights_only refuses
+        "checksum": {"algorithm": "crc32", "value": crc, "tensors": n_tensors, "bytes": n_bytes},
+        "state": state,
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(envelope, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        _copy_mode(target, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)  # makes the rename itself durable
+
+
+def _check_path(path: Any, what: str) -> str:
+    if isinstance(path, (str, os.PathLike)):
+        p = os.fspath(path)
+        if isinstance(p, str):
+            return os.path.abspath(p)
+    raise TypeError(
+        f"mixprec.{what}(..., path) needs a file path (str or os.PathLike), got {type(path).__name__}; atomic writes and "
+        "clear errors need a real file. For an in-memory buffer use torch.save/torch.load(..., weights_only=True)."
+    )
+
+
+def _copy_mode(target: str, tmp: str) -> None:
+    """Give the new file the old one's permissions, or what ``open()`` would (mkstemp makes it 0600)."""
+    try:
+        mode = os.stat(target).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, mode)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask must set it to read it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def _fsync_directory(directory: str) -> None:
+    if os.name != "posix":  # Windows cannot open a directory; NTFS journals the rename
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems (e.g. certain network mounts) refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _mixprec_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# ----- the checksum ---------------------------------------------------------------------------------
+def _walk(obj: Any, path: str, check_types: bool) -> Iterator[tuple[str, Any]]:
+    """Yield ``(key path, leaf)`` in a deterministic order; raise TypeError for unloadable values."""
+    if isinstance(obj, torch.Tensor):
+        if check_types and type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(
+                f"mixprec.save: {path} is a {type(obj).__name__} (a tensor subclass), which torch.load(weights_only=True) "
+                "may refuse; save sharded/distributed state with torch.distributed.checkpoint, or convert it to a plain "
+                "tensor first."
+            )
+        yield path, obj
+    elif isinstance(obj, (dict, OrderedDict)):
+        if check_types and type(obj) not in (dict, OrderedDict):
+            raise TypeError(f"mixprec.save: {path} is a {type(obj).__name__}; use a plain dict.")
+        for k, v in obj.items():
+            if check_types and not isinstance(k, (str, int, float, bool, type(None))):
+                raise TypeError(f"mixprec.save: {path} has a key of type {type(k).__name__}; use str or int keys.")
+            yield from _walk(v, f"{path}[{k!r}]", check_types)
+    elif isinstance(obj, (list, tuple)):
+        if check_types and type(obj) not in (list, tuple):
+            raise TypeError(
+                f"mixprec.save: {path} is a {type(obj).__name__}; torch.load(weights_only=True) accepts plain lists and "
+                "tuples only (convert it, e.g. tuple(x) or x._asdict())."
+            )
+        yield path, ("list" if isinstance(obj, list) else "tuple", len(obj))
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]", check_types)
+    elif type(obj) in _LEAVES or (not check_types and isinstance(obj, _LEAVES)):
+        yield path, obj  # exact types: weights_only refuses subclasses (IntEnum, TorchVersion, ...)
+    else:
+        raise TypeError(
+            f"mixprec.save: {path} is a {type(obj).__name__}, which torch.load(weights_only=True) refuses to load (it "
+            "would need to run code from the file). Store tensors, numbers, strings, None and lists/tuples/dicts of "
+            "them; convert other objects (e.g. to a dict) first."
+        )
+
+
+def _tensor_bytes(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """A zero-copy buffer over ``t``'s bytes (CPU, contiguous) and the tensor that owns them."""
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_quantized:
+        t = t.int_repr()
+    t = t.resolve_conj().resolve_neg().to("cpu").contiguous()
+    n = t.numel() * t.element_size()
+    return (ctypes.c_char * n).from_address(t.data_ptr()), t  # keep ``t`` alive while the buffer is read
+
+
+def _checksum(state: Mapping[str, Any], *, check_types: bool = False) -> tuple[int, int, int]:
+    """CRC32 over every entry of ``state`` (see the module docstring); returns (crc, tensors, bytes)."""
+    crc, n_tensors, n_bytes = 0, 0, 0
+    for path, leaf in _walk(state, "state", check_types):
+        if isinstance(leaf, torch.Tensor):
+            n_tensors += 1
+            crc = zlib.crc32(f"{path}:T:{leaf.dtype}:{tuple(leaf.shape)}".encode(), crc)
+            if leaf.numel() and leaf.device.type != "meta":
+                buf, _owner = _tensor_bytes(leaf)
+                crc = zlib.crc32(buf, crc)
+                n_bytes += len(buf)
+        else:
+            crc = zlib.crc32(f"{path}:{type(leaf).__name__}:{leaf!r}".encode(), crc)
+    return crc, n_tensors, n_bytes
+
+
+# ----- loading --------------------------------------------------------------------------------------
+def load(
+    path: PathLike,
+    *,
+    map_location: Any = "cpu",
+    expected_policy: Policy | str | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save` safely and check it before you use it.
+
+    Args:
+        path: The checkpoint file.
+        map_location: As ``torch.load`` (default ``"cpu"``; ``MixedPrecision.load_state_dict``
+            copies the values onto the run's device).
+        expected_policy: When given, the checkpoint must have been saved under this policy
+            (compared as :class:`Policy`, so presets and grammar strings both work).
+        verify: Recompute the CRC32 and compare (reads every byte once more; about 3 GB/s).
+
+    Returns:
+        The state dict, ready for ``MixedPrecision.load_state_dict``; your extra keys included.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        CheckpointError: (a ``ValueError``) the file is empty, truncated or corrupted (checksum
+            mismatch), not a PyTorch file, holds objects ``weights_only`` refuses to unpickle
+            (code execution), is not a mixprec checkpoint, has a newer format version, holds an
+            invalid state or policy, or its policy differs from ``expected_policy``.
+        TypeError: ``path`` is not a path.
+
+    Example:
+        >>> state = mixprec.load("ckpt.pt", expected_policy="fp16-master")  # doctest: +SKIP
+    """
+    file = _check_path(path, "load")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"mixprec.load: no checkpoint at {file!r}.")
+    size = os.path.getsize(file)
+    if size == 0:
+        raise CheckpointError(
+            f"the checkpoint {file!r} is empty (0 bytes): it was cut short while being written (not by mixprec.save, "
+            "which replaces files atomically); use an earlier checkpoint."
+        )
+    try:
+        obj = torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "GLOBAL" in str(e):  # a reference to a Python callable or class: what weights_only exists to refuse
+            raise CheckpointError(
+                f"refusing to load {file!r}: it holds Python objects other than tensors and containers, and unpickling "
+                "them could run code from the file (mixprec.load always uses weights_only=True). mixprec.save never "
+                "writes such files. Only if you trust where the file came from: torch.load(path, weights_only=False). "
+                f"torch said: {_unpickler_reason(e)}"
+            ) from e
+        raise _unreadable(file, size, e) from e
+    except MemoryError:
+        raise
+    except Exception as e:  # torch reports broken files as RuntimeError, EOFError, OSError, KeyError, ...
+        raise _unreadable(file, size, e) from e
+
+    if isinstance(obj, Mapping) and obj.get("format") == FORMAT:
+        version = obj.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"the checkpoint {file!r} has format version {version!r} (written by mixprec "
+                f"{obj.get('mixprec_version', '?')}); this mixprec {_mixprec_version()} reads format version "
+                f"{FORMAT_VERSION} and older. Upgrade mixprec."
+            )
+        lacking = [k for k in ("state", "checksum") if k not in obj]
+        if lacking:
+            raise CheckpointError(f"the checkpoint {file!r} is damaged: its envelope has no {lacking[0]!r} entry.")
+        state = obj["state"]
+        if verify:
+            _verify(file, state, obj["checksum"])
+    elif isinstance(obj, Mapping) and all(k in obj for k in ("version", "policy", "model", "optimizers")):
+        state = obj  # torch.save(prec.state_dict(), path): no envelope, nothing to verify against
+    else:
+        raise CheckpointError(f"{file!r} is not a mixprec checkpoint: {_describe(obj)}")
+
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"the checkpoint {file!r} is damaged: its state is a {type(state).__name__}, not a dict.")
+    try:
+        _validate_state(state)
+    except ValueError as e:
+        raise CheckpointError(f"the checkpoint {file!r} does not hold a valid mixprec state: {e}") from e
+    saved = _parse_policy(state["policy"], where=f"the checkpoint {file!r}")
+    if expected_policy is not None:
+        want = Policy.parse(expected_policy)
+        if saved != want:
+            raise CheckpointError(
+                f"the checkpoint {file!r} was saved under policy {str(saved)!r} but {str(want)!r} was expected; convert "
+                f"it with mixprec.convert_state_dict(state, {want.name or str(want)!r}) (load without expected_policy "
+                "first), or resume with the saved policy."
+            )
+    return dict(state)
+
+
+def _verify(file: str, state: Any, checksum: Any) -> None:
+    if not isinstance(checksum, Mapping) or checksum.get("algorithm") != "crc32":
+        raise CheckpointError(f"the checkpoint {file!r} has an unknown checksum {checksum!r}; upgrade mixprec.")
+    if not isinstance(state, Mapping):
+        return  # reported by the caller
+    try:
+        crc, n_tensors, n_bytes = _checksum(state)
+    except TypeError as e:
+        raise CheckpointError(f"the checkpoint {file!r} is damaged: {e}") from e
+    if (crc, n_tensors, n_bytes) != (checksum.get("value"), checksum.get("tensors"), checksum.get("bytes")):
+        raise CheckpointError(
+            f"the checkpoint {file!r} is corrupted: its contents do not match the checksum written with it "
+            f"(crc32 {crc:#010x} over {n_tensors} tensors / {n_bytes} bytes, saved {checksum.get('value', 0):#010x} over "
+            f"{checksum.get('tensors')} tensors / {checksum.get('bytes')} bytes). The file changed after it was written "
+            "(disk, transfer or copy error); use another copy or an earlier checkpoint."
+        )
+
+
+def _unreadable(file: str, size: int, err: BaseException) -> CheckpointError:
+    with open(file, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04":
+        what = ("it is a PyTorch (zip) file but truncated or corrupted (e.g. cut short by a crash while it was written "
+                "without mixprec.save, or by an unfinished copy)")
+    else:
+        what = "it is truncated, corrupted, or not a file written by torch.save / mixprec.save"
+    return CheckpointError(
+        f"cannot read the checkpoint {file!r} ({size} bytes): {what}. Use an earlier checkpoint. "
+        f"({type(err).__name__}: {_first_line(err)})"
+    )
+
+
+def _unpickler_reason(err: BaseException) -> str:
+    for line in str(err).splitlines():
+        if "GLOBAL" in line:
+            return line.strip()[:300]
+    return _first_line(err)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else repr(err)
+
+
+def _describe(obj: Any) -> str:
+    if not isinstance(obj, Mapping):
+        return f"it holds a {type(obj).__name__}, not a mixprec checkpoint dict (write it with mixprec.save)."
+    keys = sorted(map(str, obj))[:8]
+    if "state" in obj and "param_groups" in obj:
+        return f"it holds a plain optimizer state dict (keys {keys}); mixprec checkpoints come from mixprec.save(prec.state_dict(), path)."
+    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return (f"it holds a model state dict (keys {keys}); load it with prec.load_model_state_dict("
+                "torch.load(path, weights_only=True)).")
+    return f"it has no mixprec format marker (keys {keys}); write checkpoints with mixprec.save(prec.state_dict(), path)."
+
+
+def _parse_policy(spec: Any, *, where: str) -> Policy:
+    if not isinstance(spec, str):
+        raise CheckpointError(f"{where}: the state's 'policy' must be the policy string, got {type(spec).__name__}.")
+    try:
+        return Policy.parse(spec)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: the state's policy {spec!r} is not valid for this mixprec: {e}") from e
