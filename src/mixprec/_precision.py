@@ -205,7 +205,7 @@ class MixedPrecision:
                 "this model was already prepared by another MixedPrecision (or cast_module); prepare a fresh model, "
                 "or call mixprec.uncast_module(model) first."
             )
-        # DDP: raises (prepare the plain model, then mixprec.distributed.wrap_ddp). FSDP2: FP32 shards are the masters.
+        # DDP: raises (prepare first, then mixprec.distributed.wrap_ddp). FSDP2: its FP32 shards are the masters.
         fsdp = check_prepare_target(model, self.policy, self.grad_accumulation)
         model_params = list(model.parameters())
         by_id = {id(p): p for p in model_params}
@@ -225,6 +225,9 @@ class MixedPrecision:
                     f"{tuple(foreign[0].shape)}); build the optimizer from model.parameters() of the model you pass to "
                     "prepare()."
                 )
+        _check_disjoint(optimizers)
+        if self.policy.has_masters:
+            _check_no_frozen_masters(model, optimizers, self.policy)
         floating = [p for p in model_params if p.dtype.is_floating_point]
         half = sorted({dtype_name(p.dtype) for p in floating if p.dtype != torch.float32})
         if half and self.policy.param_dtype == torch.float32:
@@ -359,6 +362,14 @@ class MixedPrecision:
         self._check_optimizer(optimizer, "unscale_()")
         stage = self._stage[id(optimizer)]
         if stage == "idle":
+            holders = optimizer.masters if isinstance(optimizer, MasterWeightOptimizer) else _optimizer_tensors(optimizer)
+            if any(t.grad is not None for t in (*holders, *_model_params_of(optimizer))):
+                # e.g. loss.backward() instead of prec.backward(loss): FP16 gradients would be unscaled wrongly
+                raise ValueError(
+                    "unscale_()/clip_grad_norm_()/step() without backward() in this step: the gradients present did not "
+                    "come from prec.backward(loss) since the last step. Call prec.backward(loss) instead of "
+                    "loss.backward() (it scales the loss when the policy needs it), and zero_grad() after each step."
+                )
             raise ValueError("unscale_()/clip_grad_norm_()/step() without backward() in this step: there are no new gradients.")
         if stage == "unscaled":
             return self._found_inf[id(optimizer)]
@@ -472,6 +483,12 @@ class MixedPrecision:
         _check_model_state(model, sd["model"])
         if [list(n) for n in sd["param_names"]] != self._param_names:
             raise ValueError("the checkpoint's optimizer parameter names differ from this run's (a different model?).")
+        # What the loads below would only find out after the model was already overwritten:
+        _check_optimizer_entries(self.optimizers, sd["optimizers"])
+        if sd.get("scaler") is not None and getattr(self.scaler, "_kind", None) is not None:
+            from ._scaler import _check_state_dict
+
+            _check_state_dict(sd["scaler"], type(self.scaler).__name__, self.scaler._kind)  # type: ignore[attr-defined]
         model.load_state_dict(sd["model"])
         names = dict(model.named_parameters())
         for opt, entry, pnames in zip(self.optimizers, sd["optimizers"], sd["param_names"]):
@@ -494,8 +511,30 @@ class MixedPrecision:
             state_dict: ``model.state_dict()`` of an FP32 model (any dtype is accepted; values are
                 cast into the model's dtypes).
             strict: As ``nn.Module.load_state_dict``.
+
+        Raises:
+            ValueError: (checked before anything is loaded: ``nn.Module.load_state_dict`` would
+                copy the matching entries first) missing/unexpected keys with ``strict``, or a
+                shape that differs from the model's.
         """
         model = self._require_prepared("load_model_state_dict()")
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_model_state_dict needs a model state dict (a mapping), got {type(state_dict).__name__}")
+        own = model.state_dict()
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"load_model_state_dict: the state dict does not match the model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}; nothing was loaded. Pass strict=False to load the matching entries only."
+            )
+        shapes = [k for k, v in state_dict.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if shapes:
+            k = shapes[0]
+            raise ValueError(
+                f"load_model_state_dict: {k!r} has shape {tuple(state_dict[k].shape)} in the state dict but "
+                f"{tuple(own[k].shape)} in the model ({len(shapes)} mismatch(es)); nothing was loaded."
+            )
         model.load_state_dict(state_dict, strict=strict)
         named = dict(model.named_parameters())
         for opt in self.optimizers:
@@ -533,6 +572,58 @@ def _model_params_of(opt: Optimizer) -> list[torch.Tensor]:
     if isinstance(opt, MasterWeightOptimizer):
         return opt.model_params
     return _optimizer_tensors(opt)
+
+
+def _check_disjoint(optimizers: Sequence[Optimizer]) -> None:
+    """Each parameter in one optimizer only: a shared one would be unscaled twice, or get two masters."""
+    owner: dict[int, int] = {}
+    for i, opt in enumerate(optimizers):
+        for j in range(i):
+            if optimizers[j] is opt:
+                raise ValueError(f"optimizer {i} is the same object as optimizer {j}; pass each optimizer to prepare() once.")
+        for g in opt.param_groups:
+            for p in g["params"]:
+                j = owner.setdefault(id(p), i)
+                if j != i:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is in optimizer {j} and optimizer {i}; mixprec needs each "
+                        "parameter in exactly one optimizer (its gradient is unscaled, and its master kept, once). "
+                        "Split the parameters between the optimizers."
+                    )
+
+
+def _check_optimizer_entries(optimizers: Sequence[Optimizer], entries: Sequence[Any]) -> None:
+    """The saved optimizers have this run's param-group layout (torch checks it only inside the load)."""
+    for i, (opt, entry) in enumerate(zip(optimizers, entries)):
+        inner = entry.get("optimizer") if isinstance(entry, Mapping) and "masters" in entry else entry
+        groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+        if not isinstance(groups, Sequence):
+            raise ValueError(f"the checkpoint's optimizer {i} is not an optimizer state dict (no 'param_groups').")
+        saved = [len(g.get("params", ())) for g in groups]
+        ours = [len(g["params"]) for g in opt.param_groups]
+        if saved != ours:
+            raise ValueError(
+                f"the checkpoint's optimizer {i} has param groups of sizes {saved}, this run's {ours}; build the "
+                "optimizer with the same param groups as the run that saved it."
+            )
+
+
+def _check_no_frozen_masters(model: nn.Module, optimizers: Sequence[Optimizer], policy: Policy) -> None:
+    """Before anything is cast: a frozen parameter that would get a master has no gradient to feed it."""
+    from ._casting import island_modules
+
+    if policy.param_dtype == (policy.master_dtype or torch.float32):
+        return
+    islands = {id(p) for _, m in island_modules(model, policy) for p in m.parameters()}
+    for i, opt in enumerate(optimizers):
+        frozen = [p for g in opt.param_groups for p in g["params"]
+                  if p.dtype.is_floating_point and not p.requires_grad and id(p) not in islands]
+        if frozen:
+            raise ValueError(
+                f"optimizer {i} holds {len(frozen)} parameter(s) with requires_grad=False (first has shape "
+                f"{tuple(frozen[0].shape)}) that policy {policy.name or str(policy)!r} would give FP32 masters; leave frozen "
+                "parameters out of the optimizer, e.g. AdamW([p for p in model.parameters() if p.requires_grad])."
+            )
 
 
 def _check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:

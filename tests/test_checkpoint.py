@@ -1,0 +1,377 @@
+"""mixprec.save / mixprec.load: atomic writes, safe and validated loads, bit-identical resume after a crash."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec._checkpoint as ckpt
+from mixprec._checkpoint import FORMAT, CheckpointError, load, save
+from mixprec._precision import MixedPrecision
+
+PRESETS = ["fp16-master", "bf16-pure", "bf16-mixed"]
+
+
+# ----- a tiny deterministic training run -------------------------------------------------------------
+def make(preset: str, seed: int = 0) -> tuple[MixedPrecision, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    prec = MixedPrecision(preset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU is slow: known
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    return prec, model, opt
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(16, 8, generator=g)
+    return x, x[:, :4].argmax(1)
+
+
+def train(prec, model, opt, start, stop, path=None, every=10):
+    """Steps [start, stop); every 7th step is poisoned with inf (skipped); checkpoints every ``every`` steps."""
+    losses = []
+    for s in range(start, stop):
+        x, y = batch(s)
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        prec.backward(loss * (float("inf") if s % 7 == 3 else 1.0))
+        prec.step(opt)
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if path is not None and (s + 1) % every == 0:
+            save({**prec.state_dict(), "step": s + 1}, path)
+    return losses
+
+
+def equal_tree(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(equal_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(equal_tree(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)  # nan == nan for the scaler's statistics
+
+
+@pytest.fixture
+def trained(tmp_path):
+    prec, model, opt = make("fp16-master")
+    train(prec, model, opt, 0, 5)
+    path = tmp_path / "ckpt.pt"
+    save(prec.state_dict(), path)
+    return prec, model, opt, path
+
+
+# ----- round trip and format ------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", PRESETS)
+def test_round_trip_is_exact_and_marked(preset, tmp_path):
+    prec, model, opt = make(preset)
+    train(prec, model, opt, 0, 5)
+    path = tmp_path / "c.pt"
+    save({**prec.state_dict(), "epoch": 3, "data": {"position": 17, "files": ["a", "b"]}}, path)
+    raw = torch.load(path, weights_only=True)
+    assert raw["format"] == FORMAT and raw["format_version"] == 1 and raw["checksum"]["algorithm"] == "crc32"
+    state = load(path, expected_policy=preset)
+    assert state["epoch"] == 3 and state["data"] == {"position": 17, "files": ["a", "b"]}
+    assert equal_tree({k: v for k, v in state.items() if k not in ("epoch", "data")}, prec.state_dict())
+    prec.load_state_dict(state)
+
+
+def test_save_accepts_the_mixed_precision_object_and_pathlike(trained, tmp_path):
+    prec, _, _, _ = trained
+    save(prec, str(tmp_path / "a.pt"))
+    assert equal_tree(load(tmp_path / "a.pt"), prec.state_dict())
+
+
+def test_plain_torch_save_of_a_state_dict_loads(trained, tmp_path):
+    prec, _, _, _ = trained
+    torch.save(prec.state_dict(), tmp_path / "plain.pt")
+    assert equal_tree(load(tmp_path / "plain.pt"), prec.state_dict())
+
+
+def test_permissions_are_kept(trained):
+    prec, _, _, path = trained
+    os.chmod(path, 0o600)
+    save(prec.state_dict(), path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    umask = os.umask(0)
+    os.umask(umask)
+    fresh = path.with_name("fresh.pt")
+    save(prec.state_dict(), fresh)
+    assert os.stat(fresh).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_expected_policy(trained):
+    prec, _, _, path = trained
+    assert load(path, expected_policy="p=f16,c=f16,m=f32,o=f32")["policy"] == str(prec.policy)
+    msg = ("was saved under policy 'p=f16,c=f16,o=f32,m=f32,ls=dynamic,i=norm,tf32=0,comp=none' but "
+           "'p=bf16,c=bf16,o=f32,m=f32,ls=none,i=norm,tf32=0,comp=none' was expected; convert it with "
+           "mixprec.convert_state_dict(state, 'bf16-master')")
+    with pytest.raises(CheckpointError, match=re.escape(msg)):
+        load(path, expected_policy="bf16-master")
+
+
+# ----- crashes while saving -------------------------------------------------------------------------
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+@pytest.mark.parametrize("where", ["write", "fsync", "replace"])
+def test_crash_during_save_keeps_the_previous_checkpoint(trained, monkeypatch, where):
+    prec, model, opt, path = trained
+    old = load(path)
+    old_bytes = path.read_bytes()
+    train(prec, model, opt, 5, 8)  # the state moves on
+    real_save = torch.save
+
+    def half_write(obj, f):  # writes half the file, then the "disk" fails
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise OSError(28, "No space left on device")
+
+    def boom(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    if where == "write":
+        monkeypatch.setattr(ckpt.torch, "save", half_write)
+    elif where == "fsync":
+        monkeypatch.setattr(ckpt.os, "fsync", boom)
+    else:
+        monkeypatch.setattr(ckpt.os, "replace", boom)
+    with pytest.raises(OSError):
+        save(prec.state_dict(), path)
+    monkeypatch.undo()
+    assert path.read_bytes() == old_bytes
+    assert equal_tree(load(path), old)
+    assert _leftovers(path.parent) == []  # the temporary file was removed
+
+
+def test_keyboard_interrupt_during_save_cleans_up(trained, monkeypatch):
+    prec, _, _, path = trained
+    old_bytes = path.read_bytes()
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.os, "replace", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        save(prec.state_dict(), path)
+    assert path.read_bytes() == old_bytes and _leftovers(path.parent) == []
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys, io, time
+    sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)
+    import test_checkpoint as t
+    import mixprec._checkpoint as ckpt
+    real_save, calls = torch.save, []
+    def dying_save(obj, f):
+        calls.append(1)
+        if len(calls) < 3:
+            return real_save(obj, f)
+        buf = io.BytesIO(); real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2]); f.flush(); os.fsync(f.fileno())
+        print("KILL ME", flush=True)
+        time.sleep(120)
+    ckpt.torch.save = dying_save
+    prec, model, opt = t.make("fp16-master")
+    t.train(prec, model, opt, 0, 40, path={path!r})
+    print("NOT KILLED", flush=True)
+    """
+)
+
+
+def test_killed_process_mid_save_then_resume_is_bit_identical(tmp_path):
+    """A process killed (SIGKILL) while writing its 3rd checkpoint: the 2nd survives and resumes bit for bit."""
+    path = tmp_path / "ckpt.pt"
+    code = _CHILD.format(tests=str(Path(__file__).parent), path=str(path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        line = child.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip() == "KILL ME", (line, child.stderr.read() if child.poll() is not None else "")  # type: ignore[union-attr]
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert len(_leftovers(tmp_path)) == 1  # the half-written temporary file; the checkpoint is untouched
+    state = load(path, expected_policy="fp16-master")
+    assert state["step"] == 20
+    # resume in a fresh run (another init: everything must come from the checkpoint)
+    prec, model, opt = make("fp16-master", seed=123)
+    prec.load_state_dict(state)
+    resumed = train(prec, model, opt, 20, 40)
+    ref_prec, ref_model, ref_opt = make("fp16-master")
+    ref = train(ref_prec, ref_model, ref_opt, 0, 40)
+    assert resumed == ref[20:]
+    assert equal_tree(prec.state_dict(), ref_prec.state_dict())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_resume_after_failed_save_is_bit_identical(preset, tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    prec, model, opt = make(preset)
+    train(prec, model, opt, 0, 20, path=path)  # checkpoints at 10 and 20
+    calls = []
+
+    def crash(*a, **k):
+        calls.append(1)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ckpt.os, "replace", crash)
+    with pytest.raises(OSError):
+        train(prec, model, opt, 20, 30, path=path)  # the save at 30 fails: the "process dies"
+    monkeypatch.undo()
+    assert calls == [1]
+    state = load(path, expected_policy=preset)
+    assert state["step"] == 20
+    prec2, model2, opt2 = make(preset, seed=7)
+    prec2.load_state_dict(state)
+    resumed = train(prec2, model2, opt2, 20, 40)
+    ref_prec, ref_model, ref_opt = make(preset)
+    ref = train(ref_prec, ref_model, ref_opt, 0, 40)
+    assert resumed == ref[20:]
+    assert equal_tree(prec2.state_dict(), ref_prec.state_dict())
+
+
+# ----- broken files ---------------------------------------------------------------------------------
+def test_truncated_files_give_a_clear_error(trained):
+    _, _, _, path = trained
+    data = path.read_bytes()
+    bad = path.with_name("bad.pt")
+    for n in (1, 4, 100, len(data) // 3, len(data) // 2, len(data) - 30, len(data) - 1):
+        bad.write_bytes(data[:n])
+        with pytest.raises(CheckpointError, match=re.escape(f"cannot read the checkpoint {str(bad)!r} ({n} bytes)")) as e:
+            load(bad)
+        assert "Use an earlier checkpoint" in str(e.value)
+        if n >= 4:
+            assert "it is a PyTorch (zip) file but truncated or corrupted" in str(e.value)
+    bad.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=re.escape("is empty (0 bytes): it was cut short while being written")):
+        load(bad)
+
+
+def test_flipped_bits_are_caught_by_the_checksum(trained):
+    prec, model, _, path = trained
+    data = path.read_bytes()
+    # a bit in a tensor: torch itself would load it silently
+    weight = model[3].weight.detach().contiguous()
+    needle = bytes((ctypes_buffer(weight)))
+    at = data.find(needle)
+    assert at > 0
+    corrupt = bytearray(data)
+    corrupt[at + 5] ^= 0x10
+    bad = path.with_name("bad.pt")
+    bad.write_bytes(bytes(corrupt))
+    torch.load(bad, weights_only=True)  # torch does not notice
+    with pytest.raises(CheckpointError, match=re.escape("is corrupted: its contents do not match the checksum")):
+        load(bad)
+    load(bad, verify=False)  # the escape hatch
+    # a bit in a number inside the pickle (the learning rate)
+    lr = struct.pack(">d", 3e-3)
+    assert data.count(lr) == 1
+    bad.write_bytes(data.replace(lr, struct.pack(">d", 3e-2)))
+    with pytest.raises(CheckpointError, match=re.escape("is corrupted")):
+        load(bad)
+
+
+def ctypes_buffer(t: torch.Tensor) -> bytes:
+    buf, _ = ckpt._tensor_bytes(t)
+    return bytes(buf)
+
+
+def test_garbage_and_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape("mixprec.load: no checkpoint at")):
+        load(tmp_path / "nope.pt")
+    for content in (b"hello, I am a text file\n" * 20, bytes(range(256)) * 8):
+        f = tmp_path / "garbage.pt"
+        f.write_bytes(content)
+        with pytest.raises(CheckpointError, match=re.escape("it is truncated, corrupted, or not a file written by torch.save")):
+            load(f)
+    with pytest.raises(TypeError, match=re.escape("needs a file path (str or os.PathLike), got BytesIO")):
+        load(io.BytesIO())  # type: ignore[arg-type]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned_by_checkpoint",))
+
+
+def test_pickled_code_is_never_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"version": 1, "payload": _Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match=re.escape("refusing to load")) as e:
+        load(tmp_path / "evil.pt")
+    assert "could run code from the file" in str(e.value) and "GLOBAL posix.system" in str(e.value)
+    assert not (tmp_path / "pwned_by_checkpoint").exists()
+
+
+def test_foreign_and_newer_files(trained, tmp_path):
+    prec, model, opt, path = trained
+    cases = [
+        (model.state_dict(), "it holds a model state dict"),
+        (opt.optimizer.state_dict(), "it holds a plain optimizer state dict"),
+        ([1, 2, 3], "it holds a list, not a mixprec checkpoint dict"),
+        ({"epoch": 1}, "it has no mixprec format marker (keys ['epoch'])"),
+    ]
+    f = tmp_path / "foreign.pt"
+    for obj, msg in cases:
+        torch.save(obj, f)
+        with pytest.raises(CheckpointError, match=re.escape(f"{str(f)!r} is not a mixprec checkpoint: {msg}")):
+            load(f)
+    raw = torch.load(path, weights_only=True)
+    torch.save({**raw, "format_version": 2, "mixprec_version": "9.0"}, f)
+    with pytest.raises(CheckpointError, match=re.escape("has format version 2 (written by mixprec 9.0); this mixprec")):
+        load(f)
+    state = dict(raw["state"])
+    state["version"] = 99
+    torch.save(state, f)
+    with pytest.raises(CheckpointError, match=re.escape("does not hold a valid mixprec state: mixprec state version 99")):
+        load(f)
+    state["version"] = 1
+    state["policy"] = "p=f99"
+    torch.save(state, f)
+    with pytest.raises(CheckpointError, match=re.escape("the state's policy 'p=f99' is not valid for this mixprec")):
+        load(f)
+
+
+def test_save_refuses_what_could_not_be_loaded(trained, tmp_path):
+    prec, model, _, path = trained
+    sd = prec.state_dict()
+    Point = namedtuple("Point", "x y")
+    cases = [
+        ({**sd, "extra": object()}, TypeError, "state['extra'] is a object, which torch.load(weights_only=True) refuses"),
+        ({**sd, "extra": Point(1, 2)}, TypeError, "state['extra'] is a Point; torch.load(weights_only=True) accepts plain"),
+        ({**sd, "extra": {"a": {1, 2}}}, TypeError, "state['extra']['a'] is a set"),
+        (model.state_dict(), ValueError, "It looks like a model state dict"),
+        ([1], TypeError, "mixprec.save(state, path) needs the dict MixedPrecision.state_dict() returns, got list"),
+        ({**sd, "policy": "nonsense"}, CheckpointError, "save(): the state's policy 'nonsense' is not valid"),
+    ]
+    before = path.read_bytes()
+    for state, exc, msg in cases:
+        with pytest.raises(exc, match=re.escape(msg)):
+            save(state, path)
+    assert path.read_bytes() == before and _leftovers(path.parent) == []
+    with pytest.raises(FileNotFoundError, match=re.escape("does not exist; create it first")):
+        save(sd, tmp_path / "no" / "such" / "dir.pt")
+    with pytest.raises(TypeError, match=re.escape("needs a file path")):
+        save(sd, io.BytesIO())  # type: ignore[arg-type]
