@@ -22,7 +22,7 @@ harness checks (host-side, outside the library):
   clean steps, floor and ceiling) exactly, and recovers to its ceiling after faults stop;
 * persistent poisoning (every step from ``persistent_from`` on) ends in the scaler's
   :class:`mixprec.NumericsError` within ``steps to the floor + patience + check_interval``
-  poisoned steps, with its diagnosis, and training continues cleanly once the poison stops.
+  poisoned steps (no steps to a floor without dynamic scaling), with its diagnosis, and training continues cleanly once the poison stops.
 
 Run it as a script for a long run and a summary table::
 
@@ -51,7 +51,7 @@ from torch import nn
 from mixprec._errors import NumericsError
 from mixprec._master import MasterWeightOptimizer
 from mixprec._precision import MixedPrecision
-from mixprec._scaler import DynamicScaler
+from mixprec._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler
 
 KINDS = ("loss", "activation", "grad_param", "grad_activation")
 POISONS = (float("inf"), float("-inf"), float("nan"))
@@ -67,15 +67,17 @@ class FaultConfig:
         steps: Steps with random faults (``[0, steps)``).
         fault_rate: Probability that a step in that range is poisoned.
         clean_tail: Clean steps after the random phase (the loss scale must recover in them).
-        persistent: Poison every step after the tail until the scaler escalates (dynamic
-            scalers only; at most ``persistent_limit`` steps), then run ``after_escalation``
-            clean steps.
+        persistent: Poison every step after the tail until the scaler escalates (at most
+            ``persistent_limit`` steps), then run ``after_escalation`` clean steps. A dynamic
+            scaler escalates after backing off to its floor; the no-op and static scalers
+            (FP32, BF16) after ``patience`` consecutive skips.
         micro_batches: Gradient-accumulation micro-batches per step (one of them is poisoned).
         clip: ``clip_grad_norm_`` max norm, or ``None``.
         optimizer: ``"adamw"`` or ``"sgd"``.
         seed: Seeds the model, the data and the fault schedule.
-        init_scale, growth_interval, min_scale, patience, check_interval: The dynamic scaler's
-            settings (FP16 policies); the scale starts at its ceiling (``max_scale = init_scale``).
+        init_scale, growth_interval, min_scale: The dynamic scaler's settings (FP16 policies);
+            the scale starts at its ceiling (``max_scale = init_scale``).
+        patience, check_interval: Every scaler's escalation settings.
     """
 
     preset: str = "fp16-master"
@@ -241,11 +243,16 @@ def draw_fault(rng: random.Random, model: nn.Module, micro_batches: int) -> Faul
 # ----- the run ---------------------------------------------------------------------------------------
 def build(cfg: FaultConfig) -> tuple[MixedPrecision, nn.Module, torch.optim.Optimizer]:
     model = make_model(cfg.seed)
-    scaler = None
-    if MixedPrecision(cfg.preset).policy.loss_scale == "dynamic":
+    policy = MixedPrecision(cfg.preset).policy
+    esc = {"patience": cfg.patience, "check_interval": cfg.check_interval, "on_failure": "raise"}
+    scaler: LossScaler
+    if policy.loss_scale == "dynamic":
         scaler = DynamicScaler(init_scale=cfg.init_scale, max_scale=cfg.init_scale, min_scale=cfg.min_scale,
-                               growth_interval=cfg.growth_interval, patience=cfg.patience,
-                               check_interval=cfg.check_interval, on_failure="raise", log_overflow=False)
+                               growth_interval=cfg.growth_interval, log_overflow=False, **esc)
+    elif policy.loss_scale == "static":
+        scaler = StaticScaler(policy.init_scale or 1.0, **esc)
+    else:
+        scaler = NoOpScaler(**esc)
     prec = MixedPrecision(cfg.preset, scaler=scaler)
     if cfg.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -273,7 +280,7 @@ def run(cfg: FaultConfig, *, progress: Callable[[int], None] | None = None) -> F
     persistent_start_scale = scale
     end_random = cfg.steps
     end_tail = end_random + cfg.clean_tail
-    persistent = cfg.persistent and dynamic
+    persistent = cfg.persistent
     last = end_tail + (cfg.persistent_limit if persistent else 0)
     escalated_at: int | None = None
     losses: list[float] = []
@@ -381,7 +388,7 @@ def run(cfg: FaultConfig, *, progress: Callable[[int], None] | None = None) -> F
             escalated_at = step
             rep.escalation_after = poisoned_run
             rep.escalation_message = str(raised)
-            steps_to_floor = max(0, math.ceil(math.log2(persistent_start_scale / cfg.min_scale)))
+            steps_to_floor = max(0, math.ceil(math.log2(persistent_start_scale / cfg.min_scale))) if dynamic else 0
             rep.escalation_bound = steps_to_floor + cfg.patience + cfg.check_interval
         step += 1
 
@@ -424,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {args.steps} random-fault steps per preset "
-          f"at rate {args.rate}, {args.micro_batches} micro-batches, then a clean tail and (FP16) persistent poisoning")
+          f"at rate {args.rate}, {args.micro_batches} micro-batches, then a clean tail and persistent poisoning")
     reports = []
     for preset in args.presets:
         cfg = FaultConfig(preset=preset, steps=args.steps, fault_rate=args.rate, micro_batches=args.micro_batches,

@@ -56,7 +56,10 @@ def test_poisoned_steps_are_skipped_and_state_never_corrupted(preset, steps, mic
         assert floor + cfg.patience <= rep.escalation_after <= rep.escalation_bound
         assert rep.escalation_bound == floor + cfg.patience + cfg.check_interval
     else:
-        assert rep.scale_min == rep.scale_max == rep.scale_final == 1.0 and rep.escalation_bound is None
+        assert rep.scale_min == rep.scale_max == rep.scale_final == 1.0
+        # no scale to lower: patience consecutive skips escalate, within one check interval
+        assert cfg.patience <= rep.escalation_after <= rep.escalation_bound == cfg.patience + cfg.check_interval
+        assert "There is no scale to lower" in rep.escalation_message
     # the RNG stream of stochastic rounding is the only state a skipped step may advance
     assert rep.rng_advanced == (rep.skipped if preset == "bf16-pure" else 0)
 
@@ -85,12 +88,17 @@ def test_escalation_message_and_training_continues_after_it():
     assert rep.applied_steps == 30 + 25 and rep.false_skips == []
 
 
-def test_escalation_raises_from_step_with_the_pinned_error():
-    cfg = fi.FaultConfig(preset="fp16-mixed", patience=2, check_interval=2, init_scale=2.0)
+@pytest.mark.parametrize(("preset", "pinned"), [
+    ("fp16-mixed", "loss scaling has failed: the loss scale is at its floor"),
+    ("bf16-mixed", "training has failed without loss scaling: the last 2 steps all had inf/NaN gradients"),
+    ("fp32", "training has failed without loss scaling: the last 2 steps all had inf/NaN gradients"),
+])
+def test_escalation_raises_from_step_with_the_pinned_error(preset, pinned):
+    cfg = fi.FaultConfig(preset=preset, patience=2, check_interval=2, init_scale=2.0)
     prec, model, opt = fi.build(cfg)
     x, y = fi.make_batches(0)[0]
     before = {k: v.clone() for k, v in fi.training_state(prec, opt).items()}
-    with pytest.raises(NumericsError, match=re.escape("loss scaling has failed: the loss scale is at its floor")):
+    with pytest.raises(NumericsError, match=re.escape(pinned)):
         for _ in range(10):
             with prec.autocast():
                 loss = torch.nn.functional.cross_entropy(model(x), y)

@@ -306,6 +306,43 @@ def test_escalation_ignore_and_statistics_trigger():
         s.statistics()  # reading the statistics checks too
 
 
+@pytest.mark.parametrize("make", [lambda **kw: NoOpScaler(**kw), lambda **kw: StaticScaler(8.0, **kw)],
+                         ids=["noop", "static"])
+def test_fixed_scale_scalers_escalate_persistent_skips(make):
+    # transient: 4 skips then a clean step, over and over, never escalates
+    s = make(patience=5, check_interval=1)
+    run(s, ([1] * 4 + [0]) * 30)
+    st = s.statistics()
+    assert st["skipped_steps"] == 120 and st["floor_streak"] == 0 and st["consecutive_skips"] == 0
+    # persistent: escalates within patience + check_interval steps, naming what happened and what to do
+    s = make(patience=5, check_interval=3)
+    run(s, [0, 0])
+    with pytest.raises(NumericsError) as e:
+        for _ in range(40):
+            s.update(INF)
+    assert 5 <= s.statistics()["steps"] - 2 <= 5 + 3
+    msg = str(e.value)
+    what = "without loss scaling" if isinstance(s, NoOpScaler) else "at the fixed loss scale 8"
+    for part in (f"training has failed {what}", "the last 7 steps all had inf/NaN gradients",  # checks at steps 3, 6, 9
+                 "the last step with finite gradients was step 1", "There is no scale to lower", "mixprec doctor"):
+        assert part in msg, (part, msg)
+
+
+def test_fixed_scale_escalation_warn_ignore_and_validation():
+    s = NoOpScaler(patience=3, check_interval=1, on_failure="warn")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        run(s, [1] * 10)
+    assert sum("training has failed without loss scaling" in str(x.message) for x in w) == 1
+    s = StaticScaler(4.0, patience=3, on_failure="ignore")
+    run(s, [1] * 60)
+    assert s.statistics()["floor_streak"] == 60  # counted, never raised
+    with pytest.raises(ValueError, match=re.escape("unknown NoOpScaler: on_failure 'stop'; choose one of: raise, warn, ignore.")):
+        NoOpScaler(on_failure="stop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape("StaticScaler: patience must be an int >= 1, got 0")):
+        StaticScaler(2.0, patience=0)
+
+
 def test_overflow_log_line_is_rate_limited(caplog):
     s = DynamicScaler(init_scale=2.0**16, check_interval=4, log_interval_s=0.0, on_failure="ignore")
     with caplog.at_level(logging.INFO, logger="mixprec.scaler"):

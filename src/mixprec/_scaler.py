@@ -9,7 +9,9 @@ allowance and the statistics are tensors, and :meth:`DynamicScaler.update` decid
 backoff, hysteresis and clamping with tensor arithmetic (no ``.item()``). Host reads happen
 only where named:
 
-* every ``check_interval`` steps, to escalate persistent overflow and to log overflows: one
+* every ``check_interval`` steps, to escalate persistent overflow (every scaler: persistent
+  inf/NaN at the floor, or, without a scale to lower, ``patience`` skips in a row) and to log
+  overflows: one
   read of a small snapshot (on CUDA it is copied asynchronously into pinned memory and read
   one interval later, so it does not stall the stream either);
 * :meth:`statistics`, :meth:`state_dict` and pickling (they return Python numbers);
@@ -124,7 +126,7 @@ class _Config:
     def validate(self, owner: str) -> None:
         self.init_scale = _check_number(f"{owner}: init_scale", self.init_scale, low=0.0, low_open=True)
         if self.kind != "dynamic":
-            self.history = _check_int(f"{owner}: history", self.history, low=1)
+            self._validate_escalation(owner)
             return
         self.validate_rule(owner)
         lo = self.min_scale if self.min_scale is not None else 0.0
@@ -132,16 +134,19 @@ class _Config:
         if not lo <= self.init_scale <= hi:
             raise ValueError(f"{owner}: init_scale={self.init_scale:g} lies outside [min_scale, max_scale] = "
                              f"[{lo:g}, {hi:g}]; move init_scale inside or widen the range.")
-        if self.on_failure not in ("raise", "warn", "ignore"):
-            raise unknown_choice(f"{owner}: on_failure", self.on_failure, ("raise", "warn", "ignore"))
-        if self.on_failure != "ignore" and self.min_scale is None:
+        if self.on_failure in ("raise", "warn") and self.min_scale is None:
             raise ValueError(f"{owner}: on_failure={self.on_failure!r} needs a floor (min_scale): escalation fires "
                              "when the scale sits at min_scale and steps keep overflowing. Set min_scale (e.g. 1.0) "
                              "or on_failure='ignore'.")
+        self._validate_escalation(owner)
+        self.log_interval_s = _check_number(f"{owner}: log_interval_s", self.log_interval_s, low=0.0)
+
+    def _validate_escalation(self, owner: str) -> None:
+        if self.on_failure not in ("raise", "warn", "ignore"):
+            raise unknown_choice(f"{owner}: on_failure", self.on_failure, ("raise", "warn", "ignore"))
         self.patience = _check_int(f"{owner}: patience", self.patience, low=1)
         self.check_interval = _check_int(f"{owner}: check_interval", self.check_interval, low=1)
         self.history = _check_int(f"{owner}: history", self.history, low=1)
-        self.log_interval_s = _check_number(f"{owner}: log_interval_s", self.log_interval_s, low=0.0)
 
     def validate_rule(self, owner: str) -> None:
         """Check the fields that shape the scale path (also run on values loaded from a state dict)."""
@@ -174,7 +179,7 @@ class _Config:
     @property
     def checks(self) -> bool:
         """Whether update() reads a snapshot back every check_interval steps."""
-        return self.kind == "dynamic" and (self.on_failure != "ignore" or self.log_overflow)
+        return self.on_failure != "ignore" or (self.kind == "dynamic" and self.log_overflow)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -347,8 +352,11 @@ class _Core:
         last_true = torch.where(flags, pos, -1.0).max()
         last_false = torch.where(flags, -1.0, pos).max()
         before = torch.cat([c[_PREV_SCALE:].float(), scales[:-1]])
-        floor = self.cfg.min_scale if self.cfg.min_scale is not None else 0.0
-        at_floor = flags & (before <= floor)
+        if self.cfg.kind == "dynamic":
+            floor = self.cfg.min_scale if self.cfg.min_scale is not None else 0.0
+            at_floor = flags & (before <= floor)
+        else:  # a fixed scale is always "at its floor": the streak is the run of consecutive skips
+            at_floor = flags
         new = torch.stack([
             c[_SKIPPED] + overflows,
             trailing_run(flags, c[_CONSEC]),
@@ -408,6 +416,21 @@ class _Core:
             return
         self._reported = True
         last = "none" if last_clean < 0 else f"step {int(last_clean)}"
+        if cfg.kind != "dynamic":
+            what = "without loss scaling" if cfg.kind == "noop" else f"at the fixed loss scale {scale:g}"
+            msg = (
+                f"training has failed {what}: the last {int(floor_streak)} steps all had inf/NaN gradients and were "
+                f"skipped ({int(skipped)} skipped of {at_step}); the last step with finite gradients was {last}. "
+                "There is no scale to lower, so the inf/NaN comes from the model, the data or the learning rate, and "
+                "skipping more steps would only hide it. Run `mixprec doctor` (or mixprec.numerics.trace_nonfinite) "
+                "to find the first module that produces inf/NaN, check the inputs and the learning rate, and keep the "
+                "offending layers in FP32 (Policy 'i=...')."
+            )
+            if cfg.on_failure == "raise":
+                raise NumericsError(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            logger.warning(msg)
+            return
         msg = (
             f"loss scaling has failed: the loss scale is at its floor (min_scale={cfg.min_scale:g}, scale {scale:g}) "
             f"and the last {int(floor_streak)} steps there all had inf/NaN gradients ({int(consec)} consecutive skipped "
@@ -449,7 +472,7 @@ class _Core:
             "scale_history": [h[0] for h in hist],
             "overflow_history": [h[1] > 0 for h in hist],
         }
-        if check and self.cfg.kind == "dynamic" and self.cfg.on_failure != "ignore":
+        if check and self.cfg.on_failure != "ignore":
             self._act(values, self.steps)
         return stats
 
@@ -736,10 +759,11 @@ class _ScalerBase:
 
         Keys: ``scale``, ``steps`` (update calls), ``skipped_steps``, ``consecutive_skips``,
         ``last_overflow_step`` / ``last_finite_step`` (0-based step index or ``None``),
-        ``floor_streak`` (consecutive overflows at ``min_scale``), ``growth_tracker``,
-        ``hysteresis_left``, ``scale_history`` and ``overflow_history`` (the last ``history``
-        steps, oldest first). For a :class:`DynamicScaler` with escalation on, reading the
-        statistics also checks for failed scaling (and may raise :class:`mixprec.NumericsError`).
+        ``floor_streak`` (consecutive overflows at ``min_scale``; for the fixed-scale scalers,
+        consecutive skips), ``growth_tracker``, ``hysteresis_left``, ``scale_history`` and
+        ``overflow_history`` (the last ``history`` steps, oldest first). With escalation on
+        (``on_failure`` not ``"ignore"``), reading the statistics also checks for failure (and may
+        raise :class:`mixprec.NumericsError`).
         """
         return self._core.statistics()
 
@@ -771,6 +795,22 @@ class NoOpScaler(_ScalerBase):
     Use it for FP32 and BF16 policies: the step is still skipped when a gradient is inf/NaN.
     ``loss_scale`` is 1.0.
 
+    Escalation: with no scale to lower, ``patience`` consecutive skipped steps mean the inf/NaN
+    comes from the model, the data or the learning rate; ``on_failure`` then raises
+    :class:`mixprec.NumericsError` (default), warns, or is ignored, so persistent poisoning ends
+    in a diagnosis instead of skipping forever. It is checked every ``check_interval`` steps in
+    :meth:`update` (one host read of a 7-value snapshot; asynchronous on CUDA) and when
+    :meth:`statistics` is read, so it fires at most ``patience + check_interval`` steps after
+    the poisoning began.
+
+    Args:
+        device: Where the state lives (default: the first gradient's device).
+        process_group: Group for the found_inf agreement (default: world when distributed).
+        history: Steps kept in ``scale_history``/``overflow_history``.
+        on_failure: ``"raise"``, ``"warn"`` or ``"ignore"`` persistent inf/NaN.
+        patience: Consecutive skipped steps that count as failure (default 20).
+        check_interval: Steps between escalation checks (default 50).
+
     ``state_dict`` keys: ``version``, ``kind`` (``"noop"``), and the statistics ``steps``,
     ``skipped_steps``, ``consecutive_skips``, ``last_overflow_step``, ``last_finite_step``,
     ``scale_history``, ``overflow_history``.
@@ -786,9 +826,11 @@ class NoOpScaler(_ScalerBase):
     _kind = "noop"
 
     def __init__(self, *, device: torch.device | str | None = None, process_group: Any = None,
-                 history: int = DEFAULT_HISTORY) -> None:
-        super().__init__(_Config(kind="noop", init_scale=1.0, history=history), device=device,
-                         process_group=process_group)
+                 history: int = DEFAULT_HISTORY, on_failure: OnFailure = "raise", patience: int = DEFAULT_PATIENCE,
+                 check_interval: int = DEFAULT_CHECK_INTERVAL) -> None:
+        super().__init__(_Config(kind="noop", init_scale=1.0, history=history, on_failure=on_failure,
+                                 patience=patience, check_interval=check_interval),
+                         device=device, process_group=process_group)
 
     def scale(self, outputs: T) -> T:
         """Return ``outputs`` itself (identity)."""
@@ -811,6 +853,10 @@ class StaticScaler(_ScalerBase):
         scale: The loss scale (> 0, finite). Powers of two keep the unscale exact.
         device: Where the state lives (default: the first scaled tensor's device).
         process_group: Group for the found_inf agreement (default: world when distributed).
+        history: Steps kept in ``scale_history``/``overflow_history``.
+        on_failure, patience, check_interval: Escalation after ``patience`` consecutive skipped
+            steps, as in :class:`NoOpScaler` (a fixed scale cannot back off, so persistent
+            inf/NaN is a failure of the model or data, or a scale that is too large).
 
     ``state_dict`` keys: ``version``, ``kind`` (``"static"``), ``scale``, and the statistics of
     :class:`NoOpScaler`.
@@ -825,9 +871,11 @@ class StaticScaler(_ScalerBase):
     _kind = "static"
 
     def __init__(self, scale: float = 1.0, *, device: torch.device | str | None = None, process_group: Any = None,
-                 history: int = DEFAULT_HISTORY) -> None:
-        super().__init__(_Config(kind="static", init_scale=scale, history=history), device=device,
-                         process_group=process_group)
+                 history: int = DEFAULT_HISTORY, on_failure: OnFailure = "raise", patience: int = DEFAULT_PATIENCE,
+                 check_interval: int = DEFAULT_CHECK_INTERVAL) -> None:
+        super().__init__(_Config(kind="static", init_scale=scale, history=history, on_failure=on_failure,
+                                 patience=patience, check_interval=check_interval),
+                         device=device, process_group=process_group)
 
     def _describe(self) -> str:
         return f"scale={self._core.cfg.init_scale:g}"
