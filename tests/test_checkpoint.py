@@ -224,6 +224,24 @@ def test_killed_process_mid_save_then_resume_is_bit_identical(tmp_path):
     ref = train(ref_prec, ref_model, ref_opt, 0, 40)
     assert resumed == ref[20:]
     assert equal_tree(prec.state_dict(), ref_prec.state_dict())
+    # the next save to the same path deletes the dead process's temporary file
+    save(prec.state_dict(), path)
+    assert _leftovers(tmp_path) == []
+    assert equal_tree(load(path), prec.state_dict())
+
+
+def test_next_save_keeps_temporaries_of_live_processes_and_other_hosts(trained):
+    prec, _, _, path = trained
+    d = path.parent
+    live = d / f".{path.name}.{ckpt._host()}.{os.getppid()}.abc.tmp"  # our parent is alive: a concurrent writer
+    other_host = d / f".{path.name}.otherhost.1.abc.tmp"
+    other_file = d / f".other.pt.{ckpt._host()}.999999999.abc.tmp"  # a dead PID, but another checkpoint's file
+    dead = d / f".{path.name}.{ckpt._host()}.999999999.abc.tmp"
+    for f in (live, other_host, other_file, dead):
+        f.write_bytes(b"partial")
+    save(prec.state_dict(), path)
+    assert not dead.exists()
+    assert live.exists() and other_host.exists() and other_file.exists()
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -71,13 +71,16 @@ def save(state: Any, path: PathLike) -> None:
 
     Algorithm:
         1. Check ``state`` (a mixprec state dict of loadable types) and compute its CRC32.
-        2. ``torch.save`` the envelope into ``.<name>.<random>.tmp`` in the target's directory;
-           flush and ``fsync`` it.
+        2. ``torch.save`` the envelope into ``.<name>.<host>.<pid>.<random>.tmp`` in the target's
+           directory; flush and ``fsync`` it.
         3. ``os.replace`` it over ``path`` (atomic), then ``fsync`` the directory (POSIX).
+        4. Delete the temporary files of earlier saves to ``path`` whose process is gone.
         On any exception the temporary file is removed and the target is untouched.
 
-    A process killed between 2 and 3 leaves its temporary file behind (the target is intact);
-    such ``.*.tmp`` files can be deleted.
+    A process killed between 2 and 3 leaves its temporary file behind (the target is intact).
+    The next successful save to the same path on the same host deletes it (step 4: same host
+    name, and no process with its PID is alive); files of other hosts, or of a live process
+    (a concurrent writer), are left alone. Checkpoints can be gigabytes, so they do not pile up.
 
     Args:
         state: ``MixedPrecision.state_dict()`` (you may add your own keys, e.g. ``"epoch"``, with
@@ -120,7 +123,7 @@ def save(state: Any, path: PathLike) -> None:
         "checksum": {"algorithm": "crc32", "value": crc, "tensors": n_tensors, "bytes": n_bytes},
         "state": state,
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(target) + f"{_host()}.{os.getpid()}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(envelope, f)
@@ -133,6 +136,51 @@ def save(state: Any, path: PathLike) -> None:
             os.unlink(tmp)
         raise
     _fsync_directory(directory)  # makes the rename itself durable
+    _remove_stale_temporaries(target)
+
+
+def _tmp_prefix(target: str) -> str:
+    return f".{os.path.basename(target)}."
+
+
+def _host() -> str:
+    # dots separate the fields of the temporary name: keep the host name free of them
+    return (os.uname().nodename if hasattr(os, "uname") else "host").replace(".", "_") or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's) or cannot tell: keep its file
+    return True
+
+
+def _remove_stale_temporaries(target: str) -> list[str]:
+    """Delete ``.<name>.<host>.<pid>.*.tmp`` files next to ``target`` left by dead processes of this host.
+
+    Returns the removed paths. Files of other hosts or of live processes are kept; errors are
+    ignored (cleanup must never fail a save that already succeeded).
+    """
+    directory = os.path.dirname(target) or "."
+    prefix = _tmp_prefix(target) + _host() + "."
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid_text = name[len(prefix):].split(".", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_alive(int(pid_text)):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
 
 
 def _check_path(path: Any, what: str) -> str:
