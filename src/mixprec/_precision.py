@@ -419,11 +419,16 @@ class MixedPrecision:
         applied_steps = typing_cast(torch.Tensor, self._applied_steps)  # set by prepare()
         if all(s == "idle" for s in self._stage.values()):
             # Every optimizer of this iteration has stepped: one scale update for the iteration.
-            any_inf = torch.stack([f.to(found_inf.device) for f in self._iteration_found_inf]).amax()
+            flags = self._iteration_found_inf
+            if len(flags) == 1:  # the common case: one optimizer, no combining kernels
+                any_inf = flags[0]
+            else:
+                any_inf = torch.stack([f.to(found_inf.device) for f in flags]).amax()
             # Book-keeping first: update() may raise NumericsError (escalation), and a caller that
             # catches it must not carry this iteration's flag into the next one.
-            self._iteration_found_inf.clear()
-            applied_steps += (any_inf == 0).to(applied_steps.device, torch.int64)
+            self._iteration_found_inf = []
+            clean = any_inf == 0
+            applied_steps += clean if clean.device == applied_steps.device else clean.to(applied_steps.device)
             self.scaler.update(any_inf)
         info = StepInfo(found_inf=found_inf, skipped=skipped, scale=scale_used, applied_steps=applied_steps.clone())
         if schedulers and info.applied():

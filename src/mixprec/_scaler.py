@@ -655,13 +655,19 @@ def _collect_grads(grads_or_params: Iterable[Tensor | None]) -> list[Tensor]:
     """Parameters (and leaf tensors that require grad) -> their ``.grad``; other tensors are gradients."""
     if isinstance(grads_or_params, Tensor):
         grads_or_params = [grads_or_params]
-    parameter = torch.nn.Parameter
+    parameter, plain = torch.nn.Parameter, Tensor
     out: list[Tensor] = []
     for t in grads_or_params:
         if t is None:
             continue
-        # ``type(t) is Parameter`` first: isinstance on Parameter goes through a metaclass hook (slow)
-        if type(t) is parameter or isinstance(t, parameter) or (t.requires_grad and t.is_leaf):
+        # Type checks in order of cost: isinstance on Parameter goes through a metaclass hook (slow),
+        # and gradients (the hot path) are plain Tensors, which can never be Parameters.
+        kind = type(t)
+        if kind is plain:
+            holder = t.requires_grad and t.is_leaf
+        else:
+            holder = kind is parameter or isinstance(t, parameter) or (t.requires_grad and t.is_leaf)
+        if holder:
             g = t.grad
             if g is None:
                 continue
