@@ -426,19 +426,16 @@ class _Core:
                 "to find the first module that produces inf/NaN, check the inputs and the learning rate, and keep the "
                 "offending layers in FP32 (Policy 'i=...')."
             )
-            if cfg.on_failure == "raise":
-                raise NumericsError(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
-            logger.warning(msg)
-            return
-        msg = (
-            f"loss scaling has failed: the loss scale is at its floor (min_scale={cfg.min_scale:g}, scale {scale:g}) "
-            f"and the last {int(floor_streak)} steps there all had inf/NaN gradients ({int(consec)} consecutive skipped "
-            f"steps, {int(skipped)} skipped of {at_step}); the last step with finite gradients was {last}. "
-            "Skipping more steps would only hide it. Try bf16 (e.g. MixedPrecision('bf16-mixed')) where the hardware "
-            "supports it, FP32 islands for the layers that overflow (Policy 'i=...'), or run `mixprec doctor` to find "
-            "the first module that produces inf/NaN."
-        )
+        else:
+            msg = (
+                f"loss scaling has failed: the loss scale is at its floor (min_scale={cfg.min_scale:g}, "
+                f"scale {scale:g}) and the last {int(floor_streak)} steps there all had inf/NaN gradients "
+                f"({int(consec)} consecutive skipped steps, {int(skipped)} skipped of {at_step}); the last step with "
+                f"finite gradients was {last}. Skipping more steps would only hide it. Try bf16 (e.g. "
+                "MixedPrecision('bf16-mixed')) where the hardware supports it, FP32 islands for the layers that "
+                "overflow (Policy 'i=...'), or run `mixprec doctor` to find "
+                "the first module that produces inf/NaN."
+            )
         if cfg.on_failure == "raise":
             raise NumericsError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
