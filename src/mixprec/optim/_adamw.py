@@ -113,12 +113,7 @@ class AdamW(LowPrecisionOptimizer):
         return self._ALL_STATE_KEYS if group["amsgrad"] else self._ALL_STATE_KEYS[:2]
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}.")
-        elif not 0.0 <= lr:
-            raise ValueError(f"invalid learning rate lr={lr!r}; use lr >= 0.")
+        super()._validate_group(group)
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"betas={betas!r}; use a pair (beta1, beta2).")
@@ -128,8 +123,6 @@ class AdamW(LowPrecisionOptimizer):
         group["betas"] = (b1, b2)
         if not 0.0 <= group["eps"]:
             raise ValueError(f"invalid eps={group['eps']!r}; use eps >= 0.")
-        if not 0.0 <= group["weight_decay"]:
-            raise ValueError(f"invalid weight_decay={group['weight_decay']!r}; use weight_decay >= 0.")
         group.setdefault("decoupled_weight_decay", self._DECOUPLED_DEFAULT)
         group.setdefault("maximize", False)
         group.setdefault("amsgrad", False)

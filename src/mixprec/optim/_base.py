@@ -141,8 +141,19 @@ class LowPrecisionOptimizer(Optimizer):
         raise NotImplementedError
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        """Check a param group's hyper-parameters; raise ``ValueError`` with the fix."""
-        raise NotImplementedError
+        """Check a param group's hyper-parameters; raise ``ValueError`` with the fix.
+
+        Checks ``lr`` and ``weight_decay``, which every optimizer here has; subclasses call it
+        first and check their own hyper-parameters after.
+        """
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}.")
+        elif not 0.0 <= lr:
+            raise ValueError(f"invalid learning rate lr={lr!r}; use lr >= 0.")
+        if not 0.0 <= group["weight_decay"]:
+            raise ValueError(f"invalid weight_decay={group['weight_decay']!r}; use weight_decay >= 0.")
 
     def _update(
         self,

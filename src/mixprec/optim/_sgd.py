@@ -89,16 +89,9 @@ class SGD(LowPrecisionOptimizer):
         return self._ALL_STATE_KEYS if group["momentum"] != 0 else ()
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}.")
-        elif not 0.0 <= lr:
-            raise ValueError(f"invalid learning rate lr={lr!r}; use lr >= 0.")
+        super()._validate_group(group)
         if not 0.0 <= group["momentum"]:
             raise ValueError(f"invalid momentum={group['momentum']!r}; use momentum >= 0.")
-        if not 0.0 <= group["weight_decay"]:
-            raise ValueError(f"invalid weight_decay={group['weight_decay']!r}; use weight_decay >= 0.")
         group.setdefault("maximize", False)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(
