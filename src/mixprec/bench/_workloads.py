@@ -152,6 +152,32 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def _lm_workload(
+    name: str,
+    model: nn.Module,
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    train: torch.Tensor,
+    held_out: torch.Tensor,
+    o: dict[str, Any],
+    description: str,
+) -> Workload:
+    """A character-level language-model workload: the batches, held-out split and units every LM shares."""
+    return Workload(
+        name=name,
+        model=model,
+        optimizer_fn=optimizer_fn,
+        batches=_lm_batches(train, o["batch_size"], o["block_size"], o["seed"]),
+        loss_fn=loss_fn,
+        eval_batches=_lm_eval_batches(held_out, o["batch_size"], o["block_size"], o["eval_batches"], o["seed"]),
+        unit="tokens",
+        items_per_batch=o["batch_size"] * o["block_size"],
+        clip_grad_norm=o["clip"] or None,
+        description=description,
+        options=o,
+    )
+
+
 # ----- gpt ------------------------------------------------------------------------------------------
 class _Block(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
@@ -226,22 +252,12 @@ def make_gpt(**options: Any) -> Workload:
         return _lm_loss(m(x), y)
 
     n_params = sum(p.numel() for p in model.parameters())
-    return Workload(
-        name="gpt",
-        model=model,
-        optimizer_fn=lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=wd, fused=fused),
-        batches=_lm_batches(train, o["batch_size"], o["block_size"], o["seed"]),
-        loss_fn=loss_fn,
-        eval_batches=_lm_eval_batches(held_out, o["batch_size"], o["block_size"], o["eval_batches"], o["seed"]),
-        unit="tokens",
-        items_per_batch=o["batch_size"] * o["block_size"],
-        clip_grad_norm=o["clip"] or None,
-        description=(
-            f"char-level GPT ({o['n_layer']} layers, {o['n_embd']} wide, {o['n_head']} heads, context "
-            f"{o['block_size']}, vocab {n_vocab}{', tied' if o['tie'] else ''}, {n_params / 1e6:.2f}M params) on "
-            f"pydoc_data.topics, batch {o['batch_size']}"
-        ),
-        options=o,
+    return _lm_workload(
+        "gpt", model, lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=wd, fused=fused),
+        loss_fn, train, held_out, o,
+        f"char-level GPT ({o['n_layer']} layers, {o['n_embd']} wide, {o['n_head']} heads, context "
+        f"{o['block_size']}, vocab {n_vocab}{', tied' if o['tie'] else ''}, {n_params / 1e6:.2f}M params) on "
+        f"pydoc_data.topics, batch {o['batch_size']}",
     )
 
 
@@ -368,21 +384,11 @@ def make_hf_gpt2(**options: Any) -> Workload:
         return _lm_loss(m(input_ids=x, use_cache=False).logits, y)
 
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return Workload(
-        name="hf-gpt2",
-        model=model,
-        optimizer_fn=lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=wd),
-        batches=_lm_batches(train, o["batch_size"], o["block_size"], o["seed"]),
-        loss_fn=loss_fn,
-        eval_batches=_lm_eval_batches(held_out, o["batch_size"], o["block_size"], o["eval_batches"], o["seed"]),
-        unit="tokens",
-        items_per_batch=o["batch_size"] * o["block_size"],
-        clip_grad_norm=o["clip"] or None,
-        description=(
-            f"transformers GPT2LMHeadModel from config ({o['n_layer']} layers, {o['n_embd']} wide, "
-            f"{n_params / 1e6:.2f}M params, tied embeddings) on pydoc_data.topics characters, batch {o['batch_size']}"
-        ),
-        options=o,
+    return _lm_workload(
+        "hf-gpt2", model, lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=wd),
+        loss_fn, train, held_out, o,
+        f"transformers GPT2LMHeadModel from config ({o['n_layer']} layers, {o['n_embd']} wide, "
+        f"{n_params / 1e6:.2f}M params, tied embeddings) on pydoc_data.topics characters, batch {o['batch_size']}",
     )
 
 
