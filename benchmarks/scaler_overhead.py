@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
 import platform
@@ -43,12 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mixprec._grad_scaler import GradScaler
 from mixprec._scaler import DynamicScaler
+from mixprec.bench._timing import OpCounter
 
 
 def gpt2_small_shapes(scale_down: float = 1.0) -> list[tuple[int, ...]]:
@@ -72,15 +71,6 @@ def make_params(shapes: list[tuple[int, ...]], device: torch.device, mixed: bool
         params.append(p)
     return params
 
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class Variant:

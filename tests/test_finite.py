@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec._finite import all_finite, unscale_and_check_
+from mixprec.bench._timing import OpCounter
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 BAD = [float("inf"), float("-inf"), float("nan")]
 
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name (what reaches the dispatcher; a fused foreach op counts once)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _tensors(device, dtypes=FLOATS, n=3, seed=0):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import copy
 import pickle
 import random
@@ -12,23 +11,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec._errors import NumericsError
 from mixprec._grad_scaler import GradScaler
+from mixprec.bench._timing import OpCounter
 
 TorchGradScaler = torch.amp.GradScaler
 TORCH_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _model(seed=0):

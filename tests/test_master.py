@@ -4,10 +4,10 @@ import re
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec._casting import cast_module
 from mixprec._master import MasterWeightOptimizer
+from mixprec.bench._timing import OpCounter
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -132,23 +132,12 @@ def test_found_inf_skips_bit_identically(fused):
     assert not torch.equal(before[1][0], opt.masters[0])
 
 
-class _CountUnscale(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "non_finite_check_and_unscale" in str(func):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_unscale_is_one_fused_call_per_dtype_group():
     model, opt, _ = _prepared(torch.float16)
     _loss(model, *_batch()).backward()
-    with _CountUnscale() as counter:
+    with OpCounter() as counter:
         found = opt.unscale_(torch.tensor(0.5))
-    assert counter.n == 1  # all master grads are FP32 on one device: one group
+    assert counter.ops["_amp_foreach_non_finite_check_and_unscale_"] == 1  # all master grads are FP32 on one device: one group
     assert found.item() == 0.0
     opt.masters[0].grad[0, 0] = float("nan")
     assert opt.unscale_(None).item() == 1.0

@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec._errors import NumericsError
 from mixprec._scaler import (
@@ -25,6 +24,7 @@ from mixprec._scaler import (
     StaticScaler,
     step_optimizer,
 )
+from mixprec.bench._timing import OpCounter
 
 INF = torch.tensor(1.0)
 CLEAN = torch.tensor(0.0)
@@ -177,21 +177,12 @@ def test_found_inf_other_than_one_counts_as_overflow():
 
 
 # ----- no host sync ----------------------------------------------------------------------------------
-class SyncCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
 
 @pytest.mark.parametrize("hysteresis", [1, 3])
 def test_step_ops_do_not_read_the_device(hysteresis):
     s = DynamicScaler(hysteresis=hysteresis, check_interval=1000, history=1000)
     p = torch.nn.Parameter(torch.ones(4))
-    with SyncCounter() as c:
+    with OpCounter() as c:
         for i in range(20):
             loss = s.scale((p * 2).sum())
             loss.backward()
@@ -487,7 +478,7 @@ def test_step_optimizer_plain_optimizer_syncs_once_and_applies_grad_scale():
     p = torch.nn.Parameter(torch.ones(2))
     p.grad = torch.full((2,), 8.0)
     opt = torch.optim.SGD([p], lr=1.0)
-    with SyncCounter() as c:
+    with OpCounter() as c:
         skipped = step_optimizer(opt, torch.tensor(0.0), torch.tensor(4.0))
     assert c.ops["_local_scalar_dense"] == 1
     assert not skipped.item() and p.tolist() == [-1.0, -1.0]  # grads unscaled to 2 first

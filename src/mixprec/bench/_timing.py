@@ -1,4 +1,4 @@
-"""Step timing with device synchronisation, robust summaries, and GPU peak throughput for MFU.
+"""Step timing with device synchronisation, robust summaries, GPU peak throughput for MFU, op counts.
 
 Every timed step is bracketed by a device synchronisation (``torch.cuda.synchronize`` on
 CUDA; nothing to wait for on a CPU) and read with ``time.perf_counter``, so a step's time is
@@ -8,6 +8,7 @@ percentile range, which one slow step (a page fault, another process) does not m
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 import time
@@ -15,8 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DENSE_PEAK_TFLOPS", "peak_tflops", "percentile", "summarize", "synchronize", "timed"]
+__all__ = ["DENSE_PEAK_TFLOPS", "OpCounter", "peak_tflops", "percentile", "summarize", "synchronize", "timed"]
 
 T = TypeVar("T")
 
@@ -29,6 +31,23 @@ def synchronize(device: torch.device) -> None:
         torch.xpu.synchronize(device)
     elif device.type == "mps" and hasattr(torch, "mps"):
         torch.mps.synchronize()
+
+
+class OpCounter(TorchDispatchMode):
+    """Count the ATen operators that reach the dispatcher inside ``with OpCounter() as c:``, by name.
+
+    ``c.ops`` maps the op's name (``"_foreach_norm"``, ``"_local_scalar_dense"`` for a host read,
+    ...) to its count; a fused foreach op counts once, whatever the number of tensors. On a GPU
+    each is at least one kernel launch, so the counts show launches per step without a profiler.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
