@@ -21,6 +21,7 @@ from torch import nn
 import mixprec._checkpoint as ckpt
 from mixprec._checkpoint import FORMAT, CheckpointError, load, save
 from mixprec._precision import MixedPrecision
+from _trees import equal_tree  # tests/_trees.py
 
 PRESETS = ["fp16-master", "bf16-pure", "bf16-mixed"]
 
@@ -57,15 +58,6 @@ def train(prec, model, opt, start, stop, path=None, every=10):
             save({**prec.state_dict(), "step": s + 1}, path)
     return losses
 
-
-def equal_tree(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(equal_tree(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(equal_tree(x, y) for x, y in zip(a, b))
-    return a == b or (a != a and b != b)  # nan == nan for the scaler's statistics
 
 
 @pytest.fixture

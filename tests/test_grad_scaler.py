@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mixprec._errors import NumericsError
 from mixprec._grad_scaler import GradScaler
 from mixprec.bench._timing import OpCounter
+from _trees import equal_tree  # tests/_trees.py
 
 TorchGradScaler = torch.amp.GradScaler
 TORCH_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
@@ -63,15 +64,6 @@ def train(scaler_cls, opt_kind, steps=40, clip=False, inject=frozenset(), dtype=
     return [p.detach().clone() for p in model.parameters()], opt.state_dict(), scales
 
 
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
 
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw", "adamw-fused"])
 @pytest.mark.parametrize("clip", [False, True])
@@ -81,14 +73,14 @@ def test_bit_identical_to_torch_in_an_fp16_autocast_loop(opt_kind, clip):
     params, state, scales = train(GradScaler, opt_kind, clip=clip, inject=inject)
     assert scales == ref_scales
     assert scales[0] < 2.0**28 and max(scales[5:]) > min(scales)  # it did back off and grow
-    assert _equal(params, ref_params)
-    assert _equal(state, ref_state)
+    assert equal_tree(params, ref_params)
+    assert equal_tree(state, ref_state)
 
 
 def test_bit_identical_in_a_bf16_autocast_loop():
     ref = train(TorchGradScaler, "adamw", steps=15, dtype=torch.bfloat16, inject=frozenset({4}))
     got = train(GradScaler, "adamw", steps=15, dtype=torch.bfloat16, inject=frozenset({4}))
-    assert _equal(got, ref)
+    assert equal_tree(got, ref)
 
 
 def test_same_scale_sequence_under_random_overflows():
@@ -153,9 +145,9 @@ def test_scale_outputs_like_torch():
     t = torch.tensor([1.0, 2.0])
     for outputs in (t, [t, (t, t)], (t,)):
         a, b = ours.scale(outputs), ref.scale(outputs)
-        assert type(a) is type(b) and _equal(a, b)
+        assert type(a) is type(b) and equal_tree(a, b)
     a, b = ours.scale(iter([t])), ref.scale(iter([t]))
-    assert _equal(list(a), list(b))
+    assert equal_tree(list(a), list(b))
     assert ours.scale({"x": t})["x"].tolist() == [4.0, 8.0]  # beyond torch: dicts
     for s in (ours, ref):
         with pytest.raises(ValueError, match=re.escape("outputs must be a Tensor or an iterable of Tensors")):
@@ -453,4 +445,4 @@ def test_cuda_fused_loop_matches_torch_and_never_syncs():
     ref_params, ref_scales = run(TorchGradScaler, False)
     params, scales = run(GradScaler, True)
     assert scales == ref_scales and min(scales) < 2.0**24
-    assert _equal(params, ref_params)
+    assert equal_tree(params, ref_params)

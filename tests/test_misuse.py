@@ -29,6 +29,7 @@ from mixprec._master import MasterWeightOptimizer
 from mixprec._policy import Policy
 from mixprec._precision import MixedPrecision, convert_state_dict
 from mixprec._scaler import DynamicScaler, ScalerStateError, StaticScaler
+from _trees import equal_tree  # tests/_trees.py
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "misuse.md"
 
@@ -130,15 +131,6 @@ def fingerprint(ctx: Ctx) -> dict[str, Any]:
         fp["scaler"] = prec.scaler.state_dict()
     return fp
 
-
-def equal_tree(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(equal_tree(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(equal_tree(x, y) for x, y in zip(a, b))
-    return a == b or (a != a and b != b)
 
 
 # ----- the misuses ---------------------------------------------------------------------------------------

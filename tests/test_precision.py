@@ -10,6 +10,7 @@ from torch import nn
 from mixprec._master import MasterWeightOptimizer
 from mixprec._precision import MixedPrecision, convert_state_dict, for_inference, fp32_state_dict
 from mixprec._policy import Policy
+from _trees import equal_tree  # tests/_trees.py
 
 ALL = ["fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "fp16-pure", "bf16-pure"]
 # Loss-gap tolerance against FP32 after training, per compute dtype (relative).
@@ -135,15 +136,6 @@ def _snapshot(prec, opt):
     return copy.deepcopy(prec.state_dict())
 
 
-def _equal_tree(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal_tree(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal_tree(x, y) for x, y in zip(a, b))
-    return a == b
-
 
 @pytest.mark.parametrize("preset", ALL)
 def test_injected_inf_is_skipped_bit_identically(preset):
@@ -166,7 +158,7 @@ def test_injected_inf_is_skipped_bit_identically(preset):
             for o in sd["optimizers"]:
                 o["mixprec"].pop("generators")
     for key in ("model", "optimizers"):
-        assert _equal_tree(before[key], after[key]), key
+        assert equal_tree(before[key], after[key]), key
     assert after["applied_steps"].item() == before["applied_steps"].item() == 3
     if prec.policy.loss_scale == "dynamic":
         assert prec.scaler.loss_scale.item() == info.scale.item() / 2  # backed off
@@ -211,8 +203,8 @@ def test_resume_is_bit_identical(preset):
     prec2, model2, _, second = train(preset, steps=3, start=5, seed=123, state=state)  # other init: all comes from state
     assert first + second == full
     ref_prec, ref_model, _, _ = train(preset, steps=8)
-    assert _equal_tree(prec2.state_dict()["model"], ref_prec.state_dict()["model"])
-    assert _equal_tree(prec2.state_dict()["optimizers"], ref_prec.state_dict()["optimizers"])
+    assert equal_tree(prec2.state_dict()["model"], ref_prec.state_dict()["model"])
+    assert equal_tree(prec2.state_dict()["optimizers"], ref_prec.state_dict()["optimizers"])
 
 
 def test_scheduler_and_ema_only_advance_on_applied_steps():
@@ -294,7 +286,7 @@ def test_other_policy_checkpoint_raises_or_converts():
     before = copy.deepcopy(other.state_dict())
     with pytest.raises(ValueError, match=re.escape(msg)):
         other.load_state_dict(sd)
-    assert _equal_tree(before, other.state_dict())  # nothing changed
+    assert equal_tree(before, other.state_dict())  # nothing changed
     other.load_state_dict(convert_state_dict(sd, "bf16-master"))
     exported = fp32_state_dict(other)
     for k, v in fp32_state_dict(sd).items():

@@ -25,6 +25,7 @@ from mixprec._scaler import (
     step_optimizer,
 )
 from mixprec.bench._timing import OpCounter
+from _trees import equal_tree  # tests/_trees.py
 
 INF = torch.tensor(1.0)
 CLEAN = torch.tensor(0.0)
@@ -425,15 +426,6 @@ def _snap(model, opt):
     return copy.deepcopy(([p.detach() for p in model.parameters()], opt.state_dict()))
 
 
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_skipped_step_leaves_params_and_state_bit_identical(fused):
@@ -452,7 +444,7 @@ def test_skipped_step_leaves_params_and_state_bit_identical(fused):
         s.update(found)
         opt.zero_grad()
     assert skipped.item()
-    assert _equal(before, _snap(model, opt))
+    assert equal_tree(before, _snap(model, opt))
 
 
 class RecordingOpt(torch.optim.SGD):
