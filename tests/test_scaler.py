@@ -22,8 +22,8 @@ from mixprec._scaler import (
     NoOpScaler,
     ScalerStateError,
     StaticScaler,
-    step_optimizer,
 )
+from mixprec._stepping import step_optimizer
 from mixprec.bench._timing import OpCounter
 from _trees import equal_tree  # tests/_trees.py
 

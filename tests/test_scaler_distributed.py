@@ -28,7 +28,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from mixprec._grad_scaler import GradScaler
-    from mixprec._scaler import DynamicScaler, NoOpScaler, step_optimizer
+    from mixprec._scaler import DynamicScaler, NoOpScaler
+    from mixprec._stepping import step_optimizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     result: dict[str, object] = {"distributed": is_distributed()}

@@ -41,8 +41,8 @@ from ._scaler import (
     _check_state_dict,
     _Config,
     _Core,
-    _step,
 )
+from ._stepping import step_with_result
 from .distributed import agree_found_inf_
 
 __all__ = ["GradScaler", "OptState"]
@@ -376,7 +376,7 @@ class GradScaler:
         flags = list(state["found_inf_per_device"].values())
         if not flags:
             raise ScalerUsageError("No inf checks were recorded for this optimizer.")
-        skipped, ret = _step(optimizer, _combine(flags, scale.device), None, args, kwargs)
+        skipped, ret = step_with_result(optimizer, _combine(flags, scale.device), None, args, kwargs)
         state["stage"] = OptState.STEPPED
         return ret if ret is not None else skipped
 

@@ -23,7 +23,8 @@ from ._casting import cast_module, is_prepared, uncast_module
 from ._dtypes import check_device_support, dtype_name, parse_dtype
 from ._master import GradAccumulation, MasterWeightOptimizer
 from ._policy import Policy
-from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, step_optimizer
+from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler
+from ._stepping import step_optimizer
 from .distributed import check_prepare_target, local_grad
 
 __all__ = [
