@@ -49,7 +49,6 @@ import torch
 from torch import nn
 
 from mixprec._errors import NumericsError
-from mixprec._master import MasterWeightOptimizer
 from mixprec._precision import MixedPrecision
 from mixprec._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler
 

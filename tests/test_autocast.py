@@ -42,10 +42,8 @@ def test_nesting_restores_outer_dtype():
 def test_exception_restores_all_state():
     before_dtype = torch.get_autocast_dtype("cpu")
     before_tf32 = torch.backends.cuda.matmul.allow_tf32
-    with pytest.raises(ZeroDivisionError):
-        with autocast("tf32", "cpu"):
-            with autocast("bf16-mixed", "cpu"):
-                1 / 0
+    with pytest.raises(ZeroDivisionError), autocast("tf32", "cpu"), autocast("bf16-mixed", "cpu"):
+        _ = 1 / 0
     assert not torch.is_autocast_enabled("cpu")
     assert torch.get_autocast_dtype("cpu") == before_dtype
     assert torch.backends.cuda.matmul.allow_tf32 == before_tf32

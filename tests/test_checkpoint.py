@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _trees import equal_tree  # tests/_trees.py
 from torch import nn
 
 import mixprec._checkpoint as ckpt
 from mixprec._checkpoint import FORMAT, CheckpointError, load, save
 from mixprec._precision import MixedPrecision
-from _trees import equal_tree  # tests/_trees.py
 
 PRESETS = ["fp16-master", "bf16-pure", "bf16-mixed"]
 
@@ -113,7 +113,7 @@ def test_expected_policy(trained):
     assert load(path, expected_policy="p=f16,c=f16,m=f32,o=f32")["policy"] == str(prec.policy)
     msg = ("was saved under policy 'p=f16,c=f16,o=f32,m=f32,ls=dynamic,i=norm,tf32=0,comp=none' but "
            "'p=bf16,c=bf16,o=f32,m=f32,ls=none,i=norm,tf32=0,comp=none' was expected; convert it with "
-           "mixprec.convert_state_dict(state, 'bf16-master')")
+           "mixprec.checkpoint.convert_state_dict(state, 'bf16-master')")
     with pytest.raises(CheckpointError, match=re.escape(msg)):
         load(path, expected_policy="bf16-master")
 
@@ -285,7 +285,7 @@ def test_flipped_bits_are_caught_by_the_checksum(trained):
     data = path.read_bytes()
     # a bit in a tensor: torch itself would load it silently
     weight = model[3].weight.detach().contiguous()
-    needle = bytes((ctypes_buffer(weight)))
+    needle = bytes(ctypes_buffer(weight))
     at = data.find(needle)
     assert at > 0
     corrupt = bytearray(data)

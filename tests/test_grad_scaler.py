@@ -11,11 +11,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _trees import equal_tree  # tests/_trees.py
 
 from mixprec._errors import NumericsError
 from mixprec._grad_scaler import GradScaler
 from mixprec.bench._timing import OpCounter
-from _trees import equal_tree  # tests/_trees.py
 
 TorchGradScaler = torch.amp.GradScaler
 TORCH_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
@@ -324,15 +324,16 @@ NON_DEFAULT = {"init_scale": 2.0**10, "growth_factor": 3.0, "backoff_factor": 0.
 def test_state_dict_round_trip_every_field():
     rng = random.Random(2)
     s = _run_pattern(GradScaler("cpu", **NON_DEFAULT), [rng.random() < 0.4 for _ in range(41)])
-    sd = s.state_dict()
-    assert TORCH_KEYS <= sd.keys() and sd["version"] == 1
+    sd = s.state_dict(extended=True)  # the full state: torch's keys plus mixprec's
+    assert sd.keys() >= TORCH_KEYS and sd["version"] == 1
     assert sd["_growth_tracker"] == s._get_growth_tracker() and sd["steps"] == 41
     fresh = GradScaler("cpu", history=16)  # every field default: all differ
     fresh.load_state_dict(copy.deepcopy(sd))
-    assert fresh.state_dict() == sd  # before the lazy state exists
+    assert fresh.state_dict(extended=True) == sd  # before the lazy state exists
     fresh.scale(torch.ones(()))
-    assert fresh.state_dict() == sd  # after
-    assert _run_pattern(fresh, [1, 0, 0, 0]).state_dict() == _run_pattern(s, [1, 0, 0, 0]).state_dict()
+    assert fresh.state_dict(extended=True) == sd  # after
+    assert (_run_pattern(fresh, [1, 0, 0, 0]).state_dict(extended=True)
+            == _run_pattern(s, [1, 0, 0, 0]).state_dict(extended=True))
 
 
 def test_state_dict_before_first_scale_matches_torch():
@@ -368,11 +369,12 @@ def test_loading_an_empty_dict_raises_like_torch():
 
 def test_pickling():
     s = GradScaler("cpu", **NON_DEFAULT)
-    assert pickle.loads(pickle.dumps(s)).state_dict() == s.state_dict()  # before first use
+    assert pickle.loads(pickle.dumps(s)).state_dict(extended=True) == s.state_dict(extended=True)  # before first use
     _run_pattern(s, [1, 0, 0, 1, 0])
     t = pickle.loads(pickle.dumps(s))
-    assert t.state_dict() == s.state_dict() and t._scale is None  # re-created lazily, as torch
-    assert _run_pattern(t, [0, 0, 1]).state_dict() == _run_pattern(s, [0, 0, 1]).state_dict()
+    assert t.state_dict(extended=True) == s.state_dict(extended=True) and t._scale is None  # re-created lazily, as torch
+    assert (_run_pattern(t, [0, 0, 1]).state_dict(extended=True)
+            == _run_pattern(s, [0, 0, 1]).state_dict(extended=True))
 
 
 # ----- beyond torch ---------------------------------------------------------------------------------

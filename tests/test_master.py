@@ -7,6 +7,7 @@ from torch import nn
 
 from mixprec._casting import cast_module
 from mixprec._master import MasterWeightOptimizer
+from mixprec._master_grad import MasterGradView
 from mixprec.bench._timing import OpCounter
 
 HALF = [torch.bfloat16, torch.float16]
@@ -56,7 +57,8 @@ def test_fp32_accumulation_hook_frees_half_grads(dtype):
     for _ in range(3):
         _loss(model, x, y).backward()
     for p, m in zip(opt.model_params, opt.masters):
-        assert p.grad is None or p is m  # half grads freed; FP32 islands keep their own .grad
+        # half grads freed (a storage-less view of the master's gradient); FP32 islands keep their own .grad
+        assert p is m or isinstance(p.grad, MasterGradView)
         grad = m.grad if p is not m else p.grad
         assert grad is not None and grad.dtype == torch.float32
     # Three identical micro-batches sum to three times one micro-batch's gradient.
@@ -76,7 +78,9 @@ def test_compute_accumulation_keeps_half_grads_until_step(dtype):
     assert all(p.grad is not None and p.grad.dtype == dtype for p in half)
     grads = opt.master_grads()
     assert all(g.dtype == torch.float32 for g in grads)
-    assert all(p.grad is None for p in half)
+    # the half buffers are gone; p.grad is now a storage-less view of the FP32 master gradient
+    assert all(isinstance(p.grad, MasterGradView) and p.grad.master_grad() is m.grad
+               for p, m in zip(opt.model_params, opt.masters) if p is not m)
     assert len(grads) == len(opt.masters)
 
 
@@ -236,7 +240,8 @@ def test_which_gradient_buffers_persist(mode):
     half = [(p, m) for p, m in zip(opt.model_params, opt.masters) if p is not m]
     _loss(model, *_batch()).backward()
     if mode == "fp32":  # accumulated into FP32 during backward; no half gradient kept
-        assert all(p.grad is None and m.grad is not None and m.grad.dtype == torch.float32 for p, m in half)
+        assert all(isinstance(p.grad, MasterGradView) and m.grad is not None and m.grad.dtype == torch.float32
+                   for p, m in half)
     else:  # half gradients only, until the step
         assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and m.grad is None for p, m in half)
     opt.step()

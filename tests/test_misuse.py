@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _trees import equal_tree  # tests/_trees.py
 from torch import nn
 
 import mixprec._dtypes as dtypes
@@ -26,10 +27,10 @@ import mixprec.optim as mp_optim
 from mixprec._casting import is_prepared
 from mixprec._checkpoint import CheckpointError, load, save
 from mixprec._master import MasterWeightOptimizer
+from mixprec._master_grad import is_view
 from mixprec._policy import Policy
 from mixprec._precision import MixedPrecision, convert_state_dict
 from mixprec._scaler import DynamicScaler, ScalerStateError, StaticScaler
-from _trees import equal_tree  # tests/_trees.py
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "misuse.md"
 
@@ -58,7 +59,7 @@ class Ctx:
         with self.prec.autocast():
             return nn.functional.cross_entropy(self.model(X), Y)
 
-    def other_run(self, preset: str | None = None, **kw: Any) -> "Ctx":
+    def other_run(self, preset: str | None = None, **kw: Any) -> Ctx:
         return trained(preset or self.preset, **kw)
 
 
@@ -109,11 +110,18 @@ SETUPS: dict[str, Callable[[str], Ctx]] = {
 }
 
 
+def _grad_copy(p: torch.Tensor) -> torch.Tensor | None:
+    # A master-weight parameter's .grad is a view of its FP32 master gradient; copy that directly
+    # (reading the view while the gradients still carry the loss scale raises, by design).
+    if p.grad is None:
+        return None
+    return p.grad.master_grad().clone() if is_view(p.grad) else p.grad.clone()
+
+
 def fingerprint(ctx: Ctx) -> dict[str, Any]:
     m = ctx.model
     fp: dict[str, Any] = {
-        "params": [(n, p.dtype, p.requires_grad, p.detach().clone(), None if p.grad is None else p.grad.clone())
-                   for n, p in m.named_parameters()],
+        "params": [(n, p.dtype, p.requires_grad, p.detach().clone(), _grad_copy(p)) for n, p in m.named_parameters()],
         "buffers": [(n, b.dtype, b.clone()) for n, b in m.named_buffers()],
         "prepared": is_prepared(m),
         "raw_opt": copy.deepcopy(ctx.raw_opt.state_dict()),
@@ -123,8 +131,8 @@ def fingerprint(ctx: Ctx) -> dict[str, Any]:
     prec = ctx.prec
     if prec.model is not None:
         fp["state"] = copy.deepcopy(prec.state_dict())
-        fp["stage"] = list(prec._stage.values())
-        fp["pending_found_inf"] = len(prec._iteration_found_inf)
+        fp["stage"] = [(r.stage, r.stepped) for r in prec._records.values()]
+        fp["pending_found_inf"] = len(prec._iteration_flags)
         if isinstance(ctx.opt, MasterWeightOptimizer):
             fp["master_grads"] = [None if t.grad is None else t.grad.clone() for t in ctx.opt.masters]
     else:
@@ -226,9 +234,6 @@ MISUSES = [
     Misuse("overlapping-optimizers", "fresh", "fp16-mixed",
            lambda c: c.prec.prepare(c.model, c.raw_opt, torch.optim.SGD(c.model[3].parameters(), lr=0.1)), ValueError,
            "is in optimizer 0 and optimizer 1; mixprec needs each parameter in exactly one optimizer"),
-    Misuse("frozen-parameter-with-masters", "fresh", "fp16-master", lambda c: c.prec.prepare(c.model, c.raw_opt),
-           ValueError, "optimizer 0 holds 1 parameter(s) with requires_grad=False (first has shape (16, 8)) that policy "
-           "'fp16-master' would give FP32 masters", arrange=lambda c: c.model[0].weight.requires_grad_(False)),
     Misuse("compensated-policy-other-optimizer", "fresh", "bf16-pure",
            lambda c: c.prec.prepare(c.model, torch.optim.RMSprop(c.model.parameters())), TypeError,
            "needs mixprec.optim.AdamW or mixprec.optim.SGD (or a torch AdamW/Adam/SGD, converted for you); got RMSprop"),
@@ -272,7 +277,7 @@ MISUSES = [
            ValueError, "It looks like a model state dict; load it with prec.load_model_state_dict(sd)."),
     Misuse("load-other-policy", "trained", "bf16-master",
            lambda c: c.prec.load_state_dict(c.other_run("fp16-master").prec.state_dict()), ValueError,
-           "convert it explicitly with mixprec.convert_state_dict(state, 'bf16-master') before loading"),
+           "convert it explicitly with mixprec.checkpoint.convert_state_dict(state, 'bf16-master') before loading"),
     Misuse("load-other-model", "trained", "fp16-master",
            lambda c: c.prec.load_state_dict(c.other_run(hidden=32).prec.state_dict()), ValueError,
            "the checkpoint's '0.weight' has shape (32, 8), the model's (16, 8)."),
@@ -282,8 +287,8 @@ MISUSES = [
     Misuse("load-other-param-groups", "trained", "bf16-mixed",
            lambda c: c.prec.load_state_dict(trained("bf16-mixed", seed=1).prec.state_dict()), ValueError,
            "the checkpoint's optimizer 0 has param groups of sizes [6], this run's [2, 4]"),
-    Misuse("load-newer-version", "trained", "fp16-master", lambda c: c.prec.load_state_dict(_sd_with(c, version=2)),
-           ValueError, "mixprec state version 2; this mixprec reads version 1 (upgrade mixprec?)."),
+    Misuse("load-newer-version", "trained", "fp16-master", lambda c: c.prec.load_state_dict(_sd_with(c, version=99)),
+           ValueError, "mixprec state version 99; this mixprec reads versions [1, 2] (upgrade mixprec?)."),
     Misuse("load-other-scaler-kind", "trained", "fp16-mixed", _static_scaler_loads_dynamic, ScalerStateError,
            "StaticScaler: this state dict is from a DynamicScaler or GradScaler (kind='dynamic'), not a 'static' scaler"),
     Misuse("scaler-loads-disabled-gradscaler", "trained", "fp16-master", lambda c: c.prec.scaler.load_state_dict({}),

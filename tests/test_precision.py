@@ -5,12 +5,12 @@ import warnings
 
 import pytest
 import torch
+from _trees import equal_tree  # tests/_trees.py
 from torch import nn
 
 from mixprec._master import MasterWeightOptimizer
-from mixprec._precision import MixedPrecision, convert_state_dict, for_inference, fp32_state_dict
 from mixprec._policy import Policy
-from _trees import equal_tree  # tests/_trees.py
+from mixprec._precision import MixedPrecision, convert_state_dict, for_inference, fp32_state_dict
 
 ALL = ["fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "fp16-pure", "bf16-pure"]
 # Loss-gap tolerance against FP32 after training, per compute dtype (relative).
@@ -282,7 +282,7 @@ def test_other_policy_checkpoint_raises_or_converts():
     model, opt = other.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     msg = ("the checkpoint was saved under policy 'p=f16,c=f16,o=f32,m=f32,ls=dynamic,i=norm,tf32=0,comp=none' but this run "
            "uses 'p=bf16,c=bf16,o=f32,m=f32,ls=none,i=norm,tf32=0,comp=none'; convert it explicitly with "
-           "mixprec.convert_state_dict(state, 'bf16-master')")
+           "mixprec.checkpoint.convert_state_dict(state, 'bf16-master')")
     before = copy.deepcopy(other.state_dict())
     with pytest.raises(ValueError, match=re.escape(msg)):
         other.load_state_dict(sd)

@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
 import mixprec
 
+SRC = Path(mixprec.__file__).resolve().parent
+
 EXPECTED = {
-    "DynamicScaler", "GradScaler", "LossScaler", "MasterWeightOptimizer", "MixedPrecision", "NoOpScaler",
-    "NumericsError", "NumericsMonitor", "Policy", "StaticScaler", "StepInfo", "__version__", "all_finite",
-    "audit", "autocast", "cast_module", "cast_tree", "check", "convert_state_dict", "distributed",
-    "for_inference", "fp32_state_dict", "load", "numerics", "optim", "save", "tensor_stats", "uncast_module",
+    # the training loop (DESIGN.md section 3)
+    "Policy", "MixedPrecision", "StepInfo", "autocast", "cast_module", "uncast_module", "cast_tree",
+    "LossScaler", "NoOpScaler", "StaticScaler", "DynamicScaler", "GradScaler", "MasterWeightOptimizer",
+    "all_finite", "NumericsError", "save", "load",
+    # the version and the public submodules
+    "__version__", "checkpoint", "distributed", "numerics", "optim",
 }
+
+# Old top-level name -> the public module that holds it now (deprecated aliases, for one release).
+MOVED = {
+    "convert_state_dict": "checkpoint",
+    "fp32_state_dict": "checkpoint",
+    "for_inference": "checkpoint",
+    "NumericsMonitor": "numerics",
+    "audit": "numerics",
+    "check": "numerics",
+    "tensor_stats": "numerics",
+}
+
+CHECKPOINT_ALL = {"CheckpointError", "convert_state_dict", "for_inference", "fp32_state_dict", "load", "save"}
 
 
 def test_all_is_the_reviewed_set():
@@ -30,8 +55,127 @@ def test_no_private_module_leaks_into_the_namespace_listing():
     assert not [n for n in mixprec.__all__ if n.startswith("_") and n != "__version__"]
 
 
+def test_star_import_gives_exactly_all():
+    ns: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # a star import must not touch deprecated names
+        exec("from mixprec import *", ns)  # the statement under test
+    assert set(ns) - {"__builtins__"} == set(mixprec.__all__)
+    assert not set(MOVED) & set(ns)
+
+
 def test_submodules_have_their_own_all():
-    for mod in (mixprec.optim, mixprec.numerics, mixprec.distributed):
+    for mod in (mixprec.optim, mixprec.numerics, mixprec.distributed, mixprec.checkpoint):
         assert mod.__all__, mod.__name__
         for name in mod.__all__:
             assert hasattr(mod, name), f"{mod.__name__}.{name}"
+
+
+def test_checkpoint_module_is_the_reviewed_set():
+    assert set(mixprec.checkpoint.__all__) == CHECKPOINT_ALL
+    assert mixprec.checkpoint.save is mixprec.save and mixprec.checkpoint.load is mixprec.load
+    assert issubclass(mixprec.checkpoint.CheckpointError, ValueError)
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_moved_name_warns_and_is_the_same_object(name):
+    module = MOVED[name]
+    new = getattr(importlib.import_module(f"mixprec.{module}"), name)
+    assert name in importlib.import_module(f"mixprec.{module}").__all__
+    message = (f"mixprec.{name} is deprecated and will be removed in mixprec 0.3; "
+               f"use mixprec.{module}.{name} (from mixprec.{module} import {name}).")
+    with pytest.warns(DeprecationWarning, match=re.escape(message)) as record:
+        old = getattr(mixprec, name)
+    assert old is new
+    assert record[0].filename == __file__, "the warning should point at the caller"
+    with pytest.warns(DeprecationWarning, match=re.escape(f"mixprec.{name} is deprecated")):
+        exec(f"from mixprec import {name} as alias", {})  # the import form users write
+    assert name not in mixprec.__all__
+
+
+def test_unknown_name_is_a_plain_attribute_error():
+    with pytest.raises(AttributeError, match=re.escape("module 'mixprec' has no attribute 'no_such_name'")):
+        mixprec.no_such_name  # noqa: B018 - the attribute access is the test
+    assert not hasattr(mixprec, "uncast_modules")
+
+
+# ----- layering: no import cycles between mixprec's modules -------------------------------------------------
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_time_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
+    """Imports that run when the module is imported: module level, also inside if/try, not in functions."""
+    found: list[ast.ImportFrom | ast.Import] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append(node)
+            elif isinstance(node, ast.If):
+                if not _is_type_checking(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                    visit(block)
+            elif isinstance(node, (ast.With,)):
+                visit(node.body)
+
+    visit(tree.body)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in _import_time_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in files and t != name:
+                    edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _import_graph()
+    assert "mixprec._precision" in graph and "mixprec.checkpoint" in graph
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def dfs(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt):], nxt])
+            elif nxt not in state:
+                dfs(nxt, [*path, nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            dfs(start, [start])
+    assert cycles == [], "import cycles (a module may import only modules below it): " + "; ".join(
+        " -> ".join(c) for c in cycles
+    )

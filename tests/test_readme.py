@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+import mixprec
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -21,12 +23,17 @@ def test_readme_example_trains_and_saves(tmp_path, monkeypatch):
     ns: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 on CPU warns that it is slow
-        exec(compile(blocks[0], "README.md", "exec"), ns)  # noqa: S102 - our own README
+        exec(compile(blocks[0], "README.md", "exec"), ns)  # our own README
     assert (tmp_path / "ckpt.pt").exists()
+    assert not list(tmp_path.glob(".*.tmp")), "mixprec.save left a temporary file behind"
     info = ns["info"]
     assert int(info.applied_steps) >= 90  # a few early steps may be skipped while the scale settles
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert state["policy"] == str(ns["prec"].policy)
+    raw = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert raw["format"] == "mixprec.checkpoint", "the README must save with mixprec.save, not torch.save"
+    prec = ns["prec"]
+    state = mixprec.load(tmp_path / "ckpt.pt", expected_policy=prec.policy)  # format, CRC32 and policy checked
+    assert state["policy"] == str(prec.policy)
+    prec.load_state_dict(state)  # the saved run resumes
 
 
 def test_readme_set_up_commands_are_the_ci_ones():

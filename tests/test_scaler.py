@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from _trees import equal_tree  # tests/_trees.py
 
 from mixprec._errors import NumericsError
 from mixprec._scaler import (
@@ -25,7 +26,6 @@ from mixprec._scaler import (
 )
 from mixprec._stepping import step_optimizer
 from mixprec.bench._timing import OpCounter
-from _trees import equal_tree  # tests/_trees.py
 
 INF = torch.tensor(1.0)
 CLEAN = torch.tensor(0.0)
@@ -184,7 +184,7 @@ def test_step_ops_do_not_read_the_device(hysteresis):
     s = DynamicScaler(hysteresis=hysteresis, check_interval=1000, history=1000)
     p = torch.nn.Parameter(torch.ones(4))
     with OpCounter() as c:
-        for i in range(20):
+        for _i in range(20):
             loss = s.scale((p * 2).sum())
             loss.backward()
             found = s.unscale_([p])
@@ -259,7 +259,7 @@ def test_persistent_overflow_at_the_floor_raises():
     s = DynamicScaler(init_scale=4.0, min_scale=1.0, patience=5, check_interval=2)
     run(s, [0, 0])
     with pytest.raises(NumericsError) as e:
-        for i in range(40):
+        for _i in range(40):
             s.update(INF)
     # floor reached after 2 overflows; 5 more at the floor; noticed at the next check (every 2 steps)
     assert s.statistics()["steps"] - 2 <= 2 + 5 + 2
@@ -645,3 +645,183 @@ def test_cuda_steps_and_periodic_checks_never_sync():
     # 20 clean steps, 2 to reach the floor, patience 4, then at most two check intervals late (async read)
     assert steps <= 20 + 2 + 4 + 2 * 3 + 1
     assert s.statistics()["floor_streak"] >= 4
+
+
+# ----- escalation: no step ever applied vs the scale collapsed (issue 18 item 7) ----------------------
+NEVER_CAUSES = (
+    "Likely causes: the model, the data or the initialisation produce inf/NaN (an activation that overflows in the "
+    "forward pass, a bad input), or an inf in the gradient buffers persists from step to step (gradients never "
+    "cleared: call optimizer.zero_grad() every iteration)"
+)
+NEVER_FIX = (
+    "Run `mixprec doctor` (or mixprec.numerics.trace_nonfinite) to find the first module that produces inf/NaN, check "
+    "that the gradients are zeroed between steps and that the inputs and initial weights are finite, and keep the "
+    "layers that overflow in FP32 (FP32 islands, Policy 'i=...')."
+)
+COLLAPSE_ADVICE = (
+    "Skipping more steps would only hide it. Try bf16 (e.g. MixedPrecision('bf16-mixed')) where the hardware supports "
+    "it, FP32 islands for the layers that overflow (Policy 'i=...'), or run `mixprec doctor` to find the first module "
+    "that produces inf/NaN."
+)
+
+
+def _fail(s, pattern=()):
+    run(s, pattern)
+    for _ in range(60):
+        s.update(INF)
+
+
+def test_escalation_when_no_step_was_ever_applied():
+    # 4 -> 2 -> 1 (floor), then 3 overflows at the floor: raised at the check after step 5
+    s = DynamicScaler(init_scale=4.0, min_scale=1.0, patience=3, check_interval=1)
+    msg = (
+        "loss scaling has failed: the loss scale is at its floor (min_scale=1, scale 1) and the last 3 steps there all "
+        "had inf/NaN gradients (5 consecutive skipped steps, 5 skipped of 5); no step of this run was ever applied: "
+        "the gradients were inf/NaN from the first step on, at every loss scale down to the floor, so lowering the "
+        f"scale cannot fix it. {NEVER_CAUSES}. {NEVER_FIX}"
+    )
+    with pytest.raises(NumericsError, match=re.escape(msg)) as e:
+        _fail(s)
+    assert "bf16" not in str(e.value) and str(e.value) == msg  # BF16 is not the advice for this failure
+    assert s.state_dict()["any_finite_step"] is False
+
+
+def test_escalation_when_the_scale_collapsed_after_applied_steps():
+    s = DynamicScaler(init_scale=4.0, min_scale=1.0, patience=3, check_interval=1)
+    msg = (
+        "loss scaling has failed: the loss scale is at its floor (min_scale=1, scale 1) and the last 3 steps there all "
+        "had inf/NaN gradients (5 consecutive skipped steps, 5 skipped of 8); the last step with finite gradients was "
+        f"step 2: the scale collapsed after 3 applied steps. {COLLAPSE_ADVICE}"
+    )
+    with pytest.raises(NumericsError, match=re.escape(msg)) as e:
+        _fail(s, [0, 0, 0])
+    assert str(e.value) == msg and "no step of this run was ever applied" not in msg
+    assert s.state_dict()["any_finite_step"] is True
+
+
+@pytest.mark.parametrize("make,what,extra", [
+    (lambda: NoOpScaler(patience=2, check_interval=1), "without loss scaling", ""),
+    (lambda: StaticScaler(2.0**20, patience=2, check_interval=1), "at the fixed loss scale 1.04858e+06",
+     ", or the fixed loss scale 1.04858e+06 is too large for the gradients' dtype (try a smaller one, or DynamicScaler)"),
+], ids=["noop", "static"])
+def test_fixed_scale_escalation_when_no_step_was_ever_applied(make, what, extra):
+    msg = (
+        f"training has failed {what}: the last 2 steps all had inf/NaN gradients and were skipped (2 skipped of 2); no "
+        "step of this run was ever applied: the gradients were inf/NaN from the first step on. There is no scale to "
+        f"lower. {NEVER_CAUSES}{extra}. {NEVER_FIX}"
+    )
+    s = make()
+    with pytest.raises(NumericsError, match=re.escape(msg)) as e:
+        _fail(s)
+    assert str(e.value) == msg
+    # one clean step first: the other message (the existing one)
+    s = make()
+    with pytest.raises(NumericsError, match=re.escape("the last step with finite gradients was step 0. There is no "
+                                                      "scale to lower, so the inf/NaN comes from")):
+        _fail(s, [0])
+
+
+def test_ever_applied_survives_resume_and_pickling():
+    # a run that applied steps, resumed: its collapse is still a collapse
+    s = DynamicScaler(init_scale=4.0, min_scale=1.0, patience=3, check_interval=1)
+    run(s, [0, 0, 1])
+    sd = s.state_dict()
+    assert sd["any_finite_step"] is True
+    t = DynamicScaler(init_scale=4.0, min_scale=1.0, patience=3, check_interval=1)
+    t.load_state_dict(pickle.loads(pickle.dumps(sd)))
+    with pytest.raises(NumericsError, match=re.escape("finite gradients was step 1: the scale collapsed after 2 applied "
+                                                      "steps.")):
+        _fail(t)
+    # a run that never applied a step, resumed (state dict, pickle): still never applied (64 -> 1 in 6 steps, 3 more)
+    s = DynamicScaler(init_scale=64.0, min_scale=1.0, patience=3, check_interval=1)
+    run(s, [1, 1])
+    for t in (pickle.loads(pickle.dumps(s)), DynamicScaler(min_scale=1.0, patience=3, check_interval=1)):
+        if not t.state_dict()["steps"]:
+            t.load_state_dict(s.state_dict())
+        assert t.state_dict() == s.state_dict() and t.state_dict()["any_finite_step"] is False
+        with pytest.raises(NumericsError, match=re.escape("(9 consecutive skipped steps, 9 skipped of 9); no step of "
+                                                          "this run was ever applied")):
+            _fail(t)
+
+
+def test_finite_steps_before_a_loaded_state_count():
+    # the flag is kept even where last_finite_step is not (a torch.amp.GradScaler dict has no statistics)
+    s = DynamicScaler(init_scale=4.0, min_scale=1.0, patience=3, check_interval=1)
+    s.load_state_dict({"scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                       "_growth_tracker": 0})
+    sd = s.state_dict()
+    assert sd["any_finite_step"] is True and sd["last_finite_step"] is None
+    with pytest.raises(NumericsError, match=re.escape(
+            "; the last step with finite gradients came before the loaded state dict: the scale collapsed after "
+            f"resuming. {COLLAPSE_ADVICE}")):
+        _fail(s)
+    n = NoOpScaler(patience=2, check_interval=1)
+    n.load_state_dict({**NoOpScaler().state_dict(), "any_finite_step": True})
+    with pytest.raises(NumericsError, match=re.escape(
+            "the last step with finite gradients came before the loaded state dict. There is no scale to lower")):
+        _fail(n)
+
+
+def test_ever_applied_costs_no_extra_kernel():
+    # it is read from the counters the periodic check already folds and reads: same launches as without it
+    s = DynamicScaler(init_scale=2.0**4, min_scale=1.0, check_interval=5, on_failure="warn")
+    with OpCounter() as c:
+        run(s, [1, 0, 1, 1, 1] * 4)
+    assert c.ops["_amp_update_scale_"] == 20 and c.ops["stack"] == 20 + 4  # one per step, one per fold (4 folds)
+
+
+# state dicts and a pickle written before any_finite_step and _scale_history.py existed (mixprec at e376f1a)
+OLD_STATE = {
+    "version": 1, "kind": "dynamic", "scale": 2.0, "_growth_tracker": 1, "hysteresis_left": 0, "steps": 7,
+    "skipped_steps": 3, "consecutive_skips": 0, "last_overflow_step": 5, "last_finite_step": 6, "floor_streak": 0,
+    "scale_history": [8.0, 4.0, 2.0, 2.0], "overflow_history": [False, True, True, False], "growth_factor": 2.0,
+    "backoff_factor": 0.5, "growth_interval": 3, "hysteresis": 1, "min_scale": 1.0, "max_scale": 16777216.0,
+    "refill": "growth",
+}
+OLD_NEVER_APPLIED = {
+    "version": 1, "kind": "dynamic", "scale": 1.0, "_growth_tracker": 0, "hysteresis_left": 0, "steps": 3,
+    "skipped_steps": 3, "consecutive_skips": 3, "last_overflow_step": 2, "last_finite_step": None, "floor_streak": 1,
+    "scale_history": [2.0, 1.0, 1.0], "overflow_history": [True, True, True], "growth_factor": 2.0,
+    "backoff_factor": 0.5, "growth_interval": 2000, "hysteresis": 1, "min_scale": 1.0, "max_scale": 16777216.0,
+    "refill": "growth",
+}
+# pickle.dumps(DynamicScaler(init_scale=8.0, growth_interval=3, min_scale=1.0, history=4, check_interval=2,
+# on_failure="ignore") after found_inf 1,0,0,0,1,1,0), protocol 4, zlib + base64: OLD_STATE's scaler
+OLD_PICKLE = (
+    "eNpdUstuEzEUTck7apJSwmvHBtEKqb/QIpC6GCkb1siaeu6MrUxsy56k6QIJdol0d5j/4VP4hP4BXM+rVb2699z38fnR+/2n2ykfztdyZyzwC+Z4nIP1"
+    "OP1yp+K15F8r/5c//+m/+zPsM64teNEh63Ow2kiXp1nAh4SrVGYPkd5KqsTjMKlaepxIJYtqlL++elcvMc2svi0ES2NeaEuBTh2Y3cR8pdO0jVz+bfau"
+    "S6QqwG7j3EddnIg7Rx446Xx0hOO1VM2oy/u6bryOdw34ydTgwEIq89zjoOpKe2pFM2W+oTtxIDMVDsaRiQsJioOPFjjjAvjq0QLP8DjXGdNbsGmub/0e"
+    "Z8FvEpijwxb1xKGQjg6681Fvc4Nz2JlccmImga2k9kvs3+gNUXfAQQuNrFQZy0FREfarG5Y4q4koLFFF/7XE+QMNlJ0WBPVCaejKKNn5cxxxak9JLoCU"
+    "bYgx4iHVeQJJMKcGVBLmuSIuIHymeP/wL3P2ZGp0JD5EHfExGuLUraQxkLC6bRefc60c8E0ht8BCtBx2mseuaNkqs33Ux5MSToNOoAYHeEwp2pJrIV6V"
+    "65Xns4bFb/6sVdP11UljdJ4YgCftvEelh/3+AOK0TRMvWp2JRdQVL+m6V62ExOtWOOKNeLvBCTPaMR6THognHDOnYuOEDsSPmQWjbQHhK8esvI1E4a//"
+    "3bdUkp8FuiraHml1QtrZ1o2XJJOpsZqDc4H8jQnQxX9H5U/q"
+)
+
+
+def test_checkpoints_written_before_still_load():
+    s = DynamicScaler(history=4, check_interval=2, on_failure="ignore")
+    s.load_state_dict(copy.deepcopy(OLD_STATE))
+    assert s.state_dict() == {**OLD_STATE, "any_finite_step": True}  # derived from last_finite_step
+    n = DynamicScaler(history=4, check_interval=2, on_failure="ignore")
+    n.load_state_dict(copy.deepcopy(OLD_NEVER_APPLIED))
+    assert n.state_dict() == {**OLD_NEVER_APPLIED, "any_finite_step": False}
+    # an old noop/static dict (no any_finite_step) too
+    noop = {k: v for k, v in NoOpScaler().state_dict().items() if k != "any_finite_step"}
+    t = NoOpScaler()
+    t.load_state_dict(noop)
+    assert t.state_dict()["any_finite_step"] is False
+
+
+def test_scalers_pickled_before_still_load():
+    import base64
+    import zlib
+
+    old = pickle.loads(zlib.decompress(base64.b64decode(OLD_PICKLE)))
+    assert isinstance(old, DynamicScaler) and old._core.scale is None
+    assert old.state_dict() == {**OLD_STATE, "any_finite_step": True}
+    fresh = DynamicScaler(init_scale=8.0, growth_interval=3, min_scale=1.0, history=4, check_interval=2,
+                          on_failure="ignore")
+    run(fresh, [1, 0, 0, 0, 1, 1, 0])
+    pattern = [1, 0, 0, 0, 0, 1, 1, 1, 0]
+    assert run(old, pattern) == run(fresh, pattern)
+    assert old.statistics() == fresh.statistics() and old.state_dict() == fresh.state_dict()

@@ -1,16 +1,17 @@
-"""``mixprec.autocast``: ``torch.autocast`` driven by a policy, with TF32 set and restored.
+"""``mixprec.autocast``: ``torch.autocast`` driven by a policy, and :func:`tf32`, the one TF32 switch.
 
 Global state touched and restored on exit (also when the body raises): the autocast
-state of the device type (through ``torch.autocast`` itself) and the TF32 switches
-``torch.backends.cuda.matmul.allow_tf32`` and ``torch.backends.cudnn.allow_tf32``.
+state of the device type (through ``torch.autocast`` itself) and the TF32 settings of
+CUDA matmuls and cuDNN convolutions/RNNs (through :func:`tf32`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -18,9 +19,155 @@ from torch import nn
 from ._casting import cast_tree
 from ._policy import Policy
 
-__all__ = ["autocast", "resolve_device_type"]
+__all__ = ["autocast", "resolve_device_type", "tf32", "tf32_enabled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+# ----- TF32 -------------------------------------------------------------------------------------------
+# torch has two APIs for TF32. The legacy one (torch.backends.cuda.matmul.allow_tf32,
+# torch.backends.cudnn.allow_tf32, torch.set_float32_matmul_precision) keeps a matmul precision
+# enum and a cuDNN flag; torch >= 2.9 adds per-backend, per-op strings (``fp32_precision``:
+# "ieee", "tf32", "bf16", "none" = inherit), and the legacy setters write both. Reading a legacy
+# flag raises RuntimeError ("... you have used mix of the legacy and new APIs ...") when the two
+# disagree, which is what a user of the new API (torch.backends.fp32_precision = "tf32", as
+# transformers' enable_tf32 does) always has. So :func:`tf32` saves what can be read; switches
+# with the legacy setters when the legacy flags read fine (legacy reads inside the region keep
+# working: torch.compile's inductor reads them) and then sets the op strings explicitly (the
+# legacy cuDNN setter alone can leave TF32 on, see _set_tf32); and on exit writes back the
+# legacy state first, then every op string exactly as it was.
+def _op_nodes() -> tuple[Any, ...]:
+    """The ``fp32_precision`` settings of CUDA matmul, cuDNN conv and cuDNN RNN (empty before torch 2.9)."""
+    try:
+        nodes = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)  # type: ignore[attr-defined]
+        for node in nodes:
+            node.fp32_precision  # noqa: B018 - probe: AttributeError before torch 2.9
+    except AttributeError:
+        return ()
+    return nodes
+
+
+_OP_NODES = _op_nodes()
+
+
+def _read(getter: Callable[[], Any]) -> Any:
+    """A legacy TF32 setting, or ``None`` when torch refuses to read it (legacy and new APIs mixed)."""
+    try:
+        return getter()
+    except RuntimeError:
+        return None
+
+
+def _legacy_matmul() -> bool:
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def _legacy_cudnn() -> bool:
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+class _TF32State(NamedTuple):
+    matmul: bool | None  # torch.backends.cuda.matmul.allow_tf32 (None: unreadable)
+    cudnn: bool | None  # torch.backends.cudnn.allow_tf32 (None: unreadable)
+    # torch.get_float32_matmul_precision() when restoring the matmul flag alone would not give it
+    # back ("medium"); torch.set_float32_matmul_precision then also writes the MKLDNN matmul string.
+    matmul_precision: str | None
+    mkldnn_matmul: str | None
+    strings: tuple[str, ...]  # fp32_precision of each of _OP_NODES
+
+
+def _save_tf32() -> _TF32State:
+    matmul = _read(_legacy_matmul)
+    precision = mkldnn = None
+    if matmul is not None and _OP_NODES:
+        current = _read(torch.get_float32_matmul_precision)
+        if current is not None and current != ("high" if matmul else "highest"):
+            precision, mkldnn = current, torch.backends.mkldnn.matmul.fp32_precision  # type: ignore[attr-defined]
+    return _TF32State(
+        matmul=matmul, cudnn=_read(_legacy_cudnn), matmul_precision=precision, mkldnn_matmul=mkldnn,
+        strings=tuple(node.fp32_precision for node in _OP_NODES),
+    )
+
+
+def _set_tf32(enabled: bool, saved: _TF32State) -> None:
+    if saved.matmul is not None:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+    if saved.cudnn is not None:
+        torch.backends.cudnn.allow_tf32 = enabled
+    # Then the op strings, explicitly: the legacy cuDNN setter writes "none" for off, which
+    # inherits "tf32" from torch.backends.fp32_precision when that is set, i.e. TF32 stays on.
+    precision = "tf32" if enabled else "ieee"
+    for node in _OP_NODES:
+        node.fp32_precision = precision
+
+
+def _restore_tf32(saved: _TF32State) -> None:
+    if saved.matmul is not None:
+        if saved.matmul_precision is not None:
+            torch.set_float32_matmul_precision(saved.matmul_precision)
+            torch.backends.mkldnn.matmul.fp32_precision = saved.mkldnn_matmul  # type: ignore[attr-defined]
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = saved.matmul
+    if saved.cudnn is not None:
+        torch.backends.cudnn.allow_tf32 = saved.cudnn
+    for node, value in zip(_OP_NODES, saved.strings):
+        node.fp32_precision = value
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """Allow (or forbid) TF32 for FP32 matmuls and cuDNN convolutions/RNNs inside a region.
+
+    On exit every TF32 setting is put back exactly as it was, also when the body raises:
+    the legacy flags (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``,
+    ``torch.get_float32_matmul_precision()``) and, on torch >= 2.9, the ``fp32_precision``
+    strings. Inside, the switch goes through the legacy flags when they can be read, so code
+    that reads them (``torch.compile``) sees the region's value; when the user set TF32 with
+    the new ``fp32_precision`` API (torch then refuses legacy reads), it goes through that API
+    instead and never reads or writes the legacy flags. Regions nest. TF32 only exists on
+    NVIDIA Ampere and later; elsewhere (CPU) the switch has no effect on results.
+
+    Args:
+        enabled: ``True`` lets FP32 matmuls/convolutions use TF32 tensor cores; ``False``
+            keeps them in full FP32 (IEEE).
+
+    Yields:
+        Nothing; use it as ``with tf32(True): ...`` (or as a decorator).
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+
+    Example:
+        >>> before = torch.backends.cuda.matmul.allow_tf32
+        >>> with tf32(True):
+        ...     torch.backends.cuda.matmul.allow_tf32
+        True
+        >>> torch.backends.cuda.matmul.allow_tf32 == before
+        True
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"tf32(enabled) needs True or False, got {type(enabled).__name__} {enabled!r}")
+    saved = _save_tf32()
+    try:
+        _set_tf32(enabled, saved)
+        yield
+    finally:
+        _restore_tf32(saved)
+
+
+def tf32_enabled() -> bool:
+    """Whether FP32 CUDA matmuls may use TF32 now (the setting, whatever the device).
+
+    Reads ``torch.backends.cuda.matmul.allow_tf32``, or the new ``fp32_precision`` API when
+    torch refuses the legacy read because the two APIs were mixed.
+
+    Returns:
+        ``True`` when TF32 is allowed for CUDA matmuls.
+    """
+    legacy = _read(lambda: torch.backends.cuda.matmul.allow_tf32)
+    if legacy is not None:
+        return bool(legacy)
+    return bool(torch.backends.cuda.matmul.fp32_precision == "tf32")
 
 
 def resolve_device_type(hint: object = None) -> str:
@@ -47,8 +194,8 @@ def resolve_device_type(hint: object = None) -> str:
     if isinstance(hint, nn.Module):
         for t in hint.parameters():
             return t.device.type
-        for t in hint.buffers():
-            return t.device.type
+        for b in hint.buffers():
+            return b.device.type
         return "cpu"
     raise TypeError(
         f"cannot tell a device from {type(hint).__name__}; pass device_type='cuda' or 'cpu', a torch.device, "
@@ -63,7 +210,7 @@ def _device_from_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | No
     return None
 
 
-class autocast:  # noqa: N801 - reads like torch.autocast, which it wraps
+class autocast:
     """Run a region under a policy's compute dtype; a context manager and a decorator.
 
     Inside, ``torch.autocast`` runs with ``policy.compute_dtype`` (disabled for FP32
@@ -88,43 +235,40 @@ class autocast:  # noqa: N801 - reads like torch.autocast, which it wraps
         self.policy = Policy.parse(policy)
         self._hint = device_type
         self.enabled = enabled
-        self._stack: list[tuple[Any, bool, bool]] = []
+        self._stack: list[tuple[Any, Any]] = []
 
     @property
     def device_type(self) -> str:
         """The device type this region autocasts on."""
         return resolve_device_type(self._hint)
 
-    def __enter__(self) -> "autocast":
+    def __enter__(self) -> autocast:
         self._enter(self.device_type)
         return self
 
     def _enter(self, device_type: str) -> None:
-        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         ctx = torch.autocast(
             device_type=device_type,
             dtype=self.policy.compute_dtype if self.policy.uses_autocast else None,
             enabled=self.enabled and self.policy.uses_autocast,
         )
-        if self.enabled:
-            torch.backends.cuda.matmul.allow_tf32 = self.policy.tf32
-            torch.backends.cudnn.allow_tf32 = self.policy.tf32
+        switch = tf32(self.policy.tf32) if self.enabled else contextlib.nullcontext()
+        switch.__enter__()
         try:
             ctx.__enter__()
         except BaseException:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+            switch.__exit__(None, None, None)
             raise
-        self._stack.append((ctx, *saved))
+        self._stack.append((ctx, switch))
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        ctx, mm, cudnn = self._stack.pop()
+        ctx, switch = self._stack.pop()
         try:
             ctx.__exit__(exc_type, exc, tb)
         finally:
-            torch.backends.cuda.matmul.allow_tf32 = mm
-            torch.backends.cudnn.allow_tf32 = cudnn
+            switch.__exit__(None, None, None)
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -142,7 +286,7 @@ class autocast:  # noqa: N801 - reads like torch.autocast, which it wraps
         return wrapper  # type: ignore[return-value]
 
     @staticmethod
-    def fp32(device_type: object = None) -> "_FP32Region":
+    def fp32(device_type: object = None) -> _FP32Region:
         """A region that computes in FP32: autocast off (the advice for linalg, pre- and post-processing).
 
         As a decorator it also casts floating tensor arguments to FP32.
@@ -169,7 +313,7 @@ class _FP32Region:
             return [resolve_device_type(self._hint)]
         return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
-    def __enter__(self) -> "_FP32Region":
+    def __enter__(self) -> _FP32Region:
         contexts = [torch.autocast(device_type=d, enabled=False) for d in self._types()]
         entered = []
         try:

@@ -1,7 +1,8 @@
 """Casting: floating tensors inside nested structures, and whole modules with FP32 islands.
 
 ``cast_module`` stores parameters in the policy's param dtype, keeps FP32 islands
-(normalization layers by default) in FP32, and installs hooks so that
+(normalization layers by default) in FP32, leaves the other floating buffers in their own
+dtype (unless the policy says ``b=param``), and installs hooks so that
 
 * the root module casts floating inputs to the compute dtype (half-parameter policies)
   and floating outputs to the output dtype (every policy), and
@@ -10,8 +11,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -19,8 +19,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._policy import Policy
+from ._tree import tree_map
 
-__all__ = ["cast_tree", "cast_module", "uncast_module", "island_modules", "is_prepared"]
+__all__ = ["cast_module", "cast_tree", "is_prepared", "island_modules", "uncast_module"]
 
 T = TypeVar("T")
 _CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,11 +32,12 @@ _POLICY_ATTR = "_mixprec_policy"
 def cast_tree(obj: T, dtype: torch.dtype, *, include_float64: bool = False) -> T:
     """Cast every floating tensor inside a nested structure to ``dtype``.
 
-    Lists, tuples (namedtuples too), dicts (their own type: ``OrderedDict``, Hugging Face
-    ``ModelOutput``) and dataclass instances are rebuilt with the same type; integer, bool
-    and complex tensors, float64 tensors (unless ``include_float64``), float8 tensors and
-    non-tensors are returned unchanged (the very same objects). A tensor already in
-    ``dtype`` is returned as is, without a copy.
+    The structure is walked by :func:`mixprec._tree.tree_map`: lists, tuples (namedtuples
+    too), dicts (their own type: ``OrderedDict``, Hugging Face ``ModelOutput``) and dataclass
+    instances (frozen too) are rebuilt with the same type; integer, bool and complex tensors,
+    float64 tensors (unless ``include_float64``), float8 tensors and non-tensors are returned
+    unchanged (the very same objects). A tensor already in ``dtype`` is returned as is,
+    without a copy, and so is a container with nothing in it to cast.
 
     Args:
         obj: A tensor or a nesting of containers.
@@ -45,6 +47,9 @@ def cast_tree(obj: T, dtype: torch.dtype, *, include_float64: bool = False) -> T
     Returns:
         The same structure with floating tensors cast.
 
+    Raises:
+        TypeError: ``dtype`` is not a floating ``torch.dtype``.
+
     Example:
         >>> out = cast_tree({"x": torch.ones(2), "n": torch.arange(2)}, torch.bfloat16)
         >>> out["x"].dtype, out["n"].dtype
@@ -52,38 +57,20 @@ def cast_tree(obj: T, dtype: torch.dtype, *, include_float64: bool = False) -> T
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"cast_tree needs a floating torch.dtype, got {dtype!r}")
-    return _cast(obj, dtype, include_float64)
+    return tree_map(_caster(dtype, include_float64), obj)
 
 
-def _cast(obj: Any, dtype: torch.dtype, f64: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if obj.dtype == dtype:
-            return obj
-        if obj.dtype in _CASTABLE or (f64 and obj.dtype == torch.float64):
-            return obj.to(dtype)
-        return obj
-    if isinstance(obj, (str, bytes)) or obj is None:
-        return obj
-    if isinstance(obj, tuple):
-        items = [_cast(o, dtype, f64) for o in obj]
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
-    if isinstance(obj, list):
-        return type(obj)(_cast(o, dtype, f64) for o in obj)
-    if isinstance(obj, dict):
-        pairs = {k: _cast(v, dtype, f64) for k, v in obj.items()}
-        try:
-            out = type(obj)(**pairs) if dataclasses.is_dataclass(obj) else type(obj)(pairs)
-        except TypeError:
-            # Some dict subclasses take no mapping in their constructor: copy and assign.
-            out = obj.copy()
-            out.update(pairs)
-        return out
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _cast(getattr(obj, f.name), dtype, f64) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    return obj
+def _caster(dtype: torch.dtype, f64: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-tensor cast of :func:`cast_tree`: FP32/BF16/FP16 (and FP64 if ``f64``) to ``dtype``."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == dtype:
+            return t
+        if t.dtype in _CASTABLE or (f64 and t.dtype == torch.float64):
+            return t.to(dtype)
+        return t
+
+    return cast
 
 
 def island_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
@@ -123,13 +110,15 @@ class _IslandHooks:
         self.compute_dtype = compute_dtype
         self.device_types = sorted(device_types)
         self.stack: list[list[Any]] = []
+        self._to_fp32 = _caster(torch.float32)
+        self._to_compute = _caster(compute_dtype)
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         contexts = [torch.autocast(device_type=d, enabled=False) for d in self.device_types]
         for c in contexts:
             c.__enter__()
         self.stack.append(contexts)
-        return _cast(args, torch.float32, False), _cast(kwargs, torch.float32, False)
+        return tree_map(self._to_fp32, args), tree_map(self._to_fp32, kwargs)
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         contexts = self.stack.pop() if self.stack else []
@@ -137,7 +126,7 @@ class _IslandHooks:
             c.__exit__(None, None, None)
         if self.compute_dtype == torch.float32 or output is None:
             return output
-        return _cast(output, self.compute_dtype, False)
+        return tree_map(self._to_compute, output)
 
 
 def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
@@ -145,14 +134,31 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
 
     Algorithm:
         1. Find the FP32 islands (``policy.fp32_islands``; an island's submodules belong to it).
-        2. Cast every floating parameter and buffer outside the islands to ``policy.param_dtype``
-           (in place: the ``nn.Parameter`` objects keep their identity, so optimizers built on
-           them stay valid); islands keep FP32. A parameter shared by an island and a
-           non-island module (tied weights) stays FP32.
-        3. Root hooks: cast floating inputs to ``policy.compute_dtype`` when parameters are half
+        2. Cast every floating parameter outside the islands to ``policy.param_dtype`` (in
+           place: the ``nn.Parameter`` objects keep their identity, so optimizers built on them
+           stay valid); the islands' parameters and buffers (BatchNorm's running statistics)
+           become FP32. A parameter or buffer shared by an island and a non-island module
+           (tied weights) stays FP32.
+        3. Floating buffers outside the islands keep their dtype (``policy.buffers == "keep"``,
+           the default of every preset): they are constants or statistics, not trained
+           weights, and rounding them loses precision for nothing (a Llama rotary embedding's
+           ``inv_freq`` in BF16 shifts every position's angle). With ``b=param`` they are cast
+           to ``policy.param_dtype`` with the parameters.
+        4. Root hooks: cast floating inputs to ``policy.compute_dtype`` when parameters are half
            precision (with FP32 parameters autocast does the casting), and floating outputs
            to ``policy.output_dtype``.
-        4. Island hooks: FP32 inputs, autocast disabled inside, outputs cast to the compute dtype.
+        5. Island hooks: FP32 inputs, autocast disabled inside, outputs cast to the compute dtype.
+
+    FP32 buffers next to half activations: PyTorch's type promotion makes ``x + buf`` FP32
+    when ``x`` is BF16/FP16 and ``buf`` an FP32 buffer with at least one dimension (a 0-d
+    buffer does not promote). Inside :func:`mixprec.autocast` (every half-compute policy
+    trains under it) the next autocast op (``linear``, ``matmul``, ``conv``) casts back to
+    the compute dtype, so such a model runs, with the elementwise ops between in FP32. Run
+    outside autocast, a half-parameter model then fails in that matmul with a dtype mismatch
+    ("mat1 and mat2 must have the same dtype"): forward under ``mixprec.autocast``, or cast
+    the buffers with ``b=param``. Models that upcast their buffers themselves (Hugging Face
+    rotary embeddings compute in FP32 and cast ``cos``/``sin`` to the activation dtype) run
+    either way.
 
     Args:
         model: The model (its parameters normally FP32).
@@ -180,28 +186,20 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
             f"for {str(policy)!r} would stack hooks. Build a fresh model, or call mixprec.uncast_module(model) first."
         )
     islands = dict(island_modules(model, policy))
-    island_params: set[int] = set()
-    island_tensor_ids: set[int] = set()
-    for module in islands.values():
-        for t in list(module.parameters()) + list(module.buffers()):
-            island_tensor_ids.add(id(t))
-        island_params.update(id(p) for p in module.parameters())
-
     target = policy.param_dtype
     with torch.no_grad():
         for module in islands.values():
             for p in module.parameters():
                 if p.dtype in _CASTABLE and p.dtype != torch.float32:
                     p.data = p.data.float()
-            for name, b in module.named_buffers(recurse=True):
-                if b.dtype in _CASTABLE and b.dtype != torch.float32:
-                    _set_buffer(module, name, b.float())
+            _cast_buffers(module, torch.float32, skip=set())
+        # After the islands' casts: _cast_buffers replaces buffers by new tensors.
+        island_tensor_ids = {id(t) for m in islands.values() for t in (*m.parameters(), *m.buffers())}
         for p in model.parameters():
             if id(p) not in island_tensor_ids and p.dtype in _CASTABLE and p.dtype != target:
                 p.data = p.data.to(target)
-        for name, b in list(model.named_buffers()):
-            if id(b) not in island_tensor_ids and b.dtype in _CASTABLE and b.dtype != target:
-                _set_buffer(model, name, b.to(target))
+        if policy.buffers == "param":
+            _cast_buffers(model, target, skip=island_tensor_ids)
 
     handles: list[RemovableHandle] = []
     devices = _device_types(model)
@@ -211,16 +209,17 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
             handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
             handles.append(module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
 
-    root_in = policy.param_dtype if policy.param_dtype != torch.float32 else None
-    out_dtype = policy.output_dtype
-    if root_in is not None and model not in islands.values():
+    to_output = _caster(policy.output_dtype)
+    if policy.param_dtype != torch.float32 and model not in islands.values():
+        to_input = _caster(policy.param_dtype)
+
         def _root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-            return _cast(args, root_in, False), _cast(kwargs, root_in, False)
+            return tree_map(to_input, args), tree_map(to_input, kwargs)
 
         handles.append(model.register_forward_pre_hook(_root_pre, with_kwargs=True, prepend=True))
 
     def _root_post(module: nn.Module, args: Any, output: Any) -> Any:
-        return _cast(output, out_dtype, False)
+        return tree_map(to_output, output)
 
     handles.append(model.register_forward_hook(_root_post))
     object.__setattr__(model, _HOOKS_ATTR, handles)
@@ -230,6 +229,13 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
 
 def uncast_module(model: nn.Module) -> nn.Module:
     """Remove the hooks ``cast_module`` installed (dtypes are left as they are).
+
+    Parameters and buffers keep the dtypes ``cast_module`` gave them: buffers it left alone
+    (the default ``b=keep``) are still in their original dtype, buffers cast with ``b=param``
+    and island buffers stay cast. Call ``model.float()`` for an all-FP32 model.
+
+    Args:
+        model: A model prepared by :func:`cast_module` (an unprepared model is returned as is).
 
     Returns:
         ``model`` itself.
@@ -242,7 +248,17 @@ def uncast_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def _set_buffer(root: nn.Module, qualified: str, value: torch.Tensor) -> None:
-    owner_name, _, leaf = qualified.rpartition(".")
-    owner = root.get_submodule(owner_name) if owner_name else root
-    owner._buffers[leaf] = value
+def _cast_buffers(root: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
+    """Cast ``root``'s FP32/BF16/FP16 buffers to ``dtype``, except those whose ``id`` is in ``skip``.
+
+    A buffer registered under several names (shared between modules) is cast once and the
+    one new tensor is set under every name, so the modules still share it.
+    """
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (old, new); old kept alive so ids stay unique
+    for module in root.modules():
+        for leaf, b in list(module._buffers.items()):
+            if b is None or id(b) in skip or b.dtype not in _CASTABLE or b.dtype == dtype:
+                continue
+            if id(b) not in done:
+                done[id(b)] = (b, b.to(dtype))
+            module._buffers[leaf] = done[id(b)][1]

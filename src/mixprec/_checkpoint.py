@@ -39,15 +39,28 @@ import pickle
 import tempfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import torch
+from torch import nn
 
 from ._policy import Policy
-from ._precision import MixedPrecision, _validate_state
 
-__all__ = ["CheckpointError", "FORMAT", "FORMAT_VERSION", "load", "save"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "STATE_VERSION",
+    "CheckpointError",
+    "check_model_state",
+    "check_optimizer_entries",
+    "convert_state_dict",
+    "fp32_state_dict",
+    "load",
+    "parameter_names",
+    "save",
+    "validate_state",
+]
 
 #: The marker in every file ``save`` writes.
 FORMAT = "mixprec.checkpoint"
@@ -101,13 +114,13 @@ def save(state: Any, path: PathLike) -> None:
         >>> mixprec.save(prec.state_dict(), "ckpt.pt")  # doctest: +SKIP
         >>> prec.load_state_dict(mixprec.load("ckpt.pt"))  # doctest: +SKIP
     """
-    if isinstance(state, MixedPrecision):
-        state = state.state_dict()
+    if not isinstance(state, Mapping) and callable(getattr(state, "state_dict", None)):
+        state = state.state_dict()  # a prepared MixedPrecision
     if not isinstance(state, Mapping):
         raise TypeError(
             f"mixprec.save(state, path) needs the dict MixedPrecision.state_dict() returns, got {type(state).__name__}."
         )
-    _validate_state(state)
+    validate_state(state)
     _parse_policy(state["policy"], where="save()")
     target = _check_path(path, "save")
     directory = os.path.dirname(target) or "."
@@ -380,7 +393,7 @@ def load(
     if not isinstance(state, Mapping):
         raise CheckpointError(f"the checkpoint {file!r} is damaged: its state is a {type(state).__name__}, not a dict.")
     try:
-        _validate_state(state)
+        validate_state(state)
     except ValueError as e:
         raise CheckpointError(f"the checkpoint {file!r} does not hold a valid mixprec state: {e}") from e
     saved = _parse_policy(state["policy"], where=f"the checkpoint {file!r}")
@@ -389,7 +402,7 @@ def load(
         if saved != want:
             raise CheckpointError(
                 f"the checkpoint {file!r} was saved under policy {str(saved)!r} but {str(want)!r} was expected; convert "
-                f"it with mixprec.convert_state_dict(state, {want.name or str(want)!r}) (load without expected_policy "
+                f"it with mixprec.checkpoint.convert_state_dict(state, {want.name or str(want)!r}) (load without expected_policy "
                 "first), or resume with the saved policy."
             )
     return dict(state)
@@ -458,3 +471,146 @@ def _parse_policy(spec: Any, *, where: str) -> Policy:
         return Policy.parse(spec)
     except ValueError as e:
         raise CheckpointError(f"{where}: the state's policy {spec!r} is not valid for this mixprec: {e}") from e
+
+
+# ----- the state format of MixedPrecision.state_dict() ------------------------------------------------------
+STATE_VERSION = 2
+# Version 1 (mixprec 0.1) had no "tied" and no "iteration"; it loads as an idle iteration without aliases.
+_READABLE_VERSIONS = (1, 2)
+_REQUIRED = ("version", "policy", "model", "optimizers", "param_names", "scaler", "applied_steps")
+
+
+def validate_state(state_dict: Any) -> Mapping[str, Any]:
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"expected a mixprec state dict (a mapping), got {type(state_dict).__name__}")
+    missing = [k for k in _REQUIRED if k not in state_dict]
+    if missing:
+        likely = ""
+        if "state" in state_dict and "param_groups" in state_dict:
+            likely = " It looks like a plain optimizer state dict; mixprec checkpoints come from MixedPrecision.state_dict()."
+        elif state_dict and all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+            likely = " It looks like a model state dict; load it with prec.load_model_state_dict(sd)."
+        raise ValueError(f"not a mixprec state dict: missing {missing} (has {sorted(map(str, state_dict))[:8]}).{likely}")
+    if state_dict["version"] not in _READABLE_VERSIONS:
+        raise ValueError(
+            f"mixprec state version {state_dict['version']!r}; this mixprec reads versions {list(_READABLE_VERSIONS)} "
+            "(upgrade mixprec?)."
+        )
+    return state_dict
+
+
+def check_model_state(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
+    own = model.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+    for k, v in own.items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise ValueError(f"the checkpoint's {k!r} has shape {tuple(sd[k].shape)}, the model's {tuple(v.shape)}.")
+
+
+def fp32_state_dict(source: Any) -> dict[str, torch.Tensor]:
+    """Export the model's weights in FP32, taken from the masters where there are masters.
+
+    Args:
+        source: A prepared :class:`~mixprec.MixedPrecision` (anything with ``state_dict()``), or a
+            state dict it saved.
+
+    Returns:
+        A model state dict (new tensors) with floating entries in FP32; load it into an FP32
+        copy of the model for export or evaluation.
+    """
+    if not isinstance(source, Mapping) and callable(getattr(source, "state_dict", None)):
+        source = source.state_dict()
+    sd = validate_state(source)
+    out = {k: (v.detach().float().clone() if v.dtype.is_floating_point else v.detach().clone()) for k, v in sd["model"].items()}
+    for entry, pnames in zip(sd["optimizers"], sd["param_names"]):
+        masters = entry.get("masters") if isinstance(entry, Mapping) else None
+        if masters is None:
+            continue
+        for name, master in zip(pnames, masters):
+            if master is not None and name in out:
+                out[name] = master.detach().float().clone()
+    # Tied parameters (GPT-2's wte/lm_head): every alias takes its primary name's value.
+    for alias, primary in sd.get("tied", {}).items():
+        if alias in out and primary in out:
+            out[alias] = out[primary]
+    return out
+
+
+def convert_state_dict(state_dict: Mapping[str, Any], policy: Policy | str) -> dict[str, Any]:
+    """Convert a checkpoint saved under one policy for loading under another.
+
+    The model weights become the FP32 truth (masters where the saved run had them), the
+    optimizer state is kept (it is FP32 state over the same parameters in every supported
+    policy), and the loss-scaler state is kept when both policies scale the loss the same way
+    and dropped otherwise (the new run starts with its policy's scaler).
+
+    Args:
+        state_dict: What :meth:`MixedPrecision.state_dict` returned.
+        policy: The policy of the run that will load it.
+
+    Returns:
+        A state dict for ``MixedPrecision(policy).load_state_dict``.
+
+    Raises:
+        ValueError: a policy with compensated updates (``bf16-pure``) on either side: its
+            optimizer keeps compensation buffers and possibly BF16 states, which do not map
+            onto an FP32 optimizer; convert through ``fp32_state_dict`` and a fresh optimizer.
+    """
+    sd = validate_state(state_dict)
+    src, dst = Policy.parse(sd["policy"]), Policy.parse(policy)
+    for side, pol in (("saved", src), ("target", dst)):
+        if pol.compensation != "none":
+            raise ValueError(
+                f"cannot convert: the {side} policy {pol.name or str(pol)!r} uses compensated updates; export the weights "
+                "with mixprec.fp32_state_dict(state) and start the optimizer afresh."
+            )
+    out = dict(sd)
+    out["policy"] = str(dst)
+    out["model"] = fp32_state_dict(sd)
+    out["optimizers"] = [e["optimizer"] if isinstance(e, Mapping) and "masters" in e else e for e in sd["optimizers"]]
+    same_scaling = (src.loss_scale, src.init_scale) == (dst.loss_scale, dst.init_scale)
+    out["scaler"] = sd["scaler"] if same_scaling else None
+    return out
+
+
+
+
+def check_optimizer_entries(optimizers: Sequence[Any], entries: Sequence[Any]) -> None:
+    """The saved optimizers have this run's param-group layout (torch checks it only inside the load)."""
+    for i, (opt, entry) in enumerate(zip(optimizers, entries)):
+        inner = entry.get("optimizer") if isinstance(entry, Mapping) and "masters" in entry else entry
+        groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+        if not isinstance(groups, Sequence):
+            raise ValueError(f"the checkpoint's optimizer {i} is not an optimizer state dict (no 'param_groups').")
+        saved = [len(g.get("params", ())) for g in groups]
+        ours = [len(g["params"]) for g in opt.param_groups]
+        if saved != ours:
+            raise ValueError(
+                f"the checkpoint's optimizer {i} has param groups of sizes {saved}, this run's {ours}; build the "
+                "optimizer with the same param groups as the run that saved it."
+            )
+
+
+def parameter_names(model: nn.Module, optimizers: Sequence[Any]) -> tuple[list[list[str]], dict[str, str]]:
+    """Derive, from the live model, each optimizer's parameter names and the tied aliases.
+
+    Names are taken now, not remembered from ``prepare``, so parameters added later with
+    ``add_param_group`` are named too.
+
+    Returns:
+        ``(param_names, tied)``: per optimizer, the primary qualified name of each model parameter
+        in param-group order (``""`` for a tensor that is not a model parameter), and
+        ``{alias: primary}`` for every further name of a tied parameter.
+    """
+    from ._prepare import model_params_of
+
+    primary: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first = primary.setdefault(id(p), name)
+        if first != name:
+            tied[name] = first
+    return [[primary.get(id(p), "") for p in model_params_of(o)] for o in optimizers], tied

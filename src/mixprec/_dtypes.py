@@ -15,9 +15,9 @@ import torch
 from ._errors import unknown_choice
 
 __all__ = [
+    "ALIASES",
     "DTypeLimits",
     "DTypeName",
-    "ALIASES",
     "check_device_support",
     "device_supports",
     "dtype_name",
@@ -180,12 +180,11 @@ def check_device_support(dtype: str | torch.dtype, device: torch.device | str) -
         else:
             hint = "use 'bf16-mixed' or 'fp16-mixed' instead."
         raise ValueError(f"device {name!r} cannot compute in {dtype_name(dt)}; {hint}")
-    if dev.type == "cpu" and (dev.type, dt) not in _warned:
-        if dt == torch.float16:
-            _warned.add((dev.type, dt))
-            warnings.warn(
-                "fp16 on CPU works but most CPUs have no fast fp16 kernel (matmul is 20-170x slower "
-                "than fp32 here); use it to study numerics, or use bf16 / a GPU for speed.",
-                UserWarning,
-                stacklevel=3,
-            )
+    if dev.type == "cpu" and (dev.type, dt) not in _warned and dt == torch.float16:
+        _warned.add((dev.type, dt))
+        warnings.warn(
+            "fp16 on CPU works but most CPUs have no fast fp16 kernel (matmul is 20-170x slower "
+            "than fp32 here); use it to study numerics, or use bf16 / a GPU for speed.",
+            UserWarning,
+            stacklevel=3,
+        )

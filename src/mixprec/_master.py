@@ -8,6 +8,8 @@ applied step the masters are copied back into the model's half-precision paramet
 
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -16,11 +18,14 @@ from torch.optim import Optimizer
 
 from ._dtypes import dtype_name, parse_dtype
 from ._finite import unscale_and_check_
+from ._master_grad import MasterGradView
+from ._stepping import step_with_result
 
-__all__ = ["MasterWeightOptimizer", "GradAccumulation"]
+__all__ = ["GradAccumulation", "MasterWeightOptimizer"]
 
 GradAccumulation = Literal["fp32", "compute"]
 _STATE_VERSION = 1
+_WARNED_UNFROZEN = False
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -43,6 +48,22 @@ class MasterWeightOptimizer(Optimizer):
 
     FP32 parameters (FP32 islands such as norms) are their own masters: they are passed to
     the wrapped optimizer unchanged.
+
+    What code outside the optimizer sees (so no path around it is silent):
+        * ``param.grad`` of a half-precision parameter is a :class:`~mixprec._master_grad.MasterGradView`
+          of its master's FP32 gradient once there is one: torch's ``clip_grad_norm_`` on the
+          model's parameters, ``p.grad.norm()`` and ``model.zero_grad()`` act on the gradient the
+          step uses (``model.zero_grad()`` drops the views, and the next backward replaces the
+          master gradients instead of adding to them).
+        * In-place edits of the model's half weights outside the step (weight clipping, pruning
+          masks, ``nn.Embedding(max_norm=...)``, ``load_state_dict`` on the model) are noticed
+          through the tensors' version counters (no host sync) and carried into the masters
+          before the next step and in :meth:`state_dict`: an edited element takes the model's
+          value, an untouched element keeps its exact FP32 master.
+        * Parameters with ``requires_grad=False`` get no master (the wrapped optimizer holds the
+          half parameter, which it skips without a gradient). When one is unfrozen, its master
+          is created at the next step from the half value, with a one-time warning that the
+          FP32 digits are gone.
 
     Args:
         optimizer: A constructed ``torch.optim.Optimizer`` over the model's parameters.
@@ -86,23 +107,34 @@ class MasterWeightOptimizer(Optimizer):
             raise ValueError(f"grad_accumulation={grad_accumulation!r}; use 'fp32' (default) or 'compute'.")
         # Deliberately not calling Optimizer.__init__: state and param_groups live in the wrapped
         # optimizer. The attributes below are what torch's hooks and LR schedulers look for.
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self.optimizer = optimizer
         self.master_dtype = parse_dtype(master_dtype)
         self.grad_accumulation: GradAccumulation = grad_accumulation
         self._initial = dict(initial_masters or {})
-        # Parallel lists: model parameter i has master i (the same tensor for FP32 params).
+        # Parallel lists: model parameter i has master i (the same tensor for FP32 params and for
+        # frozen half params, which have no master until they are unfrozen).
         self._model_params: list[torch.Tensor] = []
         self._masters: list[torch.Tensor] = []
         self._hooks: list[Any] = []
+        self._views: dict[int, MasterGradView] = {}  # id(model param) -> its .grad view
+        self._frozen: list[torch.Tensor] = []  # half params adopted while frozen (no master yet)
+        self._versions: list[tuple[int, int]] = []  # (version, data_ptr) of the half params after the last copy
+        self._before_read: Callable[[], None] | None = None
         for group in optimizer.param_groups:
             group["params"] = [self._adopt(p) for p in group["params"]]
         self._initial.clear()
+        self._record_versions()
+        from ._stepping import install_step_guard
+
+        # The wrapped optimizer steps the masters only from inside step(): called directly it would
+        # apply gradients that may still be loss-scaled and never copy the masters back.
+        self._inner_guard = install_step_guard(optimizer, "refuse")
 
     # ----- setup ----------------------------------------------------------------------------
     def _adopt(self, p: torch.Tensor) -> torch.Tensor:
@@ -114,7 +146,11 @@ class MasterWeightOptimizer(Optimizer):
             self._masters.append(p)
             return p
         if not p.requires_grad:
-            raise ValueError(f"parameter of shape {tuple(p.shape)} does not require grad; leave it out of the optimizer.")
+            # Frozen: no master (no memory) until unfrozen; the optimizer skips it without a gradient.
+            self._model_params.append(p)
+            self._masters.append(p)
+            self._frozen.append(p)
+            return p
         src = self._initial.get(p)
         if src is not None:
             if src.shape != p.shape:
@@ -126,9 +162,78 @@ class MasterWeightOptimizer(Optimizer):
         master.requires_grad_(False)
         self._model_params.append(p)
         self._masters.append(master)
-        if self.grad_accumulation == "fp32":
-            self._hooks.append(p.register_post_accumulate_grad_hook(_AccumulateInto(master)))
+        self._attach(p, master)
         return master
+
+    def _attach(self, p: torch.Tensor, master: torch.Tensor) -> None:
+        """Give ``p`` its gradient view and (FP32 accumulation) the hook that feeds the master."""
+        view = MasterGradView(p, master, self._read_hook)
+        self._views[id(p)] = view
+        if self.grad_accumulation == "fp32":
+            self._hooks.append(p.register_post_accumulate_grad_hook(_AccumulateInto(master, view)))
+
+    def _read_hook(self) -> None:
+        if self._before_read is not None:
+            self._before_read()
+
+    def set_unscale_callback(self, callback: Callable[[], None] | None) -> None:
+        """Called before torch code reads a gradient view (``MixedPrecision`` unscales there)."""
+        self._before_read = callback
+
+    def _promote_unfrozen(self) -> None:
+        """Create the masters of parameters that were frozen at adoption and are trainable now."""
+        thawed = [p for p in self._frozen if p.requires_grad]
+        if not thawed:
+            return
+        global _WARNED_UNFROZEN
+        if not _WARNED_UNFROZEN:
+            _WARNED_UNFROZEN = True
+            warnings.warn(
+                f"{len(thawed)} parameter(s) frozen when the optimizer was prepared are trainable now; their FP32 "
+                "masters start from the half-precision weights (the FP32 digits were not kept for frozen parameters). "
+                "Unfreeze before prepare() to keep them exact.",
+                UserWarning,
+                stacklevel=4,
+            )
+        for p in thawed:
+            self._frozen = [q for q in self._frozen if q is not p]
+            master = p.detach().to(self.master_dtype).clone()
+            i = next(k for k, q in enumerate(self._model_params) if q is p)
+            self._masters[i] = master
+            for group in self.optimizer.param_groups:
+                group["params"] = [master if q is p else q for q in group["params"]]
+            self._attach(p, master)
+            if p.grad is not None and not isinstance(p.grad, MasterGradView):
+                master.grad = p.grad.to(self.master_dtype)  # gradients from before the hook existed
+                p.grad = self._views[id(p)] if self.grad_accumulation == "fp32" else p.grad
+        self._record_versions()
+
+    # ----- edits of the model's weights outside the step ----------------------------------------
+    def _half_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
+
+    def _record_versions(self) -> None:
+        self._versions = [(p._version, p.data_ptr()) for p, _ in self._half_pairs()]
+
+    @torch.no_grad()
+    def sync_edits_(self) -> int:
+        """Carry in-place edits of the model's half weights into the masters; return how many params changed.
+
+        Algorithm: a parameter whose version counter or storage changed since the masters were
+        last copied into it was edited outside the step. For it,
+        ``master = where(param == round(master), master, param)``: elements the edit left alone
+        keep their exact FP32 value, edited ones take the model's. No host sync.
+        """
+        pairs = self._half_pairs()
+        if len(pairs) != len(self._versions):
+            self._record_versions()
+            return 0
+        changed = [(p, m) for (p, m), v in zip(pairs, self._versions) if (p._version, p.data_ptr()) != v]
+        for p, m in changed:
+            m.copy_(torch.where(p == m.to(p.dtype), m, p.to(m.dtype)))
+        if changed:
+            self._record_versions()
+        return len(changed)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group: its half-precision parameters get FP32 masters (taken from their current values)."""
@@ -143,7 +248,7 @@ class MasterWeightOptimizer(Optimizer):
 
     # ----- the optimizer surface ---------------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's groups; their ``params`` are the masters."""
         return self.optimizer.param_groups
 
@@ -152,7 +257,7 @@ class MasterWeightOptimizer(Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         """The wrapped optimizer's per-master state."""
         return self.optimizer.state
 
@@ -161,7 +266,7 @@ class MasterWeightOptimizer(Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         """The wrapped optimizer's defaults."""
         return self.optimizer.defaults
 
@@ -205,15 +310,19 @@ class MasterWeightOptimizer(Optimizer):
         FP32 buffers (one ``_foreach_copy_`` per dtype group) and frees the half ones. Call it
         once per step (``unscale_`` and ``step`` do).
         """
+        if self._frozen:
+            self._promote_unfrozen()
         if self.grad_accumulation == "compute":
-            pending = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m and p.grad is not None]
+            pending = [(p, m) for p, m in self._half_pairs() if p.grad is not None and not isinstance(p.grad, MasterGradView)]
             if pending:
                 bufs = [torch.empty_like(m) for _, m in pending]
-                torch._foreach_copy_(bufs, [p.grad for p, _ in pending])
+                torch._foreach_copy_(bufs, [p.grad for p, _ in pending if p.grad is not None])
                 for (p, m), b in zip(pending, bufs):
                     m.grad = b if m.grad is None else m.grad.add_(b)
-                    p.grad = None
-        elif self._hooks and any(p.grad is not None for p, m in zip(self._model_params, self._masters) if p is not m):
+                    p.grad = self._views[id(p)]  # torch code reading p.grad now sees the FP32 gradient
+        elif self._hooks and any(
+            p.grad is not None and not isinstance(p.grad, MasterGradView) for p, _ in self._half_pairs()
+        ):
             # The hooks moved every half gradient into its master and cleared it, so something wrote
             # .grad afterwards: DDP's reducer does (it reduced the gradient the hook had already taken,
             # and the masters hold this rank's unreduced gradient: the replicas would drift apart).
@@ -246,7 +355,7 @@ class MasterWeightOptimizer(Optimizer):
             if t.grad is not None:
                 if set_to_none:
                     t.grad = None
-                else:
+                elif not isinstance(t.grad, MasterGradView):  # a view is zeroed with its master
                     t.grad.detach_()
                     t.grad.zero_()
 
@@ -254,11 +363,12 @@ class MasterWeightOptimizer(Optimizer):
     @torch.no_grad()
     def copy_to_model_(self) -> None:
         """Copy every master into its model parameter (rounding to the parameter's dtype)."""
-        pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
+        pairs = self._half_pairs()
         if pairs:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+        self._record_versions()
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the wrapped optimizer on the masters, then copy the masters back.
 
         Honours ``self.grad_scale`` / ``self.found_inf`` set by a gradient scaler (the
@@ -275,41 +385,39 @@ class MasterWeightOptimizer(Optimizer):
         """
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        self.sync_edits_()
         self.master_grads()
-        inner = self.optimizer
-        result = None
-        if found_inf is None and grad_scale is None:
-            result = inner.step(closure) if closure is not None else inner.step()
-        elif getattr(inner, "_step_supports_amp_scaling", False):
-            inner.grad_scale, inner.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
-            try:
-                result = inner.step(closure) if closure is not None else inner.step()
-            finally:
-                del inner.grad_scale, inner.found_inf  # type: ignore[attr-defined]
-        else:
-            if grad_scale is not None:
-                found_inf = self.unscale_(grad_scale.double().reciprocal().float(), found_inf)
-            # Host sync: the wrapped optimizer cannot skip on the device.
-            if found_inf is None or not bool(found_inf.item()):
-                result = inner.step(closure) if closure is not None else inner.step()
+        args = (closure,) if closure is not None else ()
+        with self._inner_guard.inside():  # the wrapped optimizer's step, below its refuse-guard
+            if found_inf is None and grad_scale is None:
+                result = self.optimizer.step(*args)
+            else:
+                if found_inf is None:
+                    device = grad_scale.device if grad_scale is not None else self._masters[0].device
+                    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+                result = step_with_result(self.optimizer, found_inf, grad_scale, args, {})[1]
         self.copy_to_model_()
         if self.grad_accumulation == "compute":
             # The FP32 gradient buffers were transient: drop them so only the half gradients'
             # 2 bytes per parameter persist between steps (16 B/param with AdamW, not 20).
-            for p, m in zip(self._model_params, self._masters):
-                if p is not m:
-                    m.grad = None
+            for p, m in self._half_pairs():
+                m.grad = None
+                if isinstance(p.grad, MasterGradView):
+                    p.grad = None
         return result
 
     # ----- checkpoints ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """Return the wrapped optimizer's state plus the masters.
+
+        In-place edits of the model's weights are carried into the masters first (see the class).
 
         Keys:
             ``version`` (int, 1), ``optimizer`` (the wrapped optimizer's ``state_dict()``),
             ``masters`` (list of FP32 tensors in param-group order, ``None`` where the
             parameter is its own master), ``master_dtype`` (``"f32"``), ``grad_accumulation``.
         """
+        self.sync_edits_()
         return {
             "version": _STATE_VERSION,
             "optimizer": self.optimizer.state_dict(),
@@ -319,7 +427,7 @@ class MasterWeightOptimizer(Optimizer):
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`state_dict` output: optimizer state, then masters, then copy them to the model.
 
         Raises:
@@ -349,7 +457,7 @@ class MasterWeightOptimizer(Optimizer):
             if src is not None and src.shape != m.shape:
                 raise ValueError(f"parameter {i}: master of shape {tuple(src.shape)} in the checkpoint, {tuple(m.shape)} here.")
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        for src, p, m in zip(masters, self._model_params, self._masters):
+        for src, m in zip(masters, self._masters):
             if src is not None:
                 m.copy_(src)
         self.copy_to_model_()
@@ -375,19 +483,22 @@ class MasterWeightOptimizer(Optimizer):
 
 
 class _AccumulateInto:
-    """Post-accumulate-grad hook: add a half gradient into its FP32 master and free it."""
+    """Post-accumulate-grad hook: move a fresh half gradient into the FP32 master and leave the view.
 
-    def __init__(self, master: torch.Tensor) -> None:
+    When ``param.grad`` is the view, autograd has already added into the master gradient (in
+    FP32). A plain gradient means the view was dropped (``param.grad = None``: someone cleared
+    the gradients), so it replaces the master gradient rather than adding to a stale one.
+    """
+
+    def __init__(self, master: torch.Tensor, view: MasterGradView) -> None:
         self.master = master
+        self.view = view
 
     @torch.no_grad()
     def __call__(self, param: torch.Tensor) -> None:
         g = param.grad
-        if g is None:
+        if g is None or g is self.view:
             return
-        if self.master.grad is None:
-            self.master.grad = g.to(self.master.dtype)
-        else:
-            self.master.grad.add_(g)
-        param.grad = None
+        self.master.grad = g.to(self.master.dtype)
+        param.grad = self.view
 

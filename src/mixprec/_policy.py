@@ -4,12 +4,15 @@ A policy says which dtype the model's parameters are stored in (``p``), which dt
 the forward and backward compute in (``c``), which dtype the model hands back (``o``),
 whether FP32 master weights live in the optimizer (``m``), how the loss is scaled
 (``ls``), which modules stay in FP32 (``i``, the FP32 islands), whether FP32 matmuls
-may use TF32 (``tf32``) and how low-precision updates are compensated (``comp``).
+may use TF32 (``tf32``), how low-precision updates are compensated (``comp``) and whether
+floating-point buffers follow the parameters' dtype (``b``).
 
 The string form is ``p=f16,c=f16,o=f32,m=f32,ls=dynamic,i=norm,tf32=0,comp=none`` and
 ``Policy.parse(str(p)) == p`` for every policy. Missing keys cascade: ``c`` defaults to
 ``p``, ``o`` to ``f32``, ``m`` to none, ``ls`` to ``dynamic`` when ``c`` is f16 and
-``none`` otherwise, ``i`` to ``norm``, ``tf32`` to off, ``comp`` to ``none``.
+``none`` otherwise, ``i`` to ``norm``, ``tf32`` to off, ``comp`` to ``none``, ``b`` to
+``keep``. ``b`` is printed only when it is not ``keep`` (``...,comp=none,b=param``), so the
+strings of the presets, and of every policy saved before ``b`` existed, stay as they were.
 """
 
 from __future__ import annotations
@@ -25,21 +28,23 @@ from torch import nn
 from ._dtypes import dtype_name, parse_dtype
 from ._errors import unknown_choice
 
-__all__ = ["Policy", "PresetName", "PRESETS", "ALIASES", "LossScaleKind", "Compensation"]
+__all__ = ["ALIASES", "PRESETS", "BufferCast", "Compensation", "LossScaleKind", "Policy", "PresetName"]
 
 LossScaleKind = Literal["none", "static", "dynamic"]
 Compensation = Literal["none", "kahan", "stochastic"]
+BufferCast = Literal["keep", "param"]
 PresetName = Literal[
     "fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure"
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_KEYS = ("p", "c", "o", "m", "ls", "i", "tf32", "comp")
+_KEYS = ("p", "c", "o", "m", "ls", "i", "tf32", "comp", "b")
 _KEY_HELP = (
     "p=param dtype, c=compute dtype, o=output dtype, m=master dtype or none, "
     "ls=none|static[:scale]|dynamic[:init_scale], i=FP32 islands joined by '+' (norm, a module "
-    "class name, name:<glob on qualified module names>) or none, tf32=0|1, comp=none|kahan|stochastic"
+    "class name, name:<glob on qualified module names>) or none, tf32=0|1, comp=none|kahan|stochastic, "
+    "b=keep|param (floating buffers keep their dtype, or take the param dtype)"
 )
 # A module class counts as a normalization layer when its name ends in "Norm" (LayerNorm,
 # GroupNorm, RMSNorm, LlamaRMSNorm, T5LayerNorm) or "Norm1d/2d/3d" (BatchNorm2d, InstanceNorm1d).
@@ -76,6 +81,11 @@ class Policy:
         tf32: Let FP32 matmuls and convolutions use TF32 on Ampere+ GPUs (no effect on CPU).
         compensation: How updates to low-precision parameters without masters are
             compensated by mixprec's optimizers: ``"none"``, ``"kahan"`` or ``"stochastic"``.
+        buffers: What ``cast_module`` does with floating-point buffers outside the FP32
+            islands (``b``): ``"keep"`` (the default) leaves their dtype alone, so constants
+            such as a rotary embedding's ``inv_freq`` keep FP32 precision; ``"param"`` casts
+            them to ``param_dtype`` with the parameters. Buffers of FP32 islands (BatchNorm's
+            running statistics) are FP32 either way.
 
     Raises:
         ValueError / TypeError: on an inconsistent or unknown combination; see :meth:`parse`.
@@ -94,6 +104,7 @@ class Policy:
     fp32_islands: tuple[str, ...] = ("norm",)
     tf32: bool = False
     compensation: Compensation = "none"
+    buffers: BufferCast = "keep"
 
     def __post_init__(self) -> None:
         # Accept aliases and module classes, normalise, then validate as one unit so the
@@ -147,6 +158,11 @@ class Policy:
                 f"comp={self.compensation} {where}: compensated updates are for half-precision parameters "
                 "without master weights (p=bf16 or p=f16, m=none)."
             )
+        if self.buffers not in get_args(BufferCast):
+            raise unknown_choice(
+                "buffer cast", self.buffers, get_args(BufferCast),
+                f"b=keep leaves floating buffers in their dtype, b=param casts them to the param dtype ({where}).",
+            )
         if not isinstance(self.tf32, bool):
             raise TypeError(f"tf32 must be a bool, got {self.tf32!r}")
         for island in self.fp32_islands:
@@ -187,7 +203,7 @@ class Policy:
                 return preset
         return None
 
-    def replace(self, **changes: object) -> "Policy":
+    def replace(self, **changes: object) -> Policy:
         """Return a copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -216,9 +232,11 @@ class Policy:
         ls = self.loss_scale if self.init_scale is None else f"{self.loss_scale}:{_fmt_scale(self.init_scale)}"
         islands = "+".join(self.fp32_islands) if self.fp32_islands else "none"
         master = "none" if self.master_dtype is None else dtype_name(self.master_dtype)
+        # b= only when it is not the default, so the strings written before it existed still read the same.
+        buffers = "" if self.buffers == "keep" else f",b={self.buffers}"
         return (
             f"p={dtype_name(self.param_dtype)},c={dtype_name(self.compute_dtype)},o={dtype_name(self.output_dtype)},"
-            f"m={master},ls={ls},i={islands},tf32={int(self.tf32)},comp={self.compensation}"
+            f"m={master},ls={ls},i={islands},tf32={int(self.tf32)},comp={self.compensation}{buffers}"
         )
 
     def __str__(self) -> str:
@@ -229,7 +247,7 @@ class Policy:
         return f"Policy({str(self)!r})" if name is None else f"Policy({str(self)!r}, preset={name!r})"
 
     @classmethod
-    def parse(cls, spec: "str | Policy") -> "Policy":
+    def parse(cls, spec: str | Policy) -> Policy:
         """Build a policy from a preset name, an alias or the ``key=value`` grammar.
 
         Args:
@@ -266,7 +284,7 @@ class Policy:
         return cls._parse_grammar(text, spec)
 
     @classmethod
-    def _parse_grammar(cls, text: str, original: str) -> "Policy":
+    def _parse_grammar(cls, text: str, original: str) -> Policy:
         fields: dict[str, str] = {}
         for part in text.split(","):
             part = part.strip()
@@ -307,6 +325,7 @@ class Policy:
             loss_scale=ls_kind,  # type: ignore[arg-type]
             init_scale=init_scale, fp32_islands=islands, tf32=tf32_txt in ("1", "true", "on"),
             compensation=fields.get("comp", "none").lower(),  # type: ignore[arg-type]
+            buffers=fields.get("b", "keep").lower(),  # type: ignore[arg-type]
         )
 
 

@@ -15,42 +15,40 @@ only where named:
   read of a small snapshot (on CUDA it is copied asynchronously into pinned memory and read
   one interval later, so it does not stall the stream either);
 * :meth:`statistics`, :meth:`state_dict` and pickling (they return Python numbers);
-* :func:`step_optimizer` for an optimizer that cannot skip on the device (one read of ``found_inf``).
+* :func:`mixprec._stepping.step_optimizer` for an optimizer that cannot skip on the device
+  (one read of ``found_inf``).
 
-``mixprec.GradScaler`` (in ``_grad_scaler.py``) is the drop-in for ``torch.amp.GradScaler``
-built on the same machinery.
+This module holds the configuration, the scalers and the scale algorithm; the statistics,
+history and escalation bookkeeping (ring buffer, counters, periodic check, overflow log line,
+the escalation messages) live in ``_scale_history.py``. ``mixprec.GradScaler`` (in
+``_grad_scaler.py``) is the drop-in for ``torch.amp.GradScaler`` built on the same machinery.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-import time
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from ._errors import NumericsError, unknown_choice
+from ._dist import agree_found_inf_
+from ._errors import unknown_choice
 from ._finite import unscale_and_check_
-from .distributed import agree_found_inf_
+from ._scale_history import STATE_KEYS, ScaleHistory, fresh_statistics, loaded_statistics
 
 __all__ = [
     "DynamicScaler",
     "LossScaler",
     "NoOpScaler",
     "StaticScaler",
-    "step_optimizer",
 ]
 
 T = TypeVar("T")
 OnFailure = Literal["raise", "warn", "ignore"]
 Refill = Literal["growth", "clean"]
-
-logger = logging.getLogger("mixprec.scaler")
 
 #: Version of every scaler's ``state_dict`` format.
 STATE_VERSION = 1
@@ -185,17 +183,13 @@ class _Config:
 # --------------------------------------------------------------------------------------------------
 # the device-resident state shared by every scaler (and by mixprec.GradScaler)
 # --------------------------------------------------------------------------------------------------
-# counters vector (float64, exact for integers below 2**53):
-_SKIPPED, _CONSEC, _LAST_OVF, _LAST_CLEAN, _FLOOR, _PREV_SCALE = range(6)
-
-
 class _Core:
-    """Scale, growth tracker, hysteresis allowance and statistics as tensors on one device.
+    """Scale, growth tracker and hysteresis allowance as tensors on one device, and their history.
 
-    Statistics are not updated counter by counter each step (that would be ~8 tiny kernels):
-    each ``update`` writes ``(scale after update, found_inf)`` into a ring buffer at index
-    ``step % H`` (one kernel), and a *fold* every ``check_interval`` (or ``H``) steps turns the
-    new ring entries into the counters (~20 tiny kernels, amortised).
+    The scale rule runs here (:meth:`update`, :meth:`_decide`). What happened is recorded by
+    ``self.history``, a :class:`mixprec._scale_history.ScaleHistory`: a ring buffer written
+    with one kernel per step, counters folded every ``check_interval`` steps, the periodic
+    check (overflow log line, escalation), statistics.
     """
 
     def __init__(self, config: _Config, device: torch.device | str | None = None) -> None:
@@ -203,22 +197,17 @@ class _Core:
         self.explicit_device = torch.device(device) if device is not None else None
         self.bound = device is not None
         self.device = self.explicit_device
-        self.ring_len = max(config.history, config.check_interval)
         self.scale: Tensor | None = None
         self.growth_tracker: Tensor | None = None
         self.hysteresis_left: Tensor | None = None
-        self.ring: Tensor | None = None
-        self._rows: tuple[Tensor, ...] = ()
-        self.counters: Tensor | None = None
-        self.steps = 0
-        self.folded = 0
+        self.history = ScaleHistory(config)
         self.pending_state: dict[str, Any] | None = None  # loaded before the tensors exist
-        self._pos_cache: dict[tuple[int, torch.device], Tensor] = {}
-        self._snapshot: tuple[Tensor, Any, int] | None = None  # (pinned host copy, cuda event, step)
-        self._reported = False
-        self._last_log = -math.inf
-        self._logged_skipped = 0.0
         self._inv_cache: tuple[Tensor, Tensor] | None = None  # static scalers: (scale, 1/scale)
+
+    @property
+    def steps(self) -> int:
+        """Number of :meth:`update` calls (restored by a loaded state)."""
+        return self.history.steps
 
     # ----- materialisation -------------------------------------------------------------------------
     @property
@@ -243,24 +232,17 @@ class _Core:
         self.scale = torch.full((), cfg.init_scale, dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self.hysteresis_left = torch.full((), cfg.hysteresis - 1, dtype=torch.int32, device=device)
-        self.ring = torch.zeros(self.ring_len, 2, dtype=torch.float32, device=device)
-        self._rows = self.ring.unbind(0)
-        # [skipped, consecutive, last_overflow, last_clean, floor_streak, prev_scale], filled on the device (no copy)
-        self.counters = torch.zeros(6, dtype=torch.float64, device=device)
-        self.counters[_LAST_OVF:_LAST_CLEAN + 1].fill_(-1.0)
-        self.counters[_PREV_SCALE].fill_(cfg.init_scale)
+        self.history.materialise(device, cfg.init_scale)
         self.device = self.scale.device
         if self.pending_state is not None:
             state, self.pending_state = self.pending_state, None
             self.load(state)
 
     def _move(self, device: torch.device) -> None:
-        for name in ("scale", "growth_tracker", "hysteresis_left", "ring", "counters"):
+        for name in ("scale", "growth_tracker", "hysteresis_left"):
             setattr(self, name, getattr(self, name).to(device))
-        self._rows = self.ring.unbind(0)  # type: ignore[union-attr]
+        self.history.move(device)
         self.device = device
-        self._pos_cache.clear()
-        self._snapshot = None
         self._inv_cache = None
 
     # ----- per step --------------------------------------------------------------------------------
@@ -289,14 +271,8 @@ class _Core:
             found_inf = found_inf.reshape(())
         if decide and self.cfg.kind == "dynamic":
             self._decide(found_inf)
-        # one kernel: (scale after the update, found_inf) into a preallocated row view of the ring
-        torch.stack([scale, found_inf], out=self._rows[self.steps % self.ring_len])
-        self.steps += 1
-        interval = self.cfg.check_interval if self.cfg.checks else self.ring_len
-        if self.steps - self.folded >= interval:
-            self.fold()
-            if self.cfg.checks:
-                self._periodic_check()
+        # one kernel: (scale after the update, found_inf) into the ring; fold and check when due
+        self.history.record(scale, found_inf)
 
     def _decide(self, found_inf: Tensor) -> None:
         """The dynamic rule (see DynamicScaler's docstring) with torch's fused update kernel at its core.
@@ -321,126 +297,6 @@ class _Core:
             left.copy_(torch.where(refill, cfg.hysteresis - 1, left - spend.to(torch.int32)))
 
     # ----- statistics ------------------------------------------------------------------------------
-    def _positions(self, n: int) -> Tensor:
-        assert self.device is not None  # materialised
-        key = (n, self.device)
-        pos = self._pos_cache.get(key)
-        if pos is None:
-            pos = self._pos_cache[key] = torch.arange(n, dtype=torch.float64, device=self.device)
-        return pos
-
-    def fold(self) -> Tensor | None:
-        """Fold ring entries [folded, steps) into the counters; returns the window's overflow count (device)."""
-        n = self.steps - self.folded
-        if n == 0 or self.ring is None or self.counters is None:
-            return None
-        start = self.folded % self.ring_len
-        if start + n <= self.ring_len:
-            window = self.ring[start:start + n]
-        else:
-            window = torch.cat([self.ring[start:], self.ring[: start + n - self.ring_len]])
-        c = self.counters
-        scales, flags = window[:, 0], window[:, 1] > 0
-        pos = self._positions(n)
-        base = float(self.folded)
-        overflows = flags.sum(dtype=torch.float64)
-
-        def trailing_run(x: Tensor, carry: Tensor) -> Tensor:
-            last_false = torch.where(x, -1.0, pos).max()
-            return torch.where(last_false < 0, carry + n, (n - 1) - last_false)
-
-        last_true = torch.where(flags, pos, -1.0).max()
-        last_false = torch.where(flags, -1.0, pos).max()
-        before = torch.cat([c[_PREV_SCALE:].float(), scales[:-1]])
-        if self.cfg.kind == "dynamic":
-            floor = self.cfg.min_scale if self.cfg.min_scale is not None else 0.0
-            at_floor = flags & (before <= floor)
-        else:  # a fixed scale is always "at its floor": the streak is the run of consecutive skips
-            at_floor = flags
-        new = torch.stack([
-            c[_SKIPPED] + overflows,
-            trailing_run(flags, c[_CONSEC]),
-            torch.where(last_true >= 0, base + last_true, c[_LAST_OVF]),
-            torch.where(last_false >= 0, base + last_false, c[_LAST_CLEAN]),
-            trailing_run(at_floor, c[_FLOOR]),
-            scales[-1].double(),
-        ])
-        c.copy_(new)
-        self.folded = self.steps
-        return overflows
-
-    def snapshot(self) -> Tensor:
-        """[skipped, consecutive, last_overflow, last_clean, floor_streak, prev_scale, scale] on the device."""
-        assert self.counters is not None and self.scale is not None
-        return torch.cat([self.counters, self.scale.double().reshape(1)])
-
-    def _periodic_check(self) -> None:
-        """Every check_interval steps: read the counters and act (escalate, log).
-
-        Host read: on CPU it is immediate; on CUDA the snapshot is copied asynchronously into
-        pinned memory and read at the next check (after its event completed), so no sync.
-        """
-        snap = self.snapshot()
-        if snap.device.type != "cuda":
-            self._act(snap.tolist(), self.steps)
-            return
-        if self._snapshot is not None:
-            host, event, at = self._snapshot
-            if event.query():
-                self._act(host.tolist(), at)
-                self._snapshot = None
-        if self._snapshot is None:
-            host = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
-            host.copy_(snap, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._snapshot = (host, event, self.steps)
-
-    def _act(self, values: list[float], at_step: int) -> None:
-        skipped, consec, _last_ovf, last_clean, floor_streak, _prev, scale = values
-        cfg = self.cfg
-        if cfg.log_overflow:
-            window_skips = skipped - self._logged_skipped
-            now = time.monotonic()
-            if window_skips > 0 and now - self._last_log >= cfg.log_interval_s:
-                logger.info(
-                    "Gradient overflow. Skipping step: %d step(s) with inf/NaN gradients skipped since the last report "
-                    "(up to step %d); loss scale now %g.", int(window_skips), at_step - 1, scale)
-                self._last_log = now
-                self._logged_skipped = skipped
-        if floor_streak < cfg.patience:
-            if floor_streak == 0:
-                self._reported = False
-            return
-        if self._reported or cfg.on_failure == "ignore":
-            return
-        self._reported = True
-        last = "none" if last_clean < 0 else f"step {int(last_clean)}"
-        if cfg.kind != "dynamic":
-            what = "without loss scaling" if cfg.kind == "noop" else f"at the fixed loss scale {scale:g}"
-            msg = (
-                f"training has failed {what}: the last {int(floor_streak)} steps all had inf/NaN gradients and were "
-                f"skipped ({int(skipped)} skipped of {at_step}); the last step with finite gradients was {last}. "
-                "There is no scale to lower, so the inf/NaN comes from the model, the data or the learning rate, and "
-                "skipping more steps would only hide it. Run `mixprec doctor` (or mixprec.numerics.trace_nonfinite) "
-                "to find the first module that produces inf/NaN, check the inputs and the learning rate, and keep the "
-                "offending layers in FP32 (Policy 'i=...')."
-            )
-        else:
-            msg = (
-                f"loss scaling has failed: the loss scale is at its floor (min_scale={cfg.min_scale:g}, "
-                f"scale {scale:g}) and the last {int(floor_streak)} steps there all had inf/NaN gradients "
-                f"({int(consec)} consecutive skipped steps, {int(skipped)} skipped of {at_step}); the last step with "
-                f"finite gradients was {last}. Skipping more steps would only hide it. Try bf16 (e.g. "
-                "MixedPrecision('bf16-mixed')) where the hardware supports it, FP32 islands for the layers that "
-                "overflow (Policy 'i=...'), or run `mixprec doctor` to find "
-                "the first module that produces inf/NaN."
-            )
-        if cfg.on_failure == "raise":
-            raise NumericsError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
-        logger.warning(msg)
-
     def statistics(self, *, check: bool = True) -> dict[str, Any]:
         """Fold, read everything back (host sync) and, when escalation is on, act on it."""
         if not self.materialised:  # nothing ran yet (or only a state was loaded): no tensors needed
@@ -449,49 +305,24 @@ class _Core:
             keys = ("scale", "steps", "skipped_steps", "consecutive_skips", "last_overflow_step", "last_finite_step",
                     "floor_streak", "growth_tracker", "hysteresis_left", "scale_history", "overflow_history")
             return {k: st[k] for k in keys}
-        self.fold()
-        values = self.snapshot().tolist()
-        skipped, consec, last_ovf, last_clean, floor_streak, _prev, scale = values
-        n = min(self.steps, self.ring_len)
-        assert self.ring is not None and self.growth_tracker is not None and self.hysteresis_left is not None
-        idx = [(self.steps - n + i) % self.ring_len for i in range(n)]
-        hist = self.ring[idx].tolist() if n else []
-        stats: dict[str, Any] = {
-            "scale": scale,
-            "steps": self.steps,
-            "skipped_steps": int(skipped),
-            "consecutive_skips": int(consec),
-            "last_overflow_step": None if last_ovf < 0 else int(last_ovf),
-            "last_finite_step": None if last_clean < 0 else int(last_clean),
-            "floor_streak": int(floor_streak),
-            "growth_tracker": int(self.growth_tracker.item()),
-            "hysteresis_left": int(self.hysteresis_left.item()),
-            "scale_history": [h[0] for h in hist],
-            "overflow_history": [h[1] > 0 for h in hist],
-        }
-        if check and self.cfg.on_failure != "ignore":
-            self._act(values, self.steps)
-        return stats
+        assert self.scale is not None and self.growth_tracker is not None and self.hysteresis_left is not None
+        return self.history.statistics(self.scale, self.growth_tracker, self.hysteresis_left, check=check)
 
     # ----- state -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Every field as Python numbers (host sync when the tensors exist)."""
         cfg = self.cfg
         if not self.materialised and self.pending_state is not None:
-            keep = ("scale", "_growth_tracker", "hysteresis_left", "steps", "skipped_steps", "consecutive_skips",
-                    "last_overflow_step", "last_finite_step", "floor_streak", "scale_history", "overflow_history")
+            keep = ("scale", "_growth_tracker", "hysteresis_left", *STATE_KEYS)
             base: dict[str, Any] = {k: self.pending_state[k] for k in keep}
         elif not self.materialised:
-            base = {
-                "scale": cfg.init_scale, "_growth_tracker": 0, "hysteresis_left": cfg.hysteresis - 1, "steps": 0,
-                "skipped_steps": 0, "consecutive_skips": 0, "last_overflow_step": None, "last_finite_step": None,
-                "floor_streak": 0, "scale_history": [], "overflow_history": [],
-            }
+            base = {"scale": cfg.init_scale, "_growth_tracker": 0, "hysteresis_left": cfg.hysteresis - 1,
+                    **fresh_statistics()}
         else:
             s = self.statistics(check=False)
             base = {"scale": s["scale"], "_growth_tracker": s["growth_tracker"], "hysteresis_left": s["hysteresis_left"],
-                    **{k: s[k] for k in ("steps", "skipped_steps", "consecutive_skips", "last_overflow_step",
-                                         "last_finite_step", "floor_streak", "scale_history", "overflow_history")}}
+                    **{k: s[k] for k in STATE_KEYS if k in s},
+                    "any_finite_step": self.history.any_finite(s["last_finite_step"])}
         base.update(growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
                     growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis, min_scale=cfg.min_scale,
                     max_scale=cfg.max_scale, refill=cfg.refill)
@@ -511,54 +342,55 @@ class _Core:
             scale = cfg.clamp(scale)  # e.g. a torch.amp.GradScaler checkpoint above our ceiling
         cfg.init_scale = scale
         # what a torch.amp.GradScaler dict lacks starts fresh: full hysteresis allowance, statistics from zero
-        fresh: dict[str, Any] = {
-            "scale": scale, "_growth_tracker": 0, "hysteresis_left": cfg.hysteresis - 1, "steps": 0,
-            "skipped_steps": 0, "consecutive_skips": 0, "last_overflow_step": None, "last_finite_step": None,
-            "floor_streak": 0, "scale_history": [], "overflow_history": [],
-        }
-        sd = {**fresh, **{k: sd[k] for k in fresh if k in sd}, "scale": scale}
+        sd = {"scale": scale, "_growth_tracker": sd.get("_growth_tracker", 0),
+              "hysteresis_left": sd.get("hysteresis_left", cfg.hysteresis - 1), **loaded_statistics(sd)}
         if not self.materialised:
             self.pending_state = sd
             return
         assert self.scale is not None and self.growth_tracker is not None and self.hysteresis_left is not None
-        assert self.ring is not None and self.counters is not None
         self.scale.fill_(scale)
         self.growth_tracker.fill_(int(sd["_growth_tracker"]))
         self.hysteresis_left.fill_(int(sd["hysteresis_left"]))
-        self.steps = self.folded = int(sd["steps"])
-        hist = list(sd["scale_history"])[-self.ring_len:]
-        flags = list(sd["overflow_history"])[-self.ring_len:]
-        self.ring.zero_()
-        if hist and len(flags) == len(hist) and len(hist) <= self.steps:
-            rows = torch.tensor([[s, float(bool(f))] for s, f in zip(hist, flags)], dtype=torch.float32)
-            idx = torch.tensor([(self.steps - len(hist) + i) % self.ring_len for i in range(len(hist))])
-            self.ring[idx.to(self.ring.device)] = rows.to(self.ring.device)
-        def opt(v: Any) -> float:
-            return -1.0 if v is None else float(v)
-        self.counters.copy_(torch.tensor([
-            float(sd["skipped_steps"]), float(sd["consecutive_skips"]), opt(sd["last_overflow_step"]),
-            opt(sd["last_finite_step"]), float(sd["floor_streak"]), scale], dtype=torch.float64))
-        self._snapshot = None
-        self._reported = False
+        self.history.load(sd, scale)
         self._inv_cache = None
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["pending_state"] = self.state()
-        for name in ("scale", "growth_tracker", "hysteresis_left", "ring", "counters"):
+        for name in ("scale", "growth_tracker", "hysteresis_left"):
             d[name] = None
-        d["steps"] = d["folded"] = 0
-        d["_pos_cache"], d["_snapshot"], d["_inv_cache"], d["_rows"] = {}, None, None, ()
-        d["_last_log"] = -math.inf
-        # the unpickled copy re-creates its tensors lazily on its first use (like torch.amp.GradScaler)
+        d["_inv_cache"] = None
+        # the unpickled copy re-creates its tensors lazily on its first use (like torch.amp.GradScaler);
+        # the history pickles itself without its tensors
         d["bound"] = self.explicit_device is not None
         d["device"] = self.explicit_device
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
+        if "history" not in d:  # pickled before the bookkeeping moved to _scale_history
+            d = _upgrade_pickled_core(d)
         self.__dict__.update(d)
         if self.pending_state is not None:
-            self.steps = self.folded = int(self.pending_state.get("steps", 0))
+            self.history.steps = self.history.folded = int(self.pending_state.get("steps", 0))
+
+
+def _upgrade_pickled_core(d: dict[str, Any]) -> dict[str, Any]:
+    """A ``_Core.__dict__`` pickled by mixprec before ``_scale_history`` existed, in the current layout.
+
+    Those pickles kept the ring, counters and check bookkeeping on the core itself (tensors
+    already dropped: the statistics are in ``pending_state``).
+    """
+    d = dict(d)
+    history = ScaleHistory(d["cfg"])
+    history._reported = bool(d.pop("_reported", False))
+    history._logged_skipped = float(d.pop("_logged_skipped", 0.0))
+    for old in ("ring_len", "ring", "_rows", "counters", "steps", "folded", "_pos_cache", "_snapshot", "_last_log"):
+        d.pop(old, None)
+    d["history"] = history
+    pending = d.get("pending_state")
+    if pending is not None and "any_finite_step" not in pending:
+        d["pending_state"] = {**pending, "any_finite_step": loaded_statistics(pending)["any_finite_step"]}
+    return d
 
 
 def _check_state_dict(sd: Any, owner: str, kind: str) -> Mapping[str, Any]:
@@ -717,7 +549,7 @@ class _ScalerBase:
                 s = per_device[device] = base if base.device == device else base.to(device, non_blocking=True)
             return s
 
-        return _scale_tree(outputs, scale_for)  # type: ignore[no-any-return]
+        return _scale_tree(outputs, scale_for)
 
     def unscale_(self, grads_or_params: Iterable[Tensor]) -> Tensor:
         """Divide gradients in place by the scale and check them for inf/NaN.
@@ -780,7 +612,7 @@ class _ScalerBase:
     def _stats_state(self) -> dict[str, Any]:
         st = self._core.state()
         keys = ("steps", "skipped_steps", "consecutive_skips", "last_overflow_step", "last_finite_step",
-                "scale_history", "overflow_history")
+                "scale_history", "overflow_history", "any_finite_step")
         return {k: st[k] for k in keys}
 
     def __repr__(self) -> str:
@@ -804,7 +636,9 @@ class NoOpScaler(_ScalerBase):
     in a diagnosis instead of skipping forever. It is checked every ``check_interval`` steps in
     :meth:`update` (one host read of a 7-value snapshot; asynchronous on CUDA) and when
     :meth:`statistics` is read, so it fires at most ``patience + check_interval`` steps after
-    the poisoning began.
+    the poisoning began. The message says whether any step of the run was ever applied: if
+    none was, the gradients were inf/NaN from the first step (the model, data, initialisation,
+    or an inf left in gradient buffers that are never cleared).
 
     Args:
         device: Where the state lives (default: the first gradient's device).
@@ -816,7 +650,8 @@ class NoOpScaler(_ScalerBase):
 
     ``state_dict`` keys: ``version``, ``kind`` (``"noop"``), and the statistics ``steps``,
     ``skipped_steps``, ``consecutive_skips``, ``last_overflow_step``, ``last_finite_step``,
-    ``scale_history``, ``overflow_history``.
+    ``scale_history``, ``overflow_history``, ``any_finite_step`` (whether any step of the run,
+    also before a resume, had finite gradients; optional when loading).
 
     Example:
         >>> import torch
@@ -916,7 +751,10 @@ class DynamicScaler(_ScalerBase):
 
     Escalation: when the scale sits at ``min_scale`` and ``patience`` consecutive steps still
     overflow, scaling has failed; ``on_failure`` raises :class:`mixprec.NumericsError` (default),
-    warns, or ignores it. Host syncs: a snapshot of the counters is read every
+    warns, or ignores it. The message tells two failures apart: no step of the run was ever
+    applied (inf/NaN from the first step: the model, data, initialisation or uncleared gradient
+    buffers, which no scale fixes), or the scale collapsed after N applied steps (FP16's range:
+    bf16, FP32 islands). Host syncs: a snapshot of the counters is read every
     ``check_interval`` steps (asynchronously on CUDA, one interval late) and whenever
     :meth:`statistics` is called; nothing else in the step reads the device.
 
@@ -945,9 +783,12 @@ class DynamicScaler(_ScalerBase):
     ``growth_interval``, ``_growth_tracker``, ``hysteresis``, ``hysteresis_left``, ``min_scale``,
     ``max_scale``, ``refill``, ``steps``, ``skipped_steps``, ``consecutive_skips``,
     ``last_overflow_step``, ``last_finite_step``, ``floor_streak``, ``scale_history``,
-    ``overflow_history``. A ``torch.amp.GradScaler`` state dict loads too (hysteresis, floor and
-    ceiling keep their configured values; the allowance is full and the statistics start from
-    zero), and this one loads into ``torch.amp.GradScaler``, which ignores the extra keys.
+    ``overflow_history``, ``any_finite_step`` (whether any step of the run, also before a
+    resume, had finite gradients: it tells "no step was ever applied" from "the scale
+    collapsed" when escalating; optional when loading, derived from ``last_finite_step``). A
+    ``torch.amp.GradScaler`` state dict loads too (hysteresis, floor and ceiling keep their
+    configured values; the allowance is full and the statistics start from zero), and this one
+    loads into ``torch.amp.GradScaler``, which ignores the extra keys.
 
     Example:
         >>> import torch

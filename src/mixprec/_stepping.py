@@ -9,13 +9,25 @@ with one named host read otherwise.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import dataclasses
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from ._finite import unscale_and_check_
 
-__all__ = ["step_optimizer", "step_with_result"]
+__all__ = [
+    "OptimizerRecord",
+    "StepGuard",
+    "install_step_guard",
+    "remove_step_guard",
+    "step_optimizer",
+    "step_with_result",
+]
 
 
 def step_with_result(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, args: tuple[Any, ...],
@@ -77,3 +89,133 @@ def step_optimizer(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None 
         (True, [1.0, 1.0])
     """
     return step_with_result(optimizer, found_inf, grad_scale, args, kwargs)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# The per-optimizer record of a MixedPrecision run
+# --------------------------------------------------------------------------------------------------
+Stage = Literal["idle", "backward", "unscaled"]
+
+
+@dataclasses.dataclass(eq=False)
+class OptimizerRecord:
+    """What a :class:`~mixprec.MixedPrecision` run knows about one prepared optimizer in this iteration.
+
+    Attributes:
+        optimizer: The optimizer ``prepare`` returned.
+        stage: ``"idle"`` (no gradients since its last step), ``"backward"`` (gradients that
+            may still carry the loss scale) or ``"unscaled"`` (unscaled and checked).
+        found_inf: The 0-d flag of the last ``unscale_`` (valid in stage ``"unscaled"``).
+        stepped: Whether it stepped in the current iteration (see ``MixedPrecision``).
+        guard: The step guard installed on the optimizer (``None`` when none could be).
+    """
+
+    optimizer: Any
+    stage: Stage = "idle"
+    found_inf: Tensor | None = None
+    stepped: bool = False
+    guard: StepGuard | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer.step() called directly
+# --------------------------------------------------------------------------------------------------
+class StepGuard:
+    """Routes a direct ``optimizer.step()`` through mixprec, or refuses it.
+
+    mixprec installs ``step`` as an instance attribute (a bound method, so torch's LR schedulers
+    can still wrap it) on:
+
+    * the optimizer ``prepare`` returned (``mode="route"``): a direct ``optimizer.step()`` runs
+      ``MixedPrecision.step(optimizer)`` (unscale, inf/NaN check, skip on the device, masters
+      copied back, one scale update per iteration). ``step(closure)`` evaluates the closure
+      first (under ``torch.enable_grad``), as Lightning and ``torch.optim`` do.
+    * the optimizer wrapped inside a ``MasterWeightOptimizer`` (``mode="refuse"``): stepping it
+      directly would update the masters with gradients that may still be scaled and never copy
+      them to the model, so it raises and names the call to use.
+
+    While mixprec itself steps (``inside()``), the call goes to the optimizer's own ``step``
+    (the previous instance attribute if there was one, such as a scheduler's wrapper, otherwise
+    the class's method).
+    """
+
+    def __init__(self, optimizer: Any, mode: Literal["route", "refuse"], run: Callable[[Any], Any] | None) -> None:
+        self.mode = mode
+        self._run = run
+        self._depth = 0
+        self._previous = optimizer.__dict__.get("step")  # a scheduler's wrapper, a monitor's, ...
+        self._cls_step = type(optimizer).step
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """Calls of ``optimizer.step`` in this block are mixprec's own: they reach the real step."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def raw_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """The optimizer's own step, below the guard."""
+        if self._previous is not None:
+            return self._previous(*args, **kwargs)
+        return self._cls_step(optimizer, *args, **kwargs)
+
+    def __call__(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._depth > 0:
+            return self.raw_step(optimizer, *args, **kwargs)
+        if self.mode == "refuse":
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() was called on the optimizer passed to prepare(), which now steps the "
+                "FP32 master weights inside the MasterWeightOptimizer that prepare() returned; calling it directly would "
+                "apply gradients that may still be loss-scaled and never copy the masters back to the model. Call "
+                "prec.step(optimizer) or optimizer.step() on the optimizer prepare() returned."
+            )
+        closure = kwargs.pop("closure", None)
+        if args:
+            closure, args = args[0], args[1:]
+        if args or kwargs:
+            raise TypeError(
+                f"optimizer.step() of a prepared optimizer takes only an optional closure, got {len(args)} more "
+                f"positional and {sorted(kwargs)} keyword argument(s); call prec.step(optimizer) instead."
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._run is None:
+            raise RuntimeError("this optimizer's MixedPrecision run is gone; prepare the model again.")
+        self._run(optimizer)
+        return loss
+
+
+def _guarded_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``step`` of an optimizer under mixprec (see :class:`StepGuard`)."""
+    guard = self.__dict__.get("_mixprec_step_guard")
+    if guard is None:  # the guard was removed but this bound method survived in a wrapper
+        return type(self).step(self, *args, **kwargs)
+    return guard(self, *args, **kwargs)
+
+
+def install_step_guard(optimizer: Any, mode: Literal["route", "refuse"],
+                       run: Callable[[Any], Any] | None = None) -> StepGuard:
+    """Install a :class:`StepGuard` on ``optimizer`` (idempotent per mode) and return it."""
+    existing = optimizer.__dict__.get("_mixprec_step_guard")
+    if existing is not None:
+        existing.mode, existing._run = mode, run
+        return existing
+    guard = StepGuard(optimizer, mode, run)
+    optimizer._mixprec_step_guard = guard
+    optimizer.step = types.MethodType(_guarded_step, optimizer)
+    return guard
+
+
+def remove_step_guard(optimizer: Any) -> None:
+    """Undo :func:`install_step_guard` (the optimizer's previous ``step`` comes back)."""
+    guard = optimizer.__dict__.pop("_mixprec_step_guard", None)
+    if guard is None:
+        return
+    if guard._previous is not None:
+        optimizer.step = guard._previous
+    else:
+        optimizer.__dict__.pop("step", None)

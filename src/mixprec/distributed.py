@@ -3,7 +3,8 @@
 * ``found_inf`` agreement: when ``torch.distributed`` is initialised with more than one rank, the
   scalers all-reduce their ``found_inf`` flag with ``MAX`` (:func:`agree_found_inf_`) before
   anyone decides to skip, so one rank's overflow makes every rank skip the step (otherwise the
-  replicas' weights would drift apart).
+  replicas' weights would drift apart). It, :func:`is_distributed`, :func:`resolve_group` and
+  :func:`local_grad` are defined in the private leaf ``mixprec._dist`` and re-exported here.
 * DDP (:func:`wrap_ddp`): prepare the plain model, then wrap it. mixprec's communication hook
   reduces gradients in FP32 (default) or in the compute dtype, and for master-weight policies
   with ``grad_accumulation="fp32"`` it accumulates the *reduced* gradient into the FP32 masters.
@@ -22,7 +23,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:  # imported lazily at run time: _scaler imports this module
+# The rank agreement and local shards live in the private leaf ``_dist`` (the core imports them
+# from there, so the core never imports this module back); this is their public home.
+from ._dist import agree_found_inf_, is_distributed, resolve_group
+from ._dist import local_grad as local_grad  # explicit re-export (not in __all__, as before)
+
+if TYPE_CHECKING:  # core modules are imported inside the functions that need them (this module sits on top)
     from torch.nn.parallel import DistributedDataParallel
 
     from ._policy import Policy
@@ -39,59 +45,6 @@ __all__ = [
 ]
 
 ReduceDtype = Literal["fp32", "compute"] | torch.dtype | str | None
-
-
-# ----- groups and agreement ------------------------------------------------------------------------
-def is_distributed(group: Any = None) -> bool:
-    """Return ``True`` when ``torch.distributed`` is initialised and ``group`` (default: world) has more than one rank."""
-    dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1)
-
-
-def resolve_group(group: Any = None) -> Any:
-    """Return the process group to use: ``group`` itself, or the world group when ``None``.
-
-    Raises:
-        ValueError: ``torch.distributed`` is not initialised (call ``init_process_group`` first).
-    """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            "torch.distributed is not initialised; call torch.distributed.init_process_group(...) first "
-            "(torchrun sets the environment it reads)."
-        )
-    return group if group is not None else dist.group.WORLD
-
-
-def agree_found_inf_(found_inf: Tensor, group: Any = None) -> Tensor:
-    """All-reduce ``found_inf`` with ``MAX`` in place across ``group``; a no-op when not distributed.
-
-    Collective: every rank of ``group`` must call it the same number of times, in the same order
-    (the scalers call it once per ``unscale_``). It runs on the communication stream; no host
-    sync. A CPU flag under the NCCL backend is reduced through a copy on the current CUDA device.
-
-    Args:
-        found_inf: 0-d float32 flag (1.0 = some gradient was inf/NaN on this rank).
-        group: The process group (``None``: the default, world).
-
-    Returns:
-        ``found_inf`` itself, now the maximum over the group's ranks.
-
-    Example:
-        >>> import torch
-        >>> agree_found_inf_(torch.tensor(0.0))  # not distributed: unchanged
-        tensor(0.)
-    """
-    if not is_distributed(group):
-        return found_inf
-    dist = torch.distributed
-    if found_inf.device.type == "cpu" and dist.get_backend(group) == "nccl":
-        tmp = found_inf.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(tmp, op=dist.ReduceOp.MAX, group=group)
-        found_inf.copy_(tmp)
-        return found_inf
-    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
-    return found_inf
 
 
 def reduce_dtype_for(policy: Policy | str, reduce_dtype: ReduceDtype = None) -> torch.dtype:
@@ -146,7 +99,7 @@ class _DDPState:
         self.handles: list[Any] = []  # the gated accumulation hooks
 
 
-def _reduce_hook(state, bucket):  # type: ignore[no-untyped-def]
+def _reduce_hook(state, bucket):
     # (_DDPState, dist.GradBucket) -> Future[Tensor]. Unannotated on purpose: DDP compares the
     # annotations with its own types, and `from __future__ import annotations` makes them strings.
     """DDP comm hook: average a bucket in ``state.reduce_dtype``; feed FP32-accumulating masters.
@@ -410,10 +363,10 @@ def fully_shard(
     return model
 
 
-def _fsdp_param_dtype(module: nn.Module) -> tuple[bool, torch.dtype | None]:
+def _fsdp_param_dtype(module: Any) -> tuple[bool, torch.dtype | None]:
     """(known, param_dtype) of an FSDPModule's mixed-precision policy (private FSDP2 state)."""
     try:
-        mp = module._get_fsdp_state()._mp_policy  # type: ignore[operator,union-attr]
+        mp = module._get_fsdp_state()._mp_policy
     except AttributeError:
         return False, None
     return True, mp.param_dtype
@@ -483,10 +436,3 @@ def check_prepare_target(model: nn.Module, policy: Policy, grad_accumulation: st
                     )
     return True
 
-
-def local_grad(t: Tensor) -> Tensor:
-    """The local shard of a DTensor gradient (in-place ops on it change the DTensor), else ``t``."""
-    if type(t) is Tensor:  # the common case, without an attribute lookup
-        return t
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t

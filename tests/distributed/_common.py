@@ -110,7 +110,7 @@ def train(
 
 def fp32_params(prec: Any, model: nn.Module) -> dict[str, list[float]]:
     """The FP32 weights (masters where there are masters), gathered when sharded."""
-    from mixprec import fp32_state_dict
+    from mixprec.checkpoint import fp32_state_dict
 
     out = {}
     for k, v in fp32_state_dict(prec).items():

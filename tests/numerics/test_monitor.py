@@ -50,7 +50,7 @@ def test_gradient_accumulation_and_eval_forwards_stay_in_their_step() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with NumericsMonitor(model, every=2, optimizer=opt) as mon:  # steps counted at opt.step()
-        for step in range(4):
+        for _step in range(4):
             for _ in range(3):  # three micro-batches per step
                 model(torch.randn(4, 8)).sum().backward()
             opt.step()
@@ -76,7 +76,7 @@ def test_manual_step_counting_with_gradient_accumulation() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with NumericsMonitor(model, every=2, manual_steps=True) as mon:
-        for step in range(4):
+        for _step in range(4):
             for _ in range(3):  # three micro-batches per step
                 model(torch.randn(4, 8)).sum().backward()
             opt.step()

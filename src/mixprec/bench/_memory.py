@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._master_grad import is_view
+
 __all__ = ["LiveTensorTracker", "StepMemory", "measure_step_memory", "model_state_bytes", "state_tensors"]
 
 
@@ -74,7 +76,8 @@ class LiveTensorTracker(TorchDispatchMode):
 def _storages(values: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
     for v in values:
         if isinstance(v, torch.Tensor):
-            if v.device.type != "meta":
+            # A master-gradient view has no storage of its own (its master's gradient is counted).
+            if v.device.type != "meta" and not is_view(v):
                 yield v.untyped_storage()
         elif isinstance(v, (list, tuple)):
             yield from _storages(v)
@@ -87,7 +90,7 @@ def state_tensors(model: nn.Module, optimizer: Any = None) -> list[torch.Tensor]
     out: list[torch.Tensor] = []
     for p in model.parameters():
         out.append(p)
-        if p.grad is not None:
+        if p.grad is not None and not is_view(p.grad):  # a view has no storage: its master's grad is counted
             out.append(p.grad)
     out.extend(model.buffers())
     seen_opts: set[int] = set()
@@ -100,7 +103,7 @@ def state_tensors(model: nn.Module, optimizer: Any = None) -> list[torch.Tensor]
             for p in group.get("params", []):
                 if isinstance(p, torch.Tensor):
                     out.append(p)
-                    if p.grad is not None:
+                    if p.grad is not None and not is_view(p.grad):
                         out.append(p.grad)
         state = getattr(opt, "state", {})
         values = state.values() if hasattr(state, "values") else []

@@ -253,7 +253,7 @@ def write_json(result: CompareResult, path: str | os.PathLike[str] | IO[str]) ->
     """Write the JSON record (``-`` for standard output)."""
     text = json.dumps(result.to_dict(), indent=2, allow_nan=False)
     if hasattr(path, "write"):
-        path.write(text + "\n")  # type: ignore[union-attr]
+        path.write(text + "\n")
         return
     if str(path) == "-":
         sys.stdout.write(text + "\n")

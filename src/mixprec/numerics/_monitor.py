@@ -191,7 +191,7 @@ class NumericsMonitor:
         if self.track_params:
             owner: dict[int, str] = {}
             for mname, module in self.model.named_modules():
-                for pname, p in module.named_parameters(recurse=False):
+                for _, p in module.named_parameters(recurse=False):
                     owner.setdefault(id(p), mname)
             for pname, p in self.model.named_parameters():
                 if not p.requires_grad or not p.is_floating_point():

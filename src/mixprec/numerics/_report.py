@@ -86,7 +86,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
             widths[i] = max(widths[i], len(c))
 
     def numeric(c: str) -> bool:
-        return bool(c) and (c[0].isdigit() or c[0] in "-<+" and len(c) > 1 and c[1].isdigit())
+        return bool(c) and (c[0].isdigit() or (c[0] in "-<+" and len(c) > 1 and c[1].isdigit()))
 
     def line(r: Sequence[str]) -> str:
         # The first column holds names (which may look numeric, e.g. "0.weight"): always left-aligned.
@@ -477,7 +477,7 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
         lost_s = pooled.lost_fraction("f16", loss_scale)
         findings.append(f"At the current loss scale {_pow2(loss_scale)}, {_pct(lost_s)} still flush to zero"
                         + (f" and the largest gradient ({_g(gmax)}) overflows FP16." if gmax * loss_scale >= F16.max else "."))
-    if sr.feasible and sr.recommended is not None and (lost1 > max_lost or sr.high is not None and sr.high < 1):
+    if sr.feasible and sr.recommended is not None and (lost1 > max_lost or (sr.high is not None and sr.high < 1)):
         findings.append(f"A static loss scale in {_pow2(sr.low)}..{_pow2(sr.high)} keeps the largest gradient finite and "
                         f"loses at most {_pct(max_lost)} of the small ones; {_pow2(sr.recommended)} leaves headroom.")
     elif not sr.feasible and sr.high is not None:

@@ -121,7 +121,7 @@ class AdamW(LowPrecisionOptimizer):
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas={betas!r}; each beta must be in [0, 1).")
         group["betas"] = (b1, b2)
-        if not 0.0 <= group["eps"]:
+        if not group["eps"] >= 0.0:
             raise ValueError(f"invalid eps={group['eps']!r}; use eps >= 0.")
         group.setdefault("decoupled_weight_decay", self._DECOUPLED_DEFAULT)
         group.setdefault("maximize", False)

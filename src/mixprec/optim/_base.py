@@ -150,9 +150,9 @@ class LowPrecisionOptimizer(Optimizer):
         if isinstance(lr, Tensor):
             if lr.numel() != 1:
                 raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}.")
-        elif not 0.0 <= lr:
+        elif not lr >= 0.0:
             raise ValueError(f"invalid learning rate lr={lr!r}; use lr >= 0.")
-        if not 0.0 <= group["weight_decay"]:
+        if not group["weight_decay"] >= 0.0:
             raise ValueError(f"invalid weight_decay={group['weight_decay']!r}; use weight_decay >= 0.")
 
     def _update(
@@ -216,7 +216,7 @@ class LowPrecisionOptimizer(Optimizer):
 
     # ----- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self,
         closure: Callable[[], Any] | None = None,
         *,

@@ -90,7 +90,7 @@ class SGD(LowPrecisionOptimizer):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
-        if not 0.0 <= group["momentum"]:
+        if not group["momentum"] >= 0.0:
             raise ValueError(f"invalid momentum={group['momentum']!r}; use momentum >= 0.")
         group.setdefault("maximize", False)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):

@@ -1,0 +1,117 @@
+"""``param.grad`` of a half-precision parameter whose gradient lives in its FP32 master.
+
+Under master-weight policies the gradient that the optimizer uses is the FP32 master's
+``.grad``. Framework and user code does not know that: it calls ``model.zero_grad()``, torch's
+``clip_grad_norm_(model.parameters(), ...)``, logs ``p.grad.norm()``. If the model parameter's
+``.grad`` were ``None`` (as it was in mixprec 0.1) all of these would silently act on nothing.
+
+So after backward each such parameter's ``.grad`` is a :class:`MasterGradView`: a tensor with
+the parameter's dtype and shape and no storage of its own, whose every operation runs on the
+master's FP32 gradient:
+
+* autograd's accumulation into ``param.grad`` (``grad += new``) adds into the master gradient
+  in FP32: this *is* the FP32 gradient accumulation;
+* reads (``norm``, ``clone``, ``abs``, ...) compute on the FP32 master gradient. While the
+  gradients still carry a loss scale (FP16 policies, after ``backward`` and before
+  ``prec.unscale_``/``prec.clip_grad_norm_``/``prec.step``) a read raises and names the call,
+  as the answer would be off by the scale: torch's ``clip_grad_norm_`` reads FP32 island
+  gradients before the views, so an unscale triggered by the view would come too late;
+* in-place writes (``mul_`` from clipping, ``zero_``, ``clamp_``) change the master gradient;
+* ``param.grad = None`` (``model.zero_grad()``) drops the view: the next backward's gradient
+  then *replaces* the master gradient instead of adding to it, so clearing the model's
+  gradients clears what the next step uses.
+
+Results of out-of-place ops are FP32 tensors (the master gradient's dtype), not the
+parameter's dtype: the view never rounds the gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["MasterGradView", "is_view"]
+
+_ADD_ = torch.ops.aten.add_.Tensor
+# Operations that neither read the gradient's values nor depend on its scale.
+_NO_READ = {torch.ops.aten.zero_.default, torch.ops.aten.detach_.default, torch.ops.aten.detach.default}
+
+
+class MasterGradView(torch.Tensor):
+    """The ``.grad`` of a half-precision model parameter: a window on its FP32 master's gradient.
+
+    Args:
+        param: The model parameter (dtype, shape and device of the view).
+        master: The FP32 master whose ``.grad`` holds the gradient.
+        before_read: Called before any operation other than accumulation, zeroing and detaching
+            (the run raises there while the gradients still carry the loss scale); ``None`` for none.
+    """
+
+    _master: torch.Tensor
+    _before_read: Callable[[], None] | None
+
+    @staticmethod
+    def __new__(
+        cls, param: torch.Tensor, master: torch.Tensor, before_read: Callable[[], None] | None = None
+    ) -> MasterGradView:
+        view = torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
+        )
+        view._master = master
+        view._before_read = before_read
+        return view
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the work is in __new__
+        super().__init__()
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        g = self._master.grad
+        state = "empty" if g is None else f"norm {float(g.norm()):.4g}"
+        return f"MasterGradView(shape={tuple(self.shape)}, {self.dtype} parameter, FP32 master gradient: {state})"
+
+    def master_grad(self) -> torch.Tensor:
+        """The FP32 master gradient (zeros if it was cleared), as a plain tensor."""
+        g = self._master.grad
+        if g is None:
+            g = self._master.grad = torch.zeros_like(self._master)
+        return g
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub types the disabled default, not the protocol
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _ADD_ and isinstance(args[0], cls) and not isinstance(args[1], cls):
+            # autograd's AccumulateGrad (grad += new): accumulate in FP32, still scaled.
+            master, new = args[0]._master, args[1]
+            alpha = kwargs.get("alpha", 1)
+            if master.grad is None:
+                master.grad = new.to(master.dtype) if alpha == 1 else new.to(master.dtype).mul_(alpha)
+            else:
+                master.grad.add_(new, alpha=alpha)
+            return args[0]
+        leaves, _ = tree_flatten((args, kwargs))
+        seen: set[int] = set()
+        for leaf in leaves if func not in _NO_READ else ():
+            if isinstance(leaf, cls) and leaf._before_read is not None and id(leaf._before_read) not in seen:
+                seen.add(id(leaf._before_read))
+                leaf._before_read()
+        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        schema = func._schema
+        first = schema.arguments[0] if schema.arguments else None
+        if first is not None and first.alias_info is not None and first.alias_info.is_write:
+            # In-place on the view: the master gradient changed; return what the caller passed.
+            return None if isinstance(args[0], (list, tuple)) else args[0]
+        return out
+
+
+def _unwrap(x: Any) -> Any:
+    return x.master_grad() if isinstance(x, MasterGradView) else x
+
+
+def is_view(t: Any) -> bool:
+    """Whether ``t`` is a :class:`MasterGradView`."""
+    return isinstance(t, MasterGradView)

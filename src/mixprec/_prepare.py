@@ -1,0 +1,224 @@
+"""Prepare-time work of ``MixedPrecision.prepare``: validate the model and optimizers, then wrap them.
+
+Everything here runs once, before training: checks that raise before anything is changed, and
+the conversion of the user's optimizers into what the policy needs (``MasterWeightOptimizer``
+for ``*-master``, ``mixprec.optim`` for compensated ``bf16-pure``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ._dtypes import check_device_support, dtype_name
+from ._master import GradAccumulation, MasterWeightOptimizer
+from ._policy import Policy
+
+__all__ = [
+    "PrepareFacts",
+    "check_disjoint",
+    "check_prepare",
+    "model_device",
+    "model_params_of",
+    "optimizer_tensors",
+    "wrap_optimizers",
+]
+
+
+class PrepareFacts:
+    """What :func:`check_prepare` found out about the model (used by :func:`wrap_optimizers`)."""
+
+    def __init__(self, device: torch.device, fsdp: bool, floating: Sequence[torch.Tensor]) -> None:
+        self.device = device
+        self.fsdp = fsdp
+        self.floating = list(floating)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for an empty model."""
+    for t in model.parameters():
+        return t.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def check_prepare(
+    model: nn.Module, optimizers: Sequence[Optimizer], policy: Policy, grad_accumulation: GradAccumulation
+) -> PrepareFacts:
+    """Validate ``prepare(model, *optimizers)`` before anything is changed.
+
+    Raises:
+        TypeError: not an ``nn.Module``; an optimizer that is not a ``torch.optim.Optimizer`` or is
+            already a ``MasterWeightOptimizer``; an optimizer a compensated policy cannot convert.
+        ValueError: no optimizer; a model already prepared; tensors that are not the model's
+            parameters; a parameter in two optimizers; half-precision parameters under a policy
+            with FP32 parameters; a dtype the device cannot compute in.
+    """
+    from ._casting import is_prepared
+    from .distributed import check_prepare_target
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare(model, optimizer): model must be an nn.Module, got {type(model).__name__}")
+    if not optimizers:
+        raise ValueError(
+            "prepare(model) needs the optimizer(s) too: prepare(model, optimizer). For evaluation only, use "
+            "mixprec.for_inference(model, 'bf16')."
+        )
+    if is_prepared(model):
+        raise ValueError(
+            "this model was already prepared by another MixedPrecision (or cast_module); prepare a fresh model, "
+            "or call mixprec.uncast_module(model) first."
+        )
+    # DDP: raises (prepare first, then mixprec.distributed.wrap_ddp). FSDP2: its FP32 shards are the masters.
+    fsdp = check_prepare_target(model, policy, grad_accumulation)
+    model_params = list(model.parameters())
+    by_id = {id(p): p for p in model_params}
+    for i, opt in enumerate(optimizers):
+        if isinstance(opt, MasterWeightOptimizer):
+            raise TypeError(
+                f"optimizer {i} is already a MasterWeightOptimizer; pass the plain torch optimizer and let "
+                "prepare() wrap it."
+            )
+        if not isinstance(opt, Optimizer):
+            raise TypeError(f"optimizer {i} must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in by_id]
+        if foreign:
+            raise ValueError(
+                f"optimizer {i} holds {len(foreign)} tensor(s) that are not parameters of this model (first has shape "
+                f"{tuple(foreign[0].shape)}); build the optimizer from model.parameters() of the model you pass to "
+                "prepare()."
+            )
+    check_disjoint(optimizers)
+    floating = [p for p in model_params if p.dtype.is_floating_point]
+    half = sorted({dtype_name(p.dtype) for p in floating if p.dtype != torch.float32})
+    if half and policy.param_dtype == torch.float32:
+        raise ValueError(
+            f"the model has {'/'.join(half)} parameters but policy {policy.name or str(policy)!r} keeps "
+            "parameters in FP32 (they are the masters); call model.float() before prepare(), or choose a policy "
+            "with half-precision parameters such as 'bf16-master' or 'fp16-master'."
+        )
+    device = model_device(model)
+    check_device_support(policy.compute_dtype, device)
+    if half and policy.has_masters:
+        warnings.warn(
+            f"the model already has {'/'.join(half)} parameters, so its FP32 masters start from rounded values; "
+            "prepare the FP32 model instead to keep the full-precision initial weights.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if policy.compensation != "none":
+        check_convertible(optimizers, policy)
+    elif not policy.has_masters and policy.param_dtype != torch.float32:
+        warn_tiny_eps(optimizers, policy.param_dtype)
+    return PrepareFacts(device, fsdp, floating)
+
+
+def wrap_optimizers(
+    optimizers: Sequence[Optimizer],
+    policy: Policy,
+    grad_accumulation: GradAccumulation,
+    facts: PrepareFacts,
+    originals: Mapping[int, torch.Tensor],
+) -> list[Optimizer]:
+    """Return the optimizers the run steps: masters wrapped, compensated ones converted, others as given.
+
+    Args:
+        originals: ``id(param) -> FP32 tensor`` from before the model was cast; the masters (and
+            the compensation of ``bf16-pure``) start from these exact values.
+    """
+    wrapped: list[Optimizer] = []
+    for opt in optimizers:
+        if policy.has_masters and not facts.fsdp:
+            initial = {p: originals[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in originals}
+            opt = MasterWeightOptimizer(
+                opt, master_dtype=policy.master_dtype or torch.float32,
+                grad_accumulation=grad_accumulation, initial_masters=initial,
+            )
+        elif policy.compensation != "none":
+            opt = to_compensated(opt, policy, originals)
+        wrapped.append(opt)
+    return wrapped
+
+
+def warn_tiny_eps(optimizers: Sequence[Optimizer], dtype: torch.dtype) -> None:
+    """Warn when an optimizer's ``eps`` vanishes in the parameters' half dtype (Adam-family NaNs).
+
+    With half-precision parameters and no masters, torch's Adam/AdamW keep their states and
+    compute ``sqrt(v) + eps`` in that dtype; an ``eps`` below the dtype's smallest normal number
+    (FP16: 6.1e-5; the default 1e-8 rounds to 0) lets a zero second moment give ``0 / 0 = NaN``.
+    """
+    tiny = torch.finfo(dtype).tiny
+    for i, opt in enumerate(optimizers):
+        small = sorted({g["eps"] for g in opt.param_groups if isinstance(g.get("eps"), float) and g["eps"] < tiny})
+        if small:
+            warnings.warn(
+                f"optimizer {i} ({type(opt).__name__}) has eps={small[0]:g}, below the smallest normal {dtype_name(dtype)} "
+                f"number {tiny:.2g}: with {dtype_name(dtype)} parameters and states it rounds towards 0 and a zero second "
+                f"moment gives NaN updates. Use eps >= {tiny:.0e} (e.g. 1e-4), or a preset with FP32 masters "
+                "('fp16-master') or compensated updates ('bf16-pure').",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+def optimizer_tensors(opt: Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def model_params_of(opt: Optimizer) -> list[torch.Tensor]:
+    if isinstance(opt, MasterWeightOptimizer):
+        return opt.model_params
+    return optimizer_tensors(opt)
+
+
+def check_disjoint(optimizers: Sequence[Optimizer]) -> None:
+    """Each parameter in one optimizer only: a shared one would be unscaled twice, or get two masters."""
+    owner: dict[int, int] = {}
+    for i, opt in enumerate(optimizers):
+        for j in range(i):
+            if optimizers[j] is opt:
+                raise ValueError(f"optimizer {i} is the same object as optimizer {j}; pass each optimizer to prepare() once.")
+        for g in opt.param_groups:
+            for p in g["params"]:
+                j = owner.setdefault(id(p), i)
+                if j != i:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is in optimizer {j} and optimizer {i}; mixprec needs each "
+                        "parameter in exactly one optimizer (its gradient is unscaled, and its master kept, once). "
+                        "Split the parameters between the optimizers."
+                    )
+
+
+def check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:
+    from . import optim as mp_optim
+
+    for i, opt in enumerate(optimizers):
+        comp = getattr(opt, "compensation", None)
+        if isinstance(opt, (mp_optim.AdamW, mp_optim.SGD)):
+            if comp != policy.compensation:
+                raise ValueError(
+                    f"optimizer {i} uses compensation={comp!r} but the policy says comp={policy.compensation}; build it "
+                    f"with compensation={policy.compensation!r} or use the policy 'p=bf16,comp={comp}'."
+                )
+        elif type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+            raise TypeError(
+                f"policy {policy.name or str(policy)!r} updates half-precision parameters with compensated updates, which "
+                f"needs mixprec.optim.AdamW or mixprec.optim.SGD (or a torch AdamW/Adam/SGD, converted for you); got "
+                f"{type(opt).__name__}. Use a master-weight policy such as 'bf16-master' for other optimizers."
+            )
+
+
+def to_compensated(opt: Optimizer, policy: Policy, originals: Mapping[int, torch.Tensor]) -> Optimizer:
+    from . import optim as mp_optim
+
+    if not isinstance(opt, (mp_optim.AdamW, mp_optim.SGD)):
+        opt = mp_optim.from_torch(opt, compensation=policy.compensation)
+    # Seed the compensation with what the cast to half precision lost.
+    seed = {p: originals[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in originals}
+    opt.load_full_precision_params_(seed)
+    return opt

@@ -1,0 +1,341 @@
+"""The package's import graph: no cycles among module-level imports, and every module imports on its own.
+
+The graph is read statically from each module's AST:
+
+* *module-level* edges run when the module is imported: top-level ``import``/``from ... import``,
+  also inside ``if``/``try``/``with`` blocks and class bodies, but not under
+  ``if TYPE_CHECKING:`` (never run);
+* *lazy* edges run when a function is called: imports inside ``def`` bodies;
+* *type-only* edges sit under ``if TYPE_CHECKING:``.
+
+A cycle among module-level edges fails (DESIGN.md section 2: "no import cycles"). Cycles that
+need a lazy or type-only edge are legal Python and are reported as a warning, not a failure.
+
+``from . import x`` is an edge to the submodule ``x`` when there is one, else to the package's
+``__init__`` (it needs a name the package defines); ``from .x import y`` is an edge to ``x`` (and
+to ``x.y`` when that is a submodule). The implicit "a submodule needs its parent package"
+dependency is left out: every submodule would otherwise be in a cycle with ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "mixprec"
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One import statement's dependency of ``source`` on ``target`` (both dotted module names)."""
+
+    source: str
+    target: str
+    kind: str  # "module", "lazy" or "type"
+    line: int
+
+    def where(self, files: dict[str, Path]) -> str:
+        path = files[self.source]
+        try:
+            path = path.relative_to(Path.cwd())
+        except ValueError:
+            pass
+        return f"{self.source} -> {self.target} ({path}:{self.line}, {self.kind})"
+
+
+def package_modules(package: str = PACKAGE, root: Path | None = None) -> dict[str, Path]:
+    """Every module of ``package`` (dotted name -> file), found on disk without importing it."""
+    if root is None:
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.submodule_search_locations, f"{package} is not an importable package"
+        root = Path(next(iter(spec.submodule_search_locations)))
+    out: dict[str, Path] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = [package, *rel.parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        if any(not p.isidentifier() for p in parts):
+            continue
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def import_edges(name: str, path: Path, modules: dict[str, Path]) -> list[Edge]:
+    """The import edges of one module into the package (see the module notes for the rules)."""
+    is_pkg = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    edges: list[Edge] = []
+
+    def resolve(node: ast.ImportFrom) -> str:
+        if node.level == 0:
+            return node.module or ""
+        base = name.split(".") if is_pkg else name.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+
+    def add(target: str, kind: str, line: int) -> None:
+        if target != PACKAGE and not target.startswith(PACKAGE + "."):
+            return
+        # the deepest module the dotted name names (import mixprec.numerics._stats -> that module)
+        while target not in modules and "." in target:
+            target = target.rsplit(".", 1)[0]
+        if target in modules and target != name:
+            edges.append(Edge(name, target, kind, line))
+
+    def visit(nodes: list[ast.stmt], kind: str) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(alias.name, kind, node.lineno)
+            elif isinstance(node, ast.ImportFrom):
+                mod = resolve(node)
+                for alias in node.names:
+                    sub = f"{mod}.{alias.name}"
+                    if sub in modules:  # from . import x / from .pkg import sub: the submodule
+                        add(sub, kind, node.lineno)
+                    else:  # a name defined by mod (a package's __init__ or a module)
+                        add(mod, kind, node.lineno)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(node.body, "lazy" if kind == "module" else kind)
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.body, "type")
+                visit(node.orelse, kind)
+            else:  # if/try/with/for/while/class/match bodies run with their parent
+                for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                    for child in getattr(node, field, None) or []:
+                        visit(child.body if isinstance(child, (ast.ExceptHandler, ast.match_case)) else [child], kind)
+
+    visit(tree.body, "module")
+    return edges
+
+
+def import_graph(modules: dict[str, Path]) -> list[Edge]:
+    """Every edge of every module."""
+    return [e for name, path in modules.items() for e in import_edges(name, path, modules)]
+
+
+def find_cycles(edges: list[Edge]) -> list[list[Edge]]:
+    """The shortest cycle through each module that is on one, deduplicated, sorted.
+
+    Tarjan's strongly connected components first (a module is on a cycle iff its component
+    has more than one member; self-imports are not edges), then a breadth-first search inside
+    the component for the shortest way back to the module.
+    """
+    graph: dict[str, dict[str, Edge]] = {}
+    for e in edges:
+        graph.setdefault(e.source, {}).setdefault(e.target, e)
+        graph.setdefault(e.target, {})
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    sccs: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:  # recursive: the package has tens of modules, not thousands
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+
+    def shortest_cycle(start: str, members: set[str]) -> list[Edge]:
+        prev: dict[str, Edge] = {}
+        frontier, seen = [start], {start}
+        while frontier:
+            nxt = []
+            for v in frontier:
+                for w, e in sorted(graph[v].items()):
+                    if w == start:
+                        path = [e]
+                        while path[0].source != start:
+                            path.insert(0, prev[path[0].source])
+                        return path
+                    if w in members and w not in seen:
+                        seen.add(w)
+                        prev[w] = e
+                        nxt.append(w)
+            frontier = nxt
+        raise AssertionError(f"{start} is in a strongly connected component but on no cycle")
+
+    cycles: dict[tuple[str, ...], list[Edge]] = {}
+    for comp in sccs:
+        for v in comp:
+            c = shortest_cycle(v, set(comp))
+            first = min(range(len(c)), key=lambda i: c[i].source)  # rotate: the smallest name first
+            c = c[first:] + c[:first]
+            cycles.setdefault(tuple(e.source for e in c), c)
+    return [cycles[k] for k in sorted(cycles)]
+
+
+def format_cycles(cycles: list[list[Edge]], files: dict[str, Path]) -> str:
+    return "\n".join(
+        "cycle " + " -> ".join([c[0].source] + [e.target for e in c]) + ":\n"
+        + "\n".join("    " + e.where(files) for e in c)
+        for c in cycles
+    )
+
+
+# ----- the package ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Path]:
+    return package_modules()
+
+
+@pytest.fixture(scope="module")
+def edges(modules: dict[str, Path]) -> list[Edge]:
+    return import_graph(modules)
+
+
+def test_no_import_cycle_at_module_level(modules, edges):
+    cycles = find_cycles([e for e in edges if e.kind == "module"])
+    assert not cycles, (
+        f"{len(cycles)} import cycle(s) among module-level imports (DESIGN.md section 2: core -> distributed -> "
+        f"integrations, bench, cli; no cycles). Move the shared code down a layer (e.g. mixprec._dist), or import "
+        f"the upper module inside the function that needs it:\n{format_cycles(cycles, modules)}"
+    )
+
+
+def test_cycles_through_lazy_imports_are_reported(modules, edges):
+    """Cycles that close only through a function-level or TYPE_CHECKING import: legal, reported as a warning."""
+    cycles = find_cycles([e for e in edges if e.kind in ("module", "lazy", "type")])
+    lazy = [c for c in cycles if any(e.kind != "module" for e in c)]
+    if lazy:
+        warnings.warn(f"{len(lazy)} import cycle(s) through lazy or type-only imports (allowed):\n"
+                      f"{format_cycles(lazy, modules)}", UserWarning, stacklevel=1)
+
+
+def test_the_graph_sees_the_package(modules, edges):
+    # a guard against a walker that silently finds nothing
+    assert {"mixprec", "mixprec._scaler", "mixprec._scale_history", "mixprec._dist", "mixprec.distributed"} <= set(modules)
+    got = {(e.source, e.target, e.kind) for e in edges}
+    assert ("mixprec._scaler", "mixprec._scale_history", "module") in got
+    assert ("mixprec", "mixprec.distributed", "module") in got
+    # the private leaf imports nothing from mixprec (beyond _dtypes/_errors)
+    assert {e.target for e in edges if e.source == "mixprec._dist"} <= {"mixprec._dtypes", "mixprec._errors"}
+
+
+_IMPORT_EACH = textwrap.dedent("""
+    import importlib, importlib.machinery, importlib.util, json, sys, traceback
+
+    names, package, root = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import torch  # kept loaded: only the package's own modules are cleared between imports
+
+    def clear():
+        for mod in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[mod]
+
+    def stub_parents(name):
+        # the parent packages as empty shells with the right __path__: the module runs with only the
+        # imports it makes itself, not those of the package __init__ that normally runs first
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            pkg = ".".join(parts[:i])
+            spec = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
+            spec.submodule_search_locations = [root + "/" + "/".join(parts[1:i])]
+            sys.modules[pkg] = importlib.util.module_from_spec(spec)
+
+    failures = {}
+    for name in names:
+        for mode in ("package", "alone"):
+            clear()
+            if mode == "alone":
+                if name == package:
+                    continue
+                stub_parents(name)
+            try:
+                importlib.import_module(name)
+            except BaseException as e:
+                failures[f"{name} ({mode})"] = "".join(traceback.format_exception_only(type(e), e)).strip()
+    print(json.dumps(failures))
+""")
+
+
+def test_every_module_imports_on_its_own(modules):
+    """Each module imports in a fresh interpreter state: after the package (entry through ``__init__``), and
+    alone (parents stubbed, so a module that needs a partly initialised package or an import cycle fails)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    assert spec is not None and spec.submodule_search_locations
+    root = str(next(iter(spec.submodule_search_locations)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(sorted(modules)), PACKAGE, root],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    failures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not failures, "modules that do not import on their own:\n" + "\n".join(
+        f"  {k}: {v}" for k, v in sorted(failures.items()))
+
+
+# ----- the checker itself --------------------------------------------------------------------------
+def _write_package(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    root = tmp_path / PACKAGE
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text), encoding="utf-8")
+    return package_modules(root=root)
+
+
+def test_checker_finds_module_level_cycles_and_classifies_lazy_ones(tmp_path):
+    mods = _write_package(tmp_path, {
+        "__init__.py": "from . import a\nfrom .sub import helper\n",
+        "a.py": "from ._b import x\nimport mixprec.sub.deep\n",
+        "_b.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\nelse:\n    pass\n"
+                  "try:\n    from .a import y\nexcept ImportError:\n    y = None\nx = 1\n"),
+        "c.py": "def f():\n    from ._b import x\n    return x\nclass K:\n    from . import a\n",
+        "sub/__init__.py": "from .deep import helper\n",
+        "sub/deep.py": "def helper():\n    from .. import __version__\n",
+    })
+    edges = import_graph(mods)
+    got = {(e.source, e.target, e.kind) for e in edges}
+    assert got == {
+        ("mixprec", "mixprec.a", "module"), ("mixprec", "mixprec.sub", "module"),
+        ("mixprec.a", "mixprec._b", "module"), ("mixprec.a", "mixprec.sub.deep", "module"),
+        ("mixprec._b", "mixprec.c", "type"), ("mixprec._b", "mixprec.a", "module"),
+        ("mixprec.c", "mixprec._b", "lazy"), ("mixprec.c", "mixprec.a", "module"),
+        ("mixprec.sub", "mixprec.sub.deep", "module"), ("mixprec.sub.deep", "mixprec", "lazy"),
+    }
+    module_cycles = find_cycles([e for e in edges if e.kind == "module"])
+    assert [[e.source for e in c] for c in module_cycles] == [["mixprec._b", "mixprec.a"]]
+    text = format_cycles(module_cycles, mods)
+    assert "cycle mixprec._b -> mixprec.a -> mixprec._b" in text and "_b.py:7, module" in text
+    every = {tuple(e.source for e in c): {e.kind for e in c} for c in find_cycles(edges)}
+    assert every[("mixprec._b", "mixprec.a")] == {"module"}
+    assert every[("mixprec._b", "mixprec.c")] == {"type", "lazy"}  # legal: reported, not failed
+    assert every[("mixprec", "mixprec.sub", "mixprec.sub.deep")] == {"module", "lazy"}
+    # and without the module-level cycle there is none
+    mods = _write_package(tmp_path, {"_b.py": "x = 1\n"})
+    assert find_cycles([e for e in import_graph(mods) if e.kind == "module"]) == []

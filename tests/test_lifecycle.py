@@ -1,0 +1,374 @@
+"""The step protocol of MixedPrecision: one scale update per iteration in every loop shape, and no silent bypass.
+
+Issue 13: GAN-style alternating optimizers, optimizers on different schedules, a direct
+``optimizer.step()``, torch's own ``clip_grad_norm_`` on the model, the wrapped optimizer stepped
+directly, checkpoints taken in the middle of an iteration.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from mixprec._scaler import DynamicScaler
+
+PRESETS = ["fp32", "bf16-mixed", "bf16-master", "bf16-pure", "fp16-mixed", "fp16-master"]
+
+
+def _scaler() -> DynamicScaler:
+    # growth every 2 clean iterations, halve on overflow: short schedules that still move
+    return DynamicScaler(init_scale=2.0**10, growth_interval=2, hysteresis=1, log_overflow=False)
+
+
+class _Schedule:
+    """Hand-computed dynamic loss scale: one update per iteration with the OR of its overflow flags."""
+
+    def __init__(self, scale: float = 2.0**10, interval: int = 2) -> None:
+        self.scale, self.interval, self.tracker = scale, interval, 0
+
+    def update(self, overflow: bool) -> float:
+        if overflow:
+            self.scale, self.tracker = self.scale * 0.5, 0
+        else:
+            self.tracker += 1
+            if self.tracker == self.interval:
+                self.scale, self.tracker = self.scale * 2.0, 0
+        return self.scale
+
+
+def _two_nets(seed: int = 0) -> tuple[nn.Module, nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    d, g = nn.Linear(4, 1), nn.Linear(3, 4)
+    return nn.ModuleDict({"d": d, "g": g}), d, g
+
+
+def _d_loss(model: nn.Module, poison: bool = False) -> torch.Tensor:
+    loss = model["d"](torch.randn(8, 4)).pow(2).mean()
+    return loss * float("inf") if poison else loss
+
+
+def _g_loss(model: nn.Module, poison: bool = False) -> torch.Tensor:
+    loss = model["d"](model["g"](torch.randn(8, 3))).mean()
+    return loss * float("inf") if poison else loss
+
+
+def test_gan_loop_updates_the_scale_once_per_backward_step_pair():
+    model, d, g = _two_nets()
+    prec = mp.MixedPrecision("fp32", scaler=_scaler())
+    model, opt_d, opt_g = prec.prepare(model, torch.optim.SGD(d.parameters(), lr=0.01),
+                                       torch.optim.SGD(g.parameters(), lr=0.01))
+    ref = _Schedule()
+    seen, expected = [], []
+    overflow_d = {3, 4, 9}
+    overflow_g = {6}
+    for it in range(12):
+        opt_d.zero_grad()
+        prec.backward(_d_loss(model, it in overflow_d))   # ends the previous (g) iteration
+        if it > 0:
+            expected.append(ref.update((it - 1) in overflow_g))
+            seen.append(prec.scaler.loss_scale.item())
+        prec.step(opt_d)
+        opt_g.zero_grad()
+        prec.backward(_g_loss(model, it in overflow_g))   # ends the d iteration
+        expected.append(ref.update(it in overflow_d))
+        seen.append(prec.scaler.loss_scale.item())
+        prec.step(opt_g)
+    assert seen == expected
+    assert len(set(seen)) > 2  # the schedule really moved both ways
+
+
+def test_one_backward_two_optimizers_update_once_after_the_last_step():
+    model, d, g = _two_nets()
+    prec = mp.MixedPrecision("fp32", scaler=_scaler())
+    model, opt_d, opt_g = prec.prepare(model, torch.optim.SGD(d.parameters(), lr=0.01),
+                                       torch.optim.SGD(g.parameters(), lr=0.01))
+    ref = _Schedule()
+    for it in range(10):
+        prec.zero_grad()
+        prec.backward(_g_loss(model, poison=it in (2, 7)))
+        prec.step(opt_d)
+        before = prec.scaler.loss_scale.item()
+        assert before == ref.scale  # not yet updated after the first of two optimizers
+        info = prec.step(opt_g)
+        assert prec.scaler.loss_scale.item() == ref.update(it in (2, 7))
+        assert bool(info.skipped) == (it in (2, 7))
+
+
+def test_overflow_in_one_of_two_optimizers_backs_off_and_skips_only_that_one():
+    model, d, g = _two_nets()
+    prec = mp.MixedPrecision("fp32", scaler=_scaler())
+    model, opt_d, opt_g = prec.prepare(model, torch.optim.SGD(d.parameters(), lr=0.01),
+                                       torch.optim.SGD(g.parameters(), lr=0.01))
+    prec.backward(_g_loss(model))
+    g.weight.grad[0, 0] = float("nan")  # only g's gradients are bad
+    d_before = copy.deepcopy(d.state_dict())
+    g_before = copy.deepcopy(g.state_dict())
+    info_d = prec.step(opt_d)
+    info_g = prec.step(opt_g)
+    assert not bool(info_d.skipped) and bool(info_g.skipped)
+    assert not torch.equal(d.weight, d_before["weight"])
+    assert torch.equal(g.weight, g_before["weight"])
+    assert prec.scaler.loss_scale.item() == 2.0**9
+
+
+def test_optimizers_on_different_schedules_update_once_per_iteration():
+    model, d, g = _two_nets()
+    prec = mp.MixedPrecision("fp32", scaler=_scaler())
+    model, opt_d, opt_g = prec.prepare(model, torch.optim.SGD(d.parameters(), lr=0.01),
+                                       torch.optim.SGD(g.parameters(), lr=0.01))
+    ref = _Schedule()
+    expected = []
+    for it in range(12):
+        prec.backward(_d_loss(model, poison=it in (5, 7)) + _g_loss(model))
+        if it > 0:  # iteration it-1 has ended, by this backward or by g's step
+            assert prec.scaler.loss_scale.item() == expected[-1]
+        prec.step(opt_d)
+        opt_d.zero_grad()
+        if it % 4 == 3:  # g accumulates over four iterations, across scale changes
+            prec.step(opt_g)
+            opt_g.zero_grad()
+        expected.append(ref.update(it in (5, 7)))
+    assert expected[3:8] == [2.0**12, 2.0**12, 2.0**11, 2.0**11, 2.0**10]
+
+
+def test_gradients_held_across_a_scale_change_are_rescaled_exactly():
+    """g accumulates while d's iterations change the scale: its update equals the unscaled sum."""
+    model, d, g = _two_nets()
+    prec = mp.MixedPrecision("fp32", scaler=_scaler())
+    model, opt_d, opt_g = prec.prepare(model, torch.optim.SGD(d.parameters(), lr=1.0),
+                                       torch.optim.SGD(g.parameters(), lr=1.0))
+    total = torch.zeros_like(g.weight)
+    for it in range(4):
+        torch.manual_seed(100 + it)
+        loss = _g_loss(model, poison=False)
+        plain = torch.autograd.grad(loss, g.weight, retain_graph=True)[0]
+        total += plain
+        prec.backward(loss)
+        prec.step(opt_d)  # d's steps end iterations: the scale grows on the way
+        opt_d.zero_grad()
+    assert prec.scaler.loss_scale.item() == 2.0**11
+    w0 = g.weight.detach().clone()
+    prec.step(opt_g)
+    torch.testing.assert_close(w0 - g.weight.detach(), total, rtol=1e-6, atol=1e-7)
+
+
+def test_manual_scale_update_only_at_update():
+    model, d, g = _two_nets()
+    prec = mp.MixedPrecision("fp32", scaler=_scaler(), scale_update="manual")
+    model, opt_d, opt_g = prec.prepare(model, torch.optim.SGD(d.parameters(), lr=0.01),
+                                       torch.optim.SGD(g.parameters(), lr=0.01))
+    ref = _Schedule()
+    for it in range(6):
+        prec.zero_grad()
+        prec.backward(_d_loss(model, poison=it == 2))
+        prec.step(opt_d)
+        prec.backward(_g_loss(model))
+        prec.step(opt_g)
+        assert prec.scaler.loss_scale.item() == ref.scale
+        prec.update()
+        assert prec.scaler.loss_scale.item() == ref.update(it == 2)
+    with pytest.raises(ValueError, match=re.escape("scale_update='sometimes'; use 'auto' (default) or 'manual'")):
+        mp.MixedPrecision("fp32", scale_update="sometimes")  # type: ignore[arg-type]
+
+
+def test_escalation_fires_with_two_optimizers():
+    model, d, g = _two_nets()
+    scaler = DynamicScaler(init_scale=2.0**4, growth_interval=100, min_scale=1.0, patience=3, check_interval=1,
+                           log_overflow=False)
+    prec = mp.MixedPrecision("fp32", scaler=scaler)
+    model, opt_d, opt_g = prec.prepare(model, torch.optim.SGD(d.parameters(), lr=0.01),
+                                       torch.optim.SGD(g.parameters(), lr=0.01))
+    with pytest.raises(mp.NumericsError):
+        for _ in range(40):
+            prec.backward(_d_loss(model, poison=True))
+            prec.step(opt_d)
+            prec.backward(_g_loss(model, poison=True))
+            prec.step(opt_g)
+            prec.zero_grad()
+
+
+def test_checkpoint_between_two_optimizers_resumes_the_same_schedule():
+    # The pending flag of an unfinished iteration travels in the checkpoint (key "iteration").
+    model, d, g = _two_nets()
+    prec = mp.MixedPrecision("fp32", scaler=_scaler())
+    model, opt_d, opt_g = prec.prepare(model, torch.optim.SGD(d.parameters(), lr=0.01),
+                                       torch.optim.SGD(g.parameters(), lr=0.01))
+    prec.backward(_g_loss(model, poison=True))
+    prec.step(opt_d)
+    state = prec.state_dict()
+    assert state["version"] == 2 and state["iteration"]["stepped"] == [True, False]
+    assert state["iteration"]["found_inf"].item() == 1.0
+    model2, d2, g2 = _two_nets()
+    prec2 = mp.MixedPrecision("fp32", scaler=_scaler())
+    model2, opt_d2, opt_g2 = prec2.prepare(model2, torch.optim.SGD(d2.parameters(), lr=0.01),
+                                           torch.optim.SGD(g2.parameters(), lr=0.01))
+    prec2.load_state_dict(state)
+    prec2.backward(_g_loss(model2))
+    prec2.step(opt_g2)  # ends the resumed iteration with the saved overflow: backoff
+    assert prec2.scaler.loss_scale.item() == 2.0**9
+
+
+# ----- no silent bypass -------------------------------------------------------------------------------------
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def _data(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(n)]
+
+
+def _train(preset: str, direct: bool, poison_at: int | None = None) -> tuple[dict, mp.MixedPrecision]:
+    model = _mlp()
+    prec = mp.MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for i, (x, y) in enumerate(_data()):
+        with prec.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        if i == poison_at:
+            loss = loss * float("nan")
+        prec.backward(loss)
+        if direct:
+            opt.step()
+        else:
+            prec.step(opt)
+        opt.zero_grad(set_to_none=True)
+    return mp.checkpoint.fp32_state_dict(prec), prec
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_direct_optimizer_step_equals_prec_step(preset):
+    via_prec, p1 = _train(preset, direct=False, poison_at=2)
+    direct, p2 = _train(preset, direct=True, poison_at=2)
+    for k in via_prec:
+        assert torch.equal(via_prec[k], direct[k]), k
+    assert p1.scaler.loss_scale.item() == p2.scaler.loss_scale.item()
+    assert int(p2.last_step.applied_steps) == 5  # the poisoned step was skipped
+    assert torch.equal(p1.state_dict()["applied_steps"], p2.state_dict()["applied_steps"])
+
+
+def test_direct_step_with_closure_and_an_lr_scheduler():
+    model = _mlp()
+    prec = mp.MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = _data(1)[0]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        with prec.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        prec.backward(loss)
+        return loss
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        loss = opt.step(closure)
+        sched.step()
+    assert isinstance(loss, torch.Tensor) and prec.last_step is not None
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    with pytest.raises(TypeError, match=re.escape("optimizer.step() of a prepared optimizer takes only an optional")):
+        opt.step(closure, 3)
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-pure"])
+def test_the_optimizer_passed_to_prepare_refuses_a_direct_step(preset):
+    model = _mlp()
+    raw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    prec = mp.MixedPrecision(preset)
+    model, opt = prec.prepare(model, raw)
+    with prec.autocast():
+        loss = model(torch.randn(4, 8)).float().mean() * 1e-3  # no FP16 overflow at the initial scale
+    prec.backward(loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=re.escape("was called on the optimizer passed to prepare()")):
+        raw.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.step()  # the right one still works
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("preset", ["fp16-mixed", "fp16-master"])
+def test_plain_loss_backward_under_a_scaling_policy_is_caught(preset):
+    model = _mlp()
+    prec = mp.MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with prec.autocast():
+        model(torch.randn(4, 8)).float().sum().backward()
+    with pytest.raises(ValueError, match=re.escape("Call prec.backward(loss) instead of loss.backward()")):
+        opt.step()
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "fp32"])
+def test_plain_loss_backward_without_scaling_steps_like_prec_backward(preset):
+    def run(plain: bool) -> dict:
+        model = _mlp()
+        prec = mp.MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        for x, y in _data(4):
+            with prec.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward() if plain else prec.backward(loss)
+            opt.step()
+            model.zero_grad()
+        return mp.checkpoint.fp32_state_dict(prec)
+
+    a, b = run(True), run(False)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _true_norm(preset: str, unscale_first: bool) -> tuple[float, float, mp.MixedPrecision]:
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    x, y = _data(1)[0]
+    nn.functional.mse_loss(ref(x), y).backward()
+    true = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+    prec = mp.MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with prec.autocast():
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    prec.backward(loss)
+    if unscale_first:
+        prec.unscale_(opt)
+    got = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3).item()
+    return true, got, prec
+
+
+TOL = {"fp32": 1e-6, "bf16-mixed": 3e-2, "bf16-master": 3e-2, "bf16-pure": 3e-2, "fp16-mixed": 5e-3, "fp16-master": 5e-3}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_torch_clip_grad_norm_on_the_model_sees_the_true_norm_and_clips_what_the_step_uses(preset):
+    # FP16 policies: after prec.unscale_(opt), as torch.amp asks; the others need no call.
+    true, got, prec = _true_norm(preset, unscale_first=preset.startswith("fp16"))
+    assert got == pytest.approx(true, rel=TOL[preset])
+    opt = prec.optimizers[0]
+    # the gradients the step will use were clipped to 1e-3 (and unscaled: no scale left in them)
+    used = [t.grad for g in opt.param_groups for t in g["params"] if t.grad is not None]
+    assert torch.nn.utils.get_total_norm(used).item() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_torch_clip_grad_norm_of_scaled_master_gradients_is_a_clear_error():
+    with pytest.raises(ValueError, match=re.escape("a gradient of this model was read while it still carries the loss "
+                                                   "scale (policy 'fp16-master'); call prec.unscale_(optimizer) first")):
+        _true_norm("fp16-master", unscale_first=False)
+
+
+def test_prec_clip_and_torch_clip_agree_under_fp16_master():
+    _, got, _ = _true_norm("fp16-master", unscale_first=True)
+    model = _mlp()
+    prec = mp.MixedPrecision("fp16-master")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(1)[0]
+    with prec.autocast():
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    prec.backward(loss)
+    assert prec.clip_grad_norm_(1e-3).item() == pytest.approx(got, rel=1e-6)
