@@ -12,7 +12,9 @@ Rows (same parameter shapes, same AdamW settings, interleaved A B A B ..., order
   parameters and a foreach AdamW: equal dtypes, so the ratio is the wrapper's overhead.
 * ``bf16-master``: ``MixedPrecision("bf16-master")``: BF16 model, FP32 masters (accumulated in
   FP32), the step plus the copy back into the BF16 model. Not equal dtypes: the copy-back is real
-  extra work the master recipe needs.
+  extra work the master recipe needs. Its edit check compares every weight with its rounded
+  master (``weight_edits="values"``, the default, so ``p.data`` edits reach the masters).
+* ``bf16-master/versions``: the same with ``weight_edits="versions"`` (version counters only).
 * ``fused`` variants (``--fused``): ``fused=True`` AdamW on both sides (skips on the device).
 
 The ratio printed is the median over rounds of (row / torch) measured within the same round.
@@ -74,9 +76,11 @@ class TorchLoop:
 class MixprecLoop:
     """``MixedPrecision(preset).step`` on the same shapes."""
 
-    def __init__(self, preset: str, n: float, device: torch.device, fused: bool) -> None:
+    def __init__(self, preset: str, n: float, device: torch.device, fused: bool, weight_edits: str = "values") -> None:
         model = make_model(n, device)
-        self.prec = mixprec.MixedPrecision(preset, scaler=mixprec.DynamicScaler(init_scale=1.0))
+        self.prec = mixprec.MixedPrecision(
+            preset, scaler=mixprec.DynamicScaler(init_scale=1.0), weight_edits=weight_edits  # type: ignore[arg-type]
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None, foreach=None if fused else True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": lambda: TorchLoop(args.params, device, args.fused),
         "fp16-mixed": lambda: MixprecLoop("fp16-mixed", args.params, device, args.fused),
         "bf16-master": lambda: MixprecLoop("bf16-master", args.params, device, args.fused),
+        "bf16-master/versions": lambda: MixprecLoop("bf16-master", args.params, device, args.fused, "versions"),
     }
     loops = {name: make() for name, make in rows.items()}
     for loop in loops.values():  # warm-up: allocate optimizer state
@@ -136,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# torch {torch.__version__}, {device}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads; {n / 1e6:.2f}M params in 24 tensors; "
           f"AdamW {'fused' if args.fused else 'foreach'}; {args.rounds} rounds x {args.reps} steps, interleaved")
-    print(f"{'row':12s} {'median ms':>10s} {'ratio vs torch':>15s} {'ratio p10-p90':>15s}")
+    print(f"{'row':21s} {'median ms':>10s} {'ratio vs torch':>15s} {'ratio p10-p90':>15s}")
     result = {}
     for name in names:
         ratios = sorted(a / b for a, b in zip(per_round[name], per_round["torch"]))
         med = statistics.median(per_round[name]) * 1e3
         p10, p90 = ratios[len(ratios) // 10], ratios[(len(ratios) * 9) // 10 - (1 if len(ratios) % 10 == 0 else 0)]
         result[name] = {"median_ms": med, "ratio": statistics.median(ratios), "ratio_p10": p10, "ratio_p90": p90}
-        print(f"{name:12s} {med:10.2f} {statistics.median(ratios):15.3f} {p10:7.3f}-{p90:<7.3f}")
+        print(f"{name:21s} {med:10.2f} {statistics.median(ratios):15.3f} {p10:7.3f}-{p90:<7.3f}")
     if args.json:
         env = {"torch": torch.__version__, "device": str(device), "python": sys.version.split()[0],
                "threads": torch.get_num_threads(), "params": n, "args": vars(args)}

@@ -372,3 +372,32 @@ def test_prec_clip_and_torch_clip_agree_under_fp16_master():
         loss = nn.functional.mse_loss(model(x).float(), y)
     prec.backward(loss)
     assert prec.clip_grad_norm_(1e-3).item() == pytest.approx(got, rel=1e-6)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "fp16-mixed", "fp16-master"])
+def test_lr_scheduler_built_before_or_after_prepare_sees_direct_steps(preset: str, when: str) -> None:
+    """torch's scheduler marks optimizer.step; the step guard keeps the mark, so no spurious warnings."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    given = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(given, 1, gamma=0.5) if when == "before" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU
+        prec = mp.MixedPrecision(preset, scaler=DynamicScaler(init_scale=16.0) if preset.startswith("fp16") else None)
+        model, opt = prec.prepare(model, given)
+    if sched is None:
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "overridden after scheduler initialization", "called before optimizer.step()"
+        for _ in range(3):
+            with prec.autocast():
+                loss = model(torch.randn(3, 4)).float().sum()
+            prec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    assert sched.get_last_lr() == [0.125] and opt.param_groups[0]["lr"] == 0.125
+    assert int(prec.last_step.applied_steps) == 3 if prec.last_step is not None else False

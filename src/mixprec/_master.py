@@ -21,9 +21,10 @@ from ._finite import unscale_and_check_
 from ._master_grad import MasterGradView
 from ._stepping import step_with_result
 
-__all__ = ["GradAccumulation", "MasterWeightOptimizer"]
+__all__ = ["GradAccumulation", "MasterWeightOptimizer", "WeightEdits"]
 
 GradAccumulation = Literal["fp32", "compute"]
+WeightEdits = Literal["values", "versions"]
 _STATE_VERSION = 1
 _WARNED_UNFROZEN = False
 
@@ -55,11 +56,11 @@ class MasterWeightOptimizer(Optimizer):
           model's parameters, ``p.grad.norm()`` and ``model.zero_grad()`` act on the gradient the
           step uses (``model.zero_grad()`` drops the views, and the next backward replaces the
           master gradients instead of adding to them).
-        * In-place edits of the model's half weights outside the step (weight clipping, pruning
-          masks, ``nn.Embedding(max_norm=...)``, ``load_state_dict`` on the model) are noticed
-          through the tensors' version counters (no host sync) and carried into the masters
-          before the next step and in :meth:`state_dict`: an edited element takes the model's
-          value, an untouched element keeps its exact FP32 master.
+        * Edits of the model's half weights outside the step (weight clipping, also through
+          ``p.data``; pruning masks, ``nn.Embedding(max_norm=...)``, ``load_state_dict`` on the
+          model) are carried into the masters before the next step and in :meth:`state_dict`
+          (:meth:`sync_edits_`, no host sync): an edited element takes the model's value, an
+          untouched element keeps its exact FP32 master.
         * Parameters with ``requires_grad=False`` get no master (the wrapped optimizer holds the
           half parameter, which it skips without a gradient). When one is unfrozen, its master
           is created at the next step from the half value, with a one-time warning that the
@@ -72,10 +73,12 @@ class MasterWeightOptimizer(Optimizer):
         initial_masters: Optional map from a parameter to the full-precision tensor to use as
             its master (no copy is made). ``MixedPrecision.prepare`` passes the FP32 weights
             from before the model was cast, so the masters start exact rather than rounded.
+        weight_edits: ``"values"`` (default) or ``"versions"``: how edits of the model's half
+            weights are found, see :meth:`sync_edits_`.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped.
-        ValueError: unknown ``grad_accumulation``; a parameter that does not require grad.
+        ValueError: unknown ``grad_accumulation`` or ``weight_edits``.
 
     Host syncs: none in ``step`` when the wrapped optimizer declares
     ``_step_supports_amp_scaling``; one (``found_inf`` read) otherwise, and only when a
@@ -98,6 +101,7 @@ class MasterWeightOptimizer(Optimizer):
         master_dtype: torch.dtype | str = torch.float32,
         grad_accumulation: GradAccumulation = "fp32",
         initial_masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        weight_edits: WeightEdits = "values",
     ) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise TypeError("this optimizer is already a MasterWeightOptimizer; wrap the plain torch optimizer once.")
@@ -105,6 +109,7 @@ class MasterWeightOptimizer(Optimizer):
             raise TypeError(f"MasterWeightOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if grad_accumulation not in ("fp32", "compute"):
             raise ValueError(f"grad_accumulation={grad_accumulation!r}; use 'fp32' (default) or 'compute'.")
+        check_weight_edits(weight_edits)
         # Deliberately not calling Optimizer.__init__: state and param_groups live in the wrapped
         # optimizer. The attributes below are what torch's hooks and LR schedulers look for.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -116,6 +121,8 @@ class MasterWeightOptimizer(Optimizer):
         self.optimizer = optimizer
         self.master_dtype = parse_dtype(master_dtype)
         self.grad_accumulation: GradAccumulation = grad_accumulation
+        self.weight_edits: WeightEdits = weight_edits
+        self._versions: list[tuple[int, int]] = []  # (version, data_ptr) of each half param after the last copy
         self._initial = dict(initial_masters or {})
         # Parallel lists: model parameter i has master i (the same tensor for FP32 params and for
         # frozen half params, which have no master until they are unfrozen).
@@ -124,12 +131,10 @@ class MasterWeightOptimizer(Optimizer):
         self._hooks: list[Any] = []
         self._views: dict[int, MasterGradView] = {}  # id(model param) -> its .grad view
         self._frozen: list[torch.Tensor] = []  # half params adopted while frozen (no master yet)
-        self._versions: list[tuple[int, int]] = []  # (version, data_ptr) of the half params after the last copy
         self._before_read: Callable[[], None] | None = None
         for group in optimizer.param_groups:
             group["params"] = [self._adopt(p) for p in group["params"]]
         self._initial.clear()
-        self._record_versions()
         from ._stepping import install_step_guard
 
         # The wrapped optimizer steps the masters only from inside step(): called directly it would
@@ -206,7 +211,6 @@ class MasterWeightOptimizer(Optimizer):
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
                 master.grad = p.grad.to(self.master_dtype)  # gradients from before the hook existed
                 p.grad = self._views[id(p)] if self.grad_accumulation == "fp32" else p.grad
-        self._record_versions()
 
     # ----- edits of the model's weights outside the step ----------------------------------------
     def _half_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -216,24 +220,32 @@ class MasterWeightOptimizer(Optimizer):
         self._versions = [(p._version, p.data_ptr()) for p, _ in self._half_pairs()]
 
     @torch.no_grad()
-    def sync_edits_(self) -> int:
-        """Carry in-place edits of the model's half weights into the masters; return how many params changed.
+    def sync_edits_(self) -> None:
+        """Carry edits of the model's half weights made outside the step into the masters.
 
-        Algorithm: a parameter whose version counter or storage changed since the masters were
-        last copied into it was edited outside the step. For it,
-        ``master = where(param == round(master), master, param)``: elements the edit left alone
-        keep their exact FP32 value, edited ones take the model's. No host sync.
+        Algorithm: after each step the model holds ``round(master)`` exactly, so for an edited
+        half parameter ``master = where(param == round(master), master, param)``: elements
+        nobody touched keep their exact FP32 value, edited ones take the model's. Which
+        parameters are compared depends on :attr:`weight_edits`:
+
+        * ``"values"`` (default): all of them. The common idioms ``p.data.clamp_(...)`` (WGAN)
+          and ``p.data.mul_(mask)`` (pruning) edit through ``.data``, which has a version counter
+          of its own, so only comparing the values sees them. Cost: three elementwise kernels
+          per half parameter per step (about 22 bytes of memory traffic per element).
+        * ``"versions"``: those whose version counter or storage changed since the last copy
+          (in-place ops on the parameter itself: ``torch.no_grad()`` edits,
+          ``nn.Embedding(max_norm=...)``, ``load_state_dict``). Free when nothing changed;
+          edits through ``.data`` are not seen.
+
+        No host sync in either mode.
         """
         pairs = self._half_pairs()
-        if len(pairs) != len(self._versions):
-            self._record_versions()
-            return 0
-        changed = [(p, m) for (p, m), v in zip(pairs, self._versions) if (p._version, p.data_ptr()) != v]
-        for p, m in changed:
-            m.copy_(torch.where(p == m.to(p.dtype), m, p.to(m.dtype)))
-        if changed:
-            self._record_versions()
-        return len(changed)
+        if self.weight_edits == "versions" and len(pairs) == len(self._versions):
+            pairs = [(p, m) for (p, m), v in zip(pairs, self._versions) if (p._version, p.data_ptr()) != v]
+        for p, m in pairs:
+            keep = p == m.to(p.dtype)
+            torch.where(keep, m, p, out=m)
+        self._record_versions()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group: its half-precision parameters get FP32 masters (taken from their current values)."""
@@ -480,6 +492,19 @@ class MasterWeightOptimizer(Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def check_weight_edits(value: object) -> None:
+    """Validate a ``weight_edits`` argument.
+
+    Raises:
+        ValueError: not ``"values"`` or ``"versions"``.
+    """
+    if value not in ("values", "versions"):
+        raise ValueError(
+            f"weight_edits={value!r}; use 'values' (default: every edit of the model's half weights is carried into "
+            "the masters, also through p.data) or 'versions' (free; edits through p.data are not seen)."
+        )
 
 
 class _AccumulateInto:

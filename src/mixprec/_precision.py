@@ -31,7 +31,7 @@ from ._checkpoint import (
 )
 from ._dist import local_grad
 from ._dtypes import parse_dtype
-from ._master import GradAccumulation, MasterWeightOptimizer
+from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_weight_edits
 from ._policy import Policy
 from ._prepare import check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler
@@ -105,6 +105,12 @@ class MixedPrecision:
             until the step (least persistent memory).
         scale_update: ``"auto"`` (default): the loss scale is updated once per iteration, as
             defined below, with no extra call. ``"manual"``: only :meth:`update` updates it.
+        weight_edits: For master-weight policies, how edits of the model's half weights made
+            outside the step are found and carried into the masters: ``"values"`` (default)
+            compares every weight with its rounded master before each step, so edits through
+            ``p.data`` (WGAN clipping, pruning masks) are seen; ``"versions"`` checks only the
+            tensors' version counters (free, but blind to ``p.data``). See
+            ``MasterWeightOptimizer.sync_edits_``.
 
     Lifecycle (each raises a clear error when called out of order)::
 
@@ -154,6 +160,7 @@ class MixedPrecision:
         scaler: LossScaler | None = None,
         grad_accumulation: GradAccumulation = "fp32",
         scale_update: ScaleUpdate = "auto",
+        weight_edits: WeightEdits = "values",
     ) -> None:
         self.policy = Policy.parse(policy)
         if scaler is not None and not isinstance(scaler, LossScaler):
@@ -165,6 +172,8 @@ class MixedPrecision:
         self.scaler: LossScaler = scaler if scaler is not None else scaler_for_policy(self.policy)
         self.grad_accumulation: GradAccumulation = grad_accumulation
         self.scale_update: ScaleUpdate = scale_update
+        check_weight_edits(weight_edits)
+        self.weight_edits: WeightEdits = weight_edits
         self.model: nn.Module | None = None
         self.optimizers: list[Optimizer] = []
         self.device: torch.device | None = None
@@ -251,6 +260,7 @@ class MixedPrecision:
                 install_step_guard(given, "refuse")
             if isinstance(opt, MasterWeightOptimizer):
                 opt.set_unscale_callback(self._unscale_callback(opt))
+                opt.weight_edits = self.weight_edits
             self._records[id(opt)] = rec
         self._iteration_flags = []
         self._applied_steps = torch.zeros((), dtype=torch.int64, device=facts.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -206,7 +207,19 @@ def install_step_guard(optimizer: Any, mode: Literal["route", "refuse"],
         return existing
     guard = StepGuard(optimizer, mode, run)
     optimizer._mixprec_step_guard = guard
-    optimizer.step = types.MethodType(_guarded_step, optimizer)
+    if getattr(guard._previous, "_wrapped_by_lr_sched", False):
+        # An LR scheduler built before prepare() wrapped step; it warns "optimizer.step() has been
+        # overridden after learning rate scheduler initialization" unless step still carries its
+        # mark. The scheduler's wrapper runs below the guard (raw_step), so its counter still ticks.
+        ref = weakref.ref(optimizer)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return _guarded_step(ref(), *args, **kwargs)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # torch's scheduler reads this mark
+        optimizer.step = step
+    else:
+        optimizer.step = types.MethodType(_guarded_step, optimizer)
     return guard
 
 
