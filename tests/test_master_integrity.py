@@ -546,3 +546,23 @@ def test_weight_edits_versions_mode_sees_in_place_edits_but_not_data_edits() -> 
     assert max_diff(run(_edit_clamp), ref) > 10 * tol("bf16")  # .data edits are overwritten in this mode
     with pytest.raises(ValueError, match="weight_edits='value'; use 'values'"):
         mp.MixedPrecision("bf16-master", weight_edits="value")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_llama_export_convert_and_reload_into_fp32_equal_the_masters(preset: str) -> None:
+    run = make_run(preset, _tiny_llama, lr=0.5)
+    assert run.prec is not None
+    _train_lm(run, steps=2)
+    exported = checkpoint.fp32_state_dict(run.prec)
+    masters = {n: _master_of(run, p) for n, p in run.model.named_parameters()}
+    torch.manual_seed(1)
+    fp32 = _tiny_llama()
+    fp32.load_state_dict(exported, strict=False)  # the rotary inv_freq is not persistent in recent transformers
+    for n, p in fp32.named_parameters():
+        assert torch.equal(p, masters[n]), n
+    for n, b in fp32.named_buffers():
+        assert torch.equal(b, dict(run.model.named_buffers())[n].float()), n
+    if preset != "bf16-pure":
+        converted = checkpoint.convert_state_dict(run.prec.state_dict(), "fp32")
+        for n, v in masters.items():
+            assert torch.equal(converted["model"][n], v), n
