@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .._dtypes import dtype_name
+from .._master_grad import is_view
 from .._policy import Policy
 from ._report import format_table, jsonable, print_tables
 
@@ -282,7 +283,9 @@ def audit(model: nn.Module, optimizer: Any = None, policy: Any = None, *, scaler
         rows.append(AuditRow("masters", "parameters are the masters", "f32", note="FP32 parameters"))
 
     # ----- gradients -----
-    grads = [(n + ".grad", p.grad) for n, p in named if p.grad is not None]
+    # A master-weight parameter's .grad is a view of its master's FP32 gradient (no storage of its
+    # own): the master's gradient is what is stored, and it is listed below.
+    grads = [(n + ".grad", p.grad) for n, p in named if p.grad is not None and not is_view(p.grad)]
     if isinstance(masters, list):
         seen = {id(p) for _, p in named}
         grads += [(f"{n}.grad (master)", t.grad) for n, t in opt_tensors if id(t) not in seen and t.grad is not None]
