@@ -50,6 +50,7 @@ from torch import Tensor
 # torch's own enum, so code that compares a stage with torch.amp.grad_scaler.OptState works on ours
 from torch.amp.grad_scaler import OptState
 
+from ._dist import agree_found_inf_
 from ._finite import _group, _unscale_groups
 from ._scaler import (
     DEFAULT_CHECK_INTERVAL,
@@ -64,7 +65,6 @@ from ._scaler import (
     _Core,
 )
 from ._stepping import step_with_result
-from .distributed import agree_found_inf_
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -103,6 +103,10 @@ class ScalerStateKeyError(ScalerStateError, KeyError):
 class ScalerStateTypeError(ScalerStateError, TypeError):
     """A state dict that is not a mapping. Also a ``TypeError``, which torch.amp raises for it."""
 
+
+_FP16_GRADS = ("Attempting to unscale FP16 gradients. GradScaler expects FP32 parameters (FP16 only in autocast); "
+               "for FP16 parameters use mixprec.MixedPrecision('fp16-master') or mixprec.DynamicScaler, whose "
+               "unscale_ accepts FP16 gradients.")
 
 _STEP_TAKES_GRAD_SCALER: dict[Any, bool] = {}
 
@@ -259,12 +263,25 @@ class GradScaler:
         core = self._core
         if core is not None and not core.materialised and self._resume_device is not None:
             # pickled between scale() and step(): the gradients carry the scale, so re-create it where it was
-            core.ensure(torch.device(self._resume_device))
+            self._ensure(core, torch.device(self._resume_device))
         if core is None or not core.materialised:
             raise ScalerUsageError(
                 f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
                 "scaler.scale(loss or outputs) earlier in the iteration.")
         return core
+
+    def _ensure(self, core: _Core, device: torch.device) -> Tensor:
+        """``core.ensure``, first taking ``_init_scale``/``_init_growth_tracker`` written directly (as torch's lazy init).
+
+        torch creates its tensors from these two attributes; ours mirror the core's state (set by
+        the constructor, ``load_state_dict`` and unpickling), so they differ only when someone wrote them.
+        """
+        if not core.materialised:
+            state = core.state()
+            if (state["scale"], state["_growth_tracker"]) != (self._init_scale, self._init_growth_tracker):
+                kept = {k: v for k, v in state.items() if k not in _CONFIG_KEYS}
+                core.load({**kept, "scale": self._init_scale, "_growth_tracker": self._init_growth_tracker})
+        return core.ensure(device)
 
     # ----- scale -----------------------------------------------------------------------------------
     @overload
@@ -303,7 +320,7 @@ class GradScaler:
         if isinstance(outputs, Tensor):
             scale = core.scale
             if scale is None or not core.bound:
-                scale = core.ensure(outputs.device)
+                scale = self._ensure(core, outputs.device)
             return outputs * scale.to(device=outputs.device, non_blocking=True)
         per_device: dict[torch.device, Tensor] = {}
 
@@ -311,7 +328,7 @@ class GradScaler:
             if isinstance(val, Tensor):
                 s = per_device.get(val.device)
                 if s is None:
-                    base = core.ensure(val.device)
+                    base = self._ensure(core, val.device)
                     s = per_device[val.device] = base.to(device=val.device, non_blocking=True)
                 return val * s
             if isinstance(val, Mapping):
@@ -364,10 +381,7 @@ class GradScaler:
         grads = self._grads_of(optimizer, allow_fp16)
         groups = _group(grads) if grads else {}
         if not allow_fp16 and any(dtype == torch.float16 for _dev, dtype in groups):
-            raise ValueError(
-                "Attempting to unscale FP16 gradients. GradScaler expects FP32 parameters (FP16 only in "
-                "autocast); for FP16 parameters use mixprec.MixedPrecision('fp16-master') or "
-                "mixprec.DynamicScaler, whose unscale_ accepts FP16 gradients.")
+            raise ValueError(_FP16_GRADS)
         found_inf = torch.zeros((), dtype=torch.float32, device=core.scale.device)
         if groups:
             _unscale_groups(groups, inv_scale, found_inf)
@@ -406,6 +420,42 @@ class GradScaler:
         state["found_inf_per_device"], found_inf = self._check_grads(optimizer, core.inv_scale(), allow_fp16=False)
         state["stage"] = OptState.UNSCALED
         return found_inf
+
+    def _unscale_grads_(self, optimizer: Any, inv_scale: Tensor, found_inf: Tensor,
+                        allow_fp16: bool) -> dict[torch.device, Tensor]:
+        """torch.amp.GradScaler's unscale helper, for code written against it (and torch's own tests).
+
+        Multiplies the optimizer's gradients in place by ``inv_scale`` and checks them for
+        inf/NaN, as torch: FP16 sparse gradients are coalesced first, and each gradient device
+        gets its own flag, a copy of ``found_inf`` (left unchanged) set to 1.0 on inf/NaN.
+        Unlike :meth:`unscale_` it records nothing and does not all-reduce across ranks. No host sync.
+
+        Args:
+            optimizer: The optimizer whose ``param_groups`` hold the gradients.
+            inv_scale: 1-element float32 tensor, the factor.
+            found_inf: 1-element float32 tensor the per-device flags start from.
+            allow_fp16: Whether FP16 gradients are accepted.
+
+        Returns:
+            ``{device: found_inf}``, one entry per device holding a gradient (``{}`` when none has one).
+
+        Raises:
+            ValueError: an FP16 gradient while ``allow_fp16`` is ``False`` (nothing unscaled then).
+        """
+        if not allow_fp16 and any(p.grad is not None and p.grad.dtype == torch.float16
+                                  for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(_FP16_GRADS)
+        grads = self._grads_of(optimizer, allow_fp16=True)
+        groups = _group(grads) if grads else {}
+        per_device: dict[torch.device, Tensor] = {}
+        for dev, _dtype in groups:
+            if dev not in per_device:
+                per_device[dev] = found_inf.to(dev, non_blocking=True, copy=True)
+        for dev, flag in per_device.items():
+            inv = inv_scale.to(dev, non_blocking=True).reshape(())
+            # a 0-d view: the fused kernel and its fallback write through it into the flag returned
+            _unscale_groups({k: g for k, g in groups.items() if k[0] == dev}, inv, flag.view(()))
+        return per_device
 
     # legacy protocol: optimizers whose step() takes ``grad_scaler`` call these (as with torch.amp)
     def _check_inf_per_device(self, optimizer: Any) -> dict[torch.device, Tensor]:
