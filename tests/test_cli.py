@@ -129,7 +129,7 @@ def test_unknown_subcommand_and_help(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_doctor_and_check_register_when_numerics_exists(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        import mixprec.numerics._cli  # noqa: F401
+        import mixprec.cli._doctor  # noqa: F401
     except ImportError:
         line = _one_line_error(capsys, main(["doctor"]))
         assert "mixprec doctor: unavailable" in line

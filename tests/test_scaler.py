@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import logging
 import math
 import pickle
@@ -390,6 +391,43 @@ def test_scale_nested_outputs():
     assert out["parts"][1][0].item() == 12.0 and out["parts"][1][1] == 7 and isinstance(out["parts"][1], tuple)
     assert isinstance(out["pair"], Pair) and out["pair"].x.item() == 2.0 and out["pair"].y.tolist() == [1, 2]
     assert out["name"] == "x"
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    n: int = 0
+
+
+@pytest.mark.parametrize("make", [lambda: StaticScaler(8.0), lambda: DynamicScaler(init_scale=8.0)],
+                         ids=["static", "dynamic"])
+def test_dataclass_namedtuple_and_dict_outputs_are_scaled_like_a_tensor(make):
+    # one tree map (mixprec._tree) for casting and loss scaling: dataclass outputs used to be cast but not scaled
+    s = make()
+    loss, logits, ids = torch.tensor(1.5), torch.tensor([0.25, -2.0]), torch.tensor([1, 2])
+    want_loss, want_logits = s.scale(loss), s.scale(logits)
+    assert want_loss.item() == 12.0
+    dc = s.scale(_Out(loss, logits, n=3))
+    assert type(dc) is _Out and dc.n == 3
+    assert torch.equal(dc.loss, want_loss) and torch.equal(dc.logits, want_logits)
+    nt = s.scale(Pair(loss, ids))
+    assert type(nt) is Pair and torch.equal(nt.x, want_loss) and nt.y is ids  # integer tensors are left alone
+    d = s.scale({"loss": loss, "logits": logits, "ids": ids})
+    assert type(d) is dict and list(d) == ["loss", "logits", "ids"]
+    assert torch.equal(d["loss"], want_loss) and torch.equal(d["logits"], want_logits) and d["ids"] is ids
+    # gradients flow through the rebuilt containers exactly as through the scaled tensor
+    w = torch.tensor(2.0, requires_grad=True)
+    s.scale(_Out(w * 3.0, w.reshape(1))).loss.backward()
+    assert w.grad is not None and w.grad.item() == 3.0 * 8.0
+
+
+def test_hugging_face_model_output_is_scaled():
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    s = DynamicScaler(init_scale=4.0)
+    out = s.scale(modeling_outputs.CausalLMOutput(loss=torch.tensor(2.0), logits=torch.ones(1, 2)))
+    assert type(out) is modeling_outputs.CausalLMOutput and list(out.keys()) == ["loss", "logits"]
+    assert out.loss.item() == 8.0 and out["loss"].item() == 8.0 and out.logits.tolist() == [[4.0, 4.0]]
 
 
 def test_scale_keeps_torch_dtype_promotion():

@@ -31,8 +31,7 @@ from ._master import MasterWeightOptimizer
 from ._policy import Policy
 from ._precision import MixedPrecision, StepInfo
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "DynamicScaler",

@@ -11,7 +11,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _op_nodes() -> tuple[Any, ...]:
     """The ``fp32_precision`` settings of CUDA matmul, cuDNN conv and cuDNN RNN (empty before torch 2.9)."""
     try:
-        nodes = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)  # type: ignore[attr-defined]
+        nodes = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)  # type: ignore[attr-defined]  # runtime-only (torch>=2.9)
         for node in nodes:
             node.fp32_precision  # noqa: B018 - probe: AttributeError before torch 2.9
     except AttributeError:
@@ -82,7 +82,7 @@ def _save_tf32() -> _TF32State:
     if matmul is not None and _OP_NODES:
         current = _read(torch.get_float32_matmul_precision)
         if current is not None and current != ("high" if matmul else "highest"):
-            precision, mkldnn = current, torch.backends.mkldnn.matmul.fp32_precision  # type: ignore[attr-defined]
+            precision, mkldnn = current, torch.backends.mkldnn.matmul.fp32_precision  # type: ignore[attr-defined]  # runtime-only (torch>=2.9)
     return _TF32State(
         matmul=matmul, cudnn=_read(_legacy_cudnn), matmul_precision=precision, mkldnn_matmul=mkldnn,
         strings=tuple(node.fp32_precision for node in _OP_NODES),
@@ -105,7 +105,7 @@ def _restore_tf32(saved: _TF32State) -> None:
     if saved.matmul is not None:
         if saved.matmul_precision is not None:
             torch.set_float32_matmul_precision(saved.matmul_precision)
-            torch.backends.mkldnn.matmul.fp32_precision = saved.mkldnn_matmul  # type: ignore[attr-defined]
+            torch.backends.mkldnn.matmul.fp32_precision = saved.mkldnn_matmul  # type: ignore[attr-defined]  # runtime-only (torch>=2.9)
         else:
             torch.backends.cuda.matmul.allow_tf32 = saved.matmul
     if saved.cudnn is not None:
@@ -283,7 +283,7 @@ class autocast:
             self.__exit__(None, None, None)
             return result
 
-        return wrapper  # type: ignore[return-value]
+        return cast(F, wrapper)
 
     @staticmethod
     def fp32(device_type: object = None) -> _FP32Region:
@@ -337,4 +337,4 @@ class _FP32Region:
             with self:
                 return fn(*cast_tree(args, torch.float32), **cast_tree(kwargs, torch.float32))
 
-        return wrapper  # type: ignore[return-value]
+        return cast(F, wrapper)

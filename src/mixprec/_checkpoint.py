@@ -244,7 +244,7 @@ def _fsync_directory(directory: str) -> None:
 
 
 def _mixprec_version() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return __version__
 

@@ -10,16 +10,28 @@ names; that is their public home.
   replicas' weights would drift apart).
 * :func:`local_grad`: the local shard of a DTensor gradient (FSDP2), for in-place unscaling.
 * :func:`is_distributed`, :func:`resolve_group`: the group questions both ask.
+* :func:`check_prepare_target` (with :func:`is_fsdp2`, :func:`check_fsdp_policy`,
+  :func:`fsdp_param_dtype`): what ``prepare`` checks of a DDP-wrapped or FSDP2-sharded model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["agree_found_inf_", "is_distributed", "local_grad", "resolve_group"]
+__all__ = [
+    "agree_found_inf_",
+    "check_fsdp_policy",
+    "check_prepare_target",
+    "fsdp_param_dtype",
+    "is_distributed",
+    "is_fsdp2",
+    "local_grad",
+    "resolve_group",
+]
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -110,3 +122,105 @@ def local_grad(t: Tensor) -> Tensor:
         return t
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+# ----- prepare-time checks of DDP and FSDP2 models --------------------------------------------------
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` or one of its submodules is sharded with FSDP2 (``fully_shard``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def check_fsdp_policy(policy: Any) -> None:
+    """Raise ``ValueError`` for a policy FSDP2 cannot represent (half parameters without FP32 masters)."""
+    if policy.param_dtype != torch.float32 and not policy.has_masters:
+        raise ValueError(
+            f"policy {policy.name or str(policy)!r} stores parameters in half precision without FP32 masters, which "
+            "FSDP2 cannot do: it keeps the sharded parameters in their original dtype and only casts the gathered "
+            "copy. Use 'bf16-master' / 'fp16-master' (FSDP2's FP32 shards are the masters) or a '*-mixed' policy."
+        )
+
+
+def fsdp_param_dtype(module: Any) -> tuple[bool, torch.dtype | None]:
+    """(known, param_dtype) of an FSDPModule's mixed-precision policy (private FSDP2 state)."""
+    try:
+        mp = module._get_fsdp_state()._mp_policy
+    except AttributeError:
+        return False, None
+    return True, mp.param_dtype
+
+
+def check_prepare_target(
+    model: nn.Module, policy: Any, grad_accumulation: str,
+    island_modules: Callable[[nn.Module, Any], Iterable[tuple[str, nn.Module]]],
+) -> bool:
+    """Validate a model handed to ``MixedPrecision.prepare``; return ``True`` for an FSDP2 model.
+
+    Args:
+        model: The model handed to ``prepare``.
+        policy: The run's :class:`mixprec.Policy`.
+        grad_accumulation: ``"fp32"`` or ``"compute"``.
+        island_modules: ``mixprec._casting.island_modules`` (passed in: this leaf imports nothing from mixprec).
+
+    Raises:
+        ValueError: a DDP-wrapped model (prepare the plain model, then ``mixprec.distributed.wrap_ddp``);
+            an FSDP2 model under a policy FSDP2 cannot represent, with ``grad_accumulation="compute"``,
+            or whose ``MixedPrecisionPolicy`` computes in another dtype than ``policy`` (each
+            message names the module and both dtypes).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            "prepare() got a DistributedDataParallel model. DDP builds its gradient buckets for the dtypes it sees, and "
+            "prepare() may change them; prepare the plain model, then wrap it: model, opt = prec.prepare(model, opt); "
+            "ddp = mixprec.distributed.wrap_ddp(prec, model)."
+        )
+    if not is_fsdp2(model):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    name = policy.name or str(policy)
+    check_fsdp_policy(policy)
+    if grad_accumulation != "fp32":
+        raise ValueError(
+            f"grad_accumulation={grad_accumulation!r} with FSDP2: FSDP2 accumulates gradients in its FP32 sharded "
+            "parameters' dtype, so compute-dtype accumulation is not available; use the default 'fp32'."
+        )
+    islands = {id(m) for _, m in island_modules(model, policy)} if policy.has_masters else set()
+    named = dict(model.named_modules())
+    want = policy.compute_dtype if policy.has_masters else None
+    for qname, mod in named.items():
+        if not isinstance(mod, FSDPModule):
+            continue
+        known, pdt = fsdp_param_dtype(mod)
+        if not known:
+            continue
+        pdt = None if pdt == torch.float32 else pdt
+        expect = None if id(mod) in islands else want
+        if pdt != expect:
+            raise ValueError(
+                f"FSDP2 module {qname or '<root>'!r} gathers parameters in {pdt or 'their FP32 dtype'} but policy "
+                f"{name!r} needs {expect or 'FP32 (autocast computes in ' + str(policy.compute_dtype) + ')'} there; "
+                "shard with mixprec.distributed.fully_shard(model, policy) or "
+                "mp_policy=mixprec.distributed.fsdp_mixed_precision(policy)."
+            )
+    if policy.has_masters:
+        # An island whose parameters sit in a half-precision FSDP group would compute in half.
+        for qname, mod in island_modules(model, policy):
+            if isinstance(mod, FSDPModule) or not any(True for _ in mod.parameters(recurse=False)):
+                continue
+            parts = qname.split(".") if qname else []
+            for k in range(len(parts) - 1, -1, -1):
+                owner = named.get(".".join(parts[:k]))
+                if isinstance(owner, FSDPModule):
+                    raise ValueError(
+                        f"FP32 island {qname!r} is not sharded on its own, so FSDP2 would gather its parameters in "
+                        f"{policy.compute_dtype} with its parent; shard it first (mixprec.distributed.fully_shard does) "
+                        "or drop it from the policy's fp32_islands."
+                    )
+    return True
+

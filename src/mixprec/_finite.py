@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -40,10 +41,11 @@ def _group(tensors: list[Tensor]) -> Groups:
 
     Complex groups are replaced by their real views (same memory, a real dtype).
     """
-    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)  # type: ignore[list-item]
+    # torch's stub takes and returns lists of Optional[Tensor]; ours hold no None, so none come back
+    grouped = torch._C._group_tensors_by_device_and_dtype([cast("list[Tensor | None]", tensors)], False)
     out: Groups = {}
     for (dev, dtype), (lists, _) in grouped.items():
-        group: list[Tensor] = lists[0]  # type: ignore[assignment]  # no None in: none out
+        group = cast("list[Tensor]", lists[0])
         if dtype.is_complex:  # complex64 -> float32 views: may join an existing float32 group
             group = [torch.view_as_real(t) for t in group]
             dtype = group[0].dtype

@@ -59,10 +59,10 @@ from ._scaler import (
     STATE_VERSION,
     OnFailure,
     Refill,
+    ScaleConfig,
+    ScaleCore,
     ScalerStateError,
-    _check_state_dict,
-    _Config,
-    _Core,
+    check_scaler_state,
 )
 from ._stepping import step_with_result
 
@@ -219,13 +219,13 @@ class GradScaler:
         # set by scale(), cleared by update(): a copy pickled in between must be able to step
         self._scaled_since_update = False
         self._resume_device: str | None = None
-        cfg = _Config(kind="dynamic", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+        cfg = ScaleConfig(kind="dynamic", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                       growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
                       max_scale=max_scale, refill=refill, on_failure=on_failure, patience=patience,
                       check_interval=check_interval, log_overflow=log_overflow, log_interval_s=log_interval_s,
                       history=history)
         self._cfg = cfg  # disabled: unvalidated, only read by the getters (as torch, which checks nothing then)
-        self._core: _Core | None = None
+        self._core: ScaleCore | None = None
         if not self._enabled:
             return
         # torch's two checks first, with its comparisons (so a str raises torch's TypeError) and its messages
@@ -241,7 +241,7 @@ class GradScaler:
             raise ScalerValueError(str(e)) from None
         # validation normalised the numbers to float; torch keeps what was passed (its getters and state_dict return it)
         cfg.growth_factor, cfg.backoff_factor = growth_factor, backoff_factor
-        self._core = _Core(cfg)
+        self._core = ScaleCore(cfg)
 
     # ----- torch-compatible private surface (read by Lightning, accelerate, mixprec.numerics) ------
     @property
@@ -258,7 +258,7 @@ class GradScaler:
         """The scale tensor without a host sync (``None`` before the first :meth:`scale`), as torch."""
         return self._scale
 
-    def _require_core(self, funcname: str) -> _Core:
+    def _require_core(self, funcname: str) -> ScaleCore:
         """The core with its tensors, or torch's error for a call before any ``scale()``."""
         core = self._core
         if core is not None and not core.materialised and self._resume_device is not None:
@@ -270,7 +270,7 @@ class GradScaler:
                 "scaler.scale(loss or outputs) earlier in the iteration.")
         return core
 
-    def _ensure(self, core: _Core, device: torch.device) -> Tensor:
+    def _ensure(self, core: ScaleCore, device: torch.device) -> Tensor:
         """``core.ensure``, first taking ``_init_scale``/``_init_growth_tracker`` written directly (as torch's lazy init).
 
         torch creates its tensors from these two attributes; ours mirror the core's state (set by
@@ -324,6 +324,7 @@ class GradScaler:
             return outputs * scale.to(device=outputs.device, non_blocking=True)
         per_device: dict[torch.device, Tensor] = {}
 
+        # not _tree.tree_map: torch's contract (any iterable, a lazy map for iterators, ValueError on a non-tensor)
         def apply(val: Any) -> Any:
             if isinstance(val, Tensor):
                 s = per_device.get(val.device)
@@ -334,7 +335,7 @@ class GradScaler:
             if isinstance(val, Mapping):
                 scaled = {k: apply(v) for k, v in val.items()}
                 try:
-                    return type(val)(scaled)  # type: ignore[call-arg]
+                    return type(val)(scaled)  # type: ignore[call-arg]  # Mapping constructors vary; TypeError handled below
                 except TypeError:  # e.g. a defaultdict, whose first argument is its factory
                     return scaled
             if isinstance(val, abc.Iterable) and not isinstance(val, (str, bytes)):
@@ -720,7 +721,7 @@ class GradScaler:
             raise ScalerStateKeyError(
                 f"GradScaler: not a loss-scaler state dict (missing {', '.join(map(repr, missing))}; got keys {keys}). "
                 "Pass the scaler's entry of a checkpoint (e.g. ckpt['scaler']), not the whole checkpoint.")
-        _check_state_dict(state_dict, "GradScaler", "dynamic")  # another scaler kind, a newer version
+        check_scaler_state(state_dict, "GradScaler", "dynamic")  # another scaler kind, a newer version
         core, cfg = self._core, self._cfg
         assert core is not None  # enabled (internal invariant)
         extra = {k: state_dict[k] for k in _EXTRA_RULE_KEYS if k in state_dict}
@@ -770,12 +771,12 @@ class GradScaler:
         core_state = state.pop("_core_state", None)
         self.__dict__.update(state)
         if core_state is not None:
-            core = _Core(self._cfg)
+            core = ScaleCore(self._cfg)
             core.load(core_state)
             self._core = core
         elif "_cfg" not in state:  # pickled by an earlier mixprec: the core pickled itself, tensors dropped
             old = state.get("_core")
-            self._cfg = old.cfg if old is not None else _Config(kind="dynamic")
+            self._cfg = old.cfg if old is not None else ScaleConfig(kind="dynamic")
             values = old.state() if old is not None else {"scale": 1.0, "_growth_tracker": 0}
             self._init_scale, self._init_growth_tracker = float(values["scale"]), int(values["_growth_tracker"])
             self._scaled_since_update, self._resume_device = False, None

@@ -67,7 +67,7 @@ class MasterGradView(torch.Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # the work is in __new__
         super().__init__()
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self) -> str:  # type: ignore[override]  # torch's __repr__ takes tensor_contents=, unused here
         g = self._master.grad
         state = "empty" if g is None else f"norm {float(g.norm()):.4g}"
         return f"MasterGradView(shape={tuple(self.shape)}, {self.dtype} parameter, FP32 master gradient: {state})"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from typing import Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
@@ -203,9 +203,9 @@ class Policy:
                 return preset
         return None
 
-    def replace(self, **changes: object) -> Policy:
+    def replace(self, **changes: Any) -> Policy:
         """Return a copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **changes)
 
     # ----- FP32 islands ------------------------------------------------------------------
     def is_fp32_island(self, module: nn.Module, qualified_name: str = "") -> bool:
@@ -322,10 +322,10 @@ class Policy:
             raise ValueError(f"policy {original!r}: tf32={tf32_txt!r}; use tf32=0 or tf32=1.")
         return cls(
             param_dtype=p, compute_dtype=c, output_dtype=o, master_dtype=m,
-            loss_scale=ls_kind,  # type: ignore[arg-type]
+            loss_scale=cast(LossScaleKind, ls_kind),  # the three strings are checked in _validate
             init_scale=init_scale, fp32_islands=islands, tf32=tf32_txt in ("1", "true", "on"),
-            compensation=fields.get("comp", "none").lower(),  # type: ignore[arg-type]
-            buffers=fields.get("b", "keep").lower(),  # type: ignore[arg-type]
+            compensation=cast(Compensation, fields.get("comp", "none").lower()),
+            buffers=cast(BufferCast, fields.get("b", "keep").lower()),
         )
 
 

@@ -34,7 +34,7 @@ from ._dtypes import parse_dtype
 from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_weight_edits
 from ._policy import Policy
 from ._prepare import check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
-from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler
+from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, check_scaler_state
 from ._stepping import OptimizerRecord, install_step_guard, remove_step_guard, step_optimizer
 
 __all__ = [
@@ -577,10 +577,9 @@ class MixedPrecision:
             raise ValueError("the checkpoint's optimizer parameter names differ from this run's (a different model?).")
         # What the loads below would only find out after the model was already overwritten:
         check_optimizer_entries(self.optimizers, sd["optimizers"])
-        if sd.get("scaler") is not None and getattr(self.scaler, "_kind", None) is not None:
-            from ._scaler import _check_state_dict
-
-            _check_state_dict(sd["scaler"], type(self.scaler).__name__, self.scaler._kind)  # type: ignore[attr-defined]
+        kind = getattr(self.scaler, "_kind", None)  # mixprec's scalers; a user's LossScaler checks its own
+        if sd.get("scaler") is not None and kind is not None:
+            check_scaler_state(sd["scaler"], type(self.scaler).__name__, kind)
         model.load_state_dict(sd["model"])
         named = dict(model.named_parameters())
         for opt, entry, pnames in zip(self.optimizers, sd["optimizers"], sd["param_names"]):
@@ -593,10 +592,11 @@ class MixedPrecision:
                 opt.load_state_dict(entry)
         if sd.get("scaler") is not None:
             self.scaler.load_state_dict(sd["scaler"])
-        typing_cast(torch.Tensor, self._applied_steps).copy_(sd["applied_steps"])
+        steps = typing_cast(torch.Tensor, self._applied_steps)
+        steps.copy_(sd["applied_steps"])
         iteration = sd.get("iteration") or {}
         pending = iteration.get("found_inf")
-        self._iteration_flags = [pending.to(self._applied_steps.device)] if pending is not None else []  # type: ignore[union-attr]
+        self._iteration_flags = [pending.to(steps.device)] if pending is not None else []
         stepped = iteration.get("stepped") or [False] * len(self.optimizers)
         for opt, was in zip(self.optimizers, stepped):
             rec = self._records[id(opt)]

@@ -59,8 +59,8 @@ def check_prepare(
             parameters; a parameter in two optimizers; half-precision parameters under a policy
             with FP32 parameters; a dtype the device cannot compute in.
     """
-    from ._casting import is_prepared
-    from .distributed import check_prepare_target
+    from ._casting import is_prepared, island_modules
+    from ._dist import check_prepare_target
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare(model, optimizer): model must be an nn.Module, got {type(model).__name__}")
@@ -75,7 +75,7 @@ def check_prepare(
             "or call mixprec.uncast_module(model) first."
         )
     # DDP: raises (prepare first, then mixprec.distributed.wrap_ddp). FSDP2: its FP32 shards are the masters.
-    fsdp = check_prepare_target(model, policy, grad_accumulation)
+    fsdp = check_prepare_target(model, policy, grad_accumulation, island_modules)
     model_params = list(model.parameters())
     by_id = {id(p): p for p in model_params}
     for i, opt in enumerate(optimizers):

@@ -1,6 +1,6 @@
 """Statistics, history and escalation bookkeeping of a loss scaler.
 
-The scale algorithm (backoff, hysteresis, growth, floor, ceiling) lives in ``_scaler._Core``;
+The scale algorithm (backoff, hysteresis, growth, floor, ceiling) lives in ``_scaler.ScaleCore``;
 this module records what happened and acts on it. :class:`ScaleHistory` keeps, on the device:
 
 * a ring buffer of ``(scale after the update, found_inf)``, one row per step, written by one
@@ -63,7 +63,7 @@ STATE_KEYS = ("steps", "skipped_steps", "consecutive_skips", "last_overflow_step
 
 
 class HistoryConfig(Protocol):
-    """The configuration fields the bookkeeping reads (``_scaler._Config`` has them).
+    """The configuration fields the bookkeeping reads (``_scaler.ScaleConfig`` has them).
 
     Read live at every use: ``load_state_dict`` may change ``min_scale``.
     """
@@ -292,7 +292,7 @@ class ScaleHistory:
         if cfg.on_failure == "raise":
             raise NumericsError(msg)
         # stacklevel 5: the frame it named before this code moved here (the scaler's update() on the periodic
-        # path, act <- _periodic_check <- record <- _Core.update <- update; the caller of statistics() there)
+        # path, act <- _periodic_check <- record <- ScaleCore.update <- update; the caller of statistics() there)
         warnings.warn(msg, RuntimeWarning, stacklevel=5)
         logger.warning(msg)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -38,6 +38,7 @@ from ._dist import agree_found_inf_
 from ._errors import unknown_choice
 from ._finite import unscale_and_check_
 from ._scale_history import STATE_KEYS, ScaleHistory, fresh_statistics, loaded_statistics
+from ._tree import tree_map
 
 __all__ = [
     "DynamicScaler",
@@ -104,7 +105,7 @@ def _check_int(name: str, value: Any, *, low: int, hint: str = "") -> int:
 
 
 @dataclasses.dataclass
-class _Config:
+class ScaleConfig:
     kind: Literal["noop", "static", "dynamic"]
     init_scale: float = 1.0
     growth_factor: float = 2.0
@@ -183,7 +184,7 @@ class _Config:
 # --------------------------------------------------------------------------------------------------
 # the device-resident state shared by every scaler (and by mixprec.GradScaler)
 # --------------------------------------------------------------------------------------------------
-class _Core:
+class ScaleCore:
     """Scale, growth tracker and hysteresis allowance as tensors on one device, and their history.
 
     The scale rule runs here (:meth:`update`, :meth:`_decide`). What happened is recorded by
@@ -192,7 +193,7 @@ class _Core:
     check (overflow log line, escalation), statistics.
     """
 
-    def __init__(self, config: _Config, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: ScaleConfig, device: torch.device | str | None = None) -> None:
         self.cfg = config
         self.explicit_device = torch.device(device) if device is not None else None
         self.bound = device is not None
@@ -375,7 +376,7 @@ class _Core:
 
 
 def _upgrade_pickled_core(d: dict[str, Any]) -> dict[str, Any]:
-    """A ``_Core.__dict__`` pickled by mixprec before ``_scale_history`` existed, in the current layout.
+    """A ``ScaleCore.__dict__`` pickled by mixprec before ``_scale_history`` existed, in the current layout.
 
     Those pickles kept the ring, counters and check bookkeeping on the core itself (tensors
     already dropped: the statistics are in ``pending_state``).
@@ -393,7 +394,7 @@ def _upgrade_pickled_core(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def _check_state_dict(sd: Any, owner: str, kind: str) -> Mapping[str, Any]:
+def check_scaler_state(sd: Any, owner: str, kind: str) -> Mapping[str, Any]:
     """Raise ScalerStateError naming the likely cause for an empty, foreign or newer state dict."""
     if not isinstance(sd, Mapping):
         raise ScalerStateError(f"{owner}.load_state_dict needs a dict from {owner}.state_dict(), got {type(sd).__name__}.")
@@ -465,21 +466,6 @@ class LossScaler(Protocol):
         ...
 
 
-def _scale_tree(obj: Any, scale_for: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj * scale_for(obj.device) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_scale_tree(v, scale_for) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_scale_tree(v, scale_for) for v in obj)
-    if isinstance(obj, Mapping):
-        try:
-            return type(obj)({k: _scale_tree(v, scale_for) for k, v in obj.items()})  # type: ignore[call-arg]
-        except TypeError:
-            return {k: _scale_tree(v, scale_for) for k, v in obj.items()}
-    return obj
-
-
 def _collect_grads(grads_or_params: Iterable[Tensor | None]) -> list[Tensor]:
     """Parameters (and leaf tensors that require grad) -> their ``.grad``; other tensors are gradients."""
     if isinstance(grads_or_params, Tensor):
@@ -510,22 +496,23 @@ def _collect_grads(grads_or_params: Iterable[Tensor | None]) -> list[Tensor]:
 
 
 class _ScalerBase:
-    """Shared implementation of the LossScaler protocol on top of :class:`_Core`."""
+    """Shared implementation of the LossScaler protocol on top of :class:`ScaleCore`."""
 
     _kind: Literal["noop", "static", "dynamic"]
     _owner = "Scaler"
 
-    def __init__(self, config: _Config, *, device: torch.device | str | None, process_group: Any) -> None:
+    def __init__(self, config: ScaleConfig, *, device: torch.device | str | None, process_group: Any) -> None:
         config.validate(type(self).__name__)
-        self._core = _Core(config, device)
+        self._core = ScaleCore(config, device)
         self.process_group = process_group
 
     # ----- per step --------------------------------------------------------------------------------
     def scale(self, outputs: T) -> T:
         """Multiply every floating tensor in ``outputs`` by the current scale.
 
-        Tensors may be nested in lists, tuples, namedtuples and dicts (containers are rebuilt);
-        non-floating tensors and other objects are returned as they are. The first call creates
+        Tensors may be nested in lists, tuples, named tuples, dicts (Hugging Face ``ModelOutput``
+        too) and dataclasses, rebuilt by :func:`mixprec._tree.tree_map`, the map that also casts
+        them; non-floating tensors and other objects are returned as they are. The first call creates
         the scaler's state on the first tensor's device (unless a device was given). No host sync.
 
         Args:
@@ -539,7 +526,7 @@ class _ScalerBase:
             if not outputs.is_floating_point():
                 return outputs
             scale = core.ensure(outputs.device)
-            return outputs * (scale if scale.device == outputs.device else scale.to(outputs.device, non_blocking=True))  # type: ignore[return-value]
+            return cast(T, outputs * (scale if scale.device == outputs.device else scale.to(outputs.device, non_blocking=True)))
         per_device: dict[torch.device, Tensor] = {}
 
         def scale_for(device: torch.device) -> Tensor:
@@ -549,7 +536,7 @@ class _ScalerBase:
                 s = per_device[device] = base if base.device == device else base.to(device, non_blocking=True)
             return s
 
-        return _scale_tree(outputs, scale_for)
+        return tree_map(lambda t: t * scale_for(t.device) if t.is_floating_point() else t, outputs)
 
     def unscale_(self, grads_or_params: Iterable[Tensor]) -> Tensor:
         """Divide gradients in place by the scale and check them for inf/NaN.
@@ -666,7 +653,7 @@ class NoOpScaler(_ScalerBase):
     def __init__(self, *, device: torch.device | str | None = None, process_group: Any = None,
                  history: int = DEFAULT_HISTORY, on_failure: OnFailure = "raise", patience: int = DEFAULT_PATIENCE,
                  check_interval: int = DEFAULT_CHECK_INTERVAL) -> None:
-        super().__init__(_Config(kind="noop", init_scale=1.0, history=history, on_failure=on_failure,
+        super().__init__(ScaleConfig(kind="noop", init_scale=1.0, history=history, on_failure=on_failure,
                                  patience=patience, check_interval=check_interval),
                          device=device, process_group=process_group)
 
@@ -680,7 +667,7 @@ class NoOpScaler(_ScalerBase):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output. Raises ScalerStateError (a ValueError) for empty/foreign dicts."""
-        sd = _check_state_dict(state_dict, "NoOpScaler", "noop")
+        sd = check_scaler_state(state_dict, "NoOpScaler", "noop")
         self._core.load({**sd, "scale": 1.0})
 
 
@@ -711,7 +698,7 @@ class StaticScaler(_ScalerBase):
     def __init__(self, scale: float = 1.0, *, device: torch.device | str | None = None, process_group: Any = None,
                  history: int = DEFAULT_HISTORY, on_failure: OnFailure = "raise", patience: int = DEFAULT_PATIENCE,
                  check_interval: int = DEFAULT_CHECK_INTERVAL) -> None:
-        super().__init__(_Config(kind="static", init_scale=scale, history=history, on_failure=on_failure,
+        super().__init__(ScaleConfig(kind="static", init_scale=scale, history=history, on_failure=on_failure,
                                  patience=patience, check_interval=check_interval),
                          device=device, process_group=process_group)
 
@@ -724,7 +711,7 @@ class StaticScaler(_ScalerBase):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the saved scale replaces ours). Raises ScalerStateError for empty/foreign dicts."""
-        sd = _check_state_dict(state_dict, "StaticScaler", "static")
+        sd = check_scaler_state(state_dict, "StaticScaler", "static")
         scale = _check_number("StaticScaler.load_state_dict: scale", sd.get("scale", self._core.cfg.init_scale),
                               low=0.0, low_open=True)
         self._core.load({**sd, "scale": scale})
@@ -823,7 +810,7 @@ class DynamicScaler(_ScalerBase):
     ) -> None:
         if on_failure is None:
             on_failure = "raise" if min_scale is not None else "ignore"  # no floor: nothing to escalate
-        cfg = _Config(kind="dynamic", init_scale=init_scale, growth_factor=growth_factor,
+        cfg = ScaleConfig(kind="dynamic", init_scale=init_scale, growth_factor=growth_factor,
                       backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis,
                       min_scale=min_scale, max_scale=max_scale, refill=refill, on_failure=on_failure,
                       patience=patience, check_interval=check_interval, log_overflow=log_overflow,
@@ -860,5 +847,10 @@ class DynamicScaler(_ScalerBase):
             ScalerStateError (a ValueError): empty dict (a disabled scaler saves ``{}``), a foreign
                 dict (another scaler kind, a whole checkpoint), or a newer version.
         """
-        sd = _check_state_dict(state_dict, "DynamicScaler", "dynamic")
+        sd = check_scaler_state(state_dict, "DynamicScaler", "dynamic")
         self._core.load(sd)
+
+
+# Pickles of GradScaler written by mixprec 0.1 name these classes by their old private names.
+_Core = ScaleCore
+_Config = ScaleConfig

@@ -26,6 +26,9 @@ from torch import Tensor, nn
 # The rank agreement and local shards live in the private leaf ``_dist`` (the core imports them
 # from there, so the core never imports this module back); this is their public home.
 from ._dist import agree_found_inf_, is_distributed, resolve_group
+from ._dist import check_fsdp_policy as _check_fsdp_policy
+from ._dist import check_prepare_target as check_prepare_target  # explicit re-export (not in __all__, as before)
+from ._dist import is_fsdp2 as _is_fsdp2
 from ._dist import local_grad as local_grad  # explicit re-export (not in __all__, as before)
 
 if TYPE_CHECKING:  # core modules are imported inside the functions that need them (this module sits on top)
@@ -252,19 +255,11 @@ def wrap_ddp(
             o.copy_to_model_()
     scaler = prec.scaler
     if process_group is not None and getattr(scaler, "process_group", "absent") is None:
-        scaler.process_group = process_group  # type: ignore[attr-defined]
+        scaler.process_group = process_group  # type: ignore[attr-defined]  # not in the LossScaler protocol; presence checked above
     return ddp
 
 
 # ----- FSDP2 ----------------------------------------------------------------------------------------
-def _is_fsdp2(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
 def fsdp_mixed_precision(
     policy: Policy | str, *, reduce_dtype: ReduceDtype = None, island: bool = False, root: bool = False
 ) -> Any:
@@ -304,15 +299,6 @@ def fsdp_mixed_precision(
         output_dtype=policy.output_dtype if (root and policy.has_masters) else None,
         cast_forward_inputs=True,
     )
-
-
-def _check_fsdp_policy(policy: Policy) -> None:
-    if policy.param_dtype != torch.float32 and not policy.has_masters:
-        raise ValueError(
-            f"policy {policy.name or str(policy)!r} stores parameters in half precision without FP32 masters, which "
-            "FSDP2 cannot do: it keeps the sharded parameters in their original dtype and only casts the gathered "
-            "copy. Use 'bf16-master' / 'fp16-master' (FSDP2's FP32 shards are the masters) or a '*-mixed' policy."
-        )
 
 
 def fully_shard(
@@ -361,78 +347,3 @@ def fully_shard(
         _fully_shard(mod, mp_policy=inner, **fsdp_kwargs)
     _fully_shard(model, mp_policy=fsdp_mixed_precision(policy, reduce_dtype=reduce_dtype, root=True), **fsdp_kwargs)
     return model
-
-
-def _fsdp_param_dtype(module: Any) -> tuple[bool, torch.dtype | None]:
-    """(known, param_dtype) of an FSDPModule's mixed-precision policy (private FSDP2 state)."""
-    try:
-        mp = module._get_fsdp_state()._mp_policy
-    except AttributeError:
-        return False, None
-    return True, mp.param_dtype
-
-
-def check_prepare_target(model: nn.Module, policy: Policy, grad_accumulation: str) -> bool:
-    """Validate a model handed to ``MixedPrecision.prepare``; return ``True`` for an FSDP2 model.
-
-    Raises:
-        ValueError: a DDP-wrapped model (prepare the plain model, then :func:`wrap_ddp`); an FSDP2
-            model under a policy FSDP2 cannot represent, with ``grad_accumulation="compute"``, or
-            whose ``MixedPrecisionPolicy`` computes in another dtype than ``policy`` (each
-            message names the module and both dtypes).
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ._casting import island_modules
-
-    if isinstance(model, DistributedDataParallel):
-        raise ValueError(
-            "prepare() got a DistributedDataParallel model. DDP builds its gradient buckets for the dtypes it sees, and "
-            "prepare() may change them; prepare the plain model, then wrap it: model, opt = prec.prepare(model, opt); "
-            "ddp = mixprec.distributed.wrap_ddp(prec, model)."
-        )
-    if not _is_fsdp2(model):
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    name = policy.name or str(policy)
-    _check_fsdp_policy(policy)
-    if grad_accumulation != "fp32":
-        raise ValueError(
-            f"grad_accumulation={grad_accumulation!r} with FSDP2: FSDP2 accumulates gradients in its FP32 sharded "
-            "parameters' dtype, so compute-dtype accumulation is not available; use the default 'fp32'."
-        )
-    islands = {id(m) for _, m in island_modules(model, policy)} if policy.has_masters else set()
-    named = dict(model.named_modules())
-    want = policy.compute_dtype if policy.has_masters else None
-    for qname, mod in named.items():
-        if not isinstance(mod, FSDPModule):
-            continue
-        known, pdt = _fsdp_param_dtype(mod)
-        if not known:
-            continue
-        pdt = None if pdt == torch.float32 else pdt
-        expect = None if id(mod) in islands else want
-        if pdt != expect:
-            raise ValueError(
-                f"FSDP2 module {qname or '<root>'!r} gathers parameters in {pdt or 'their FP32 dtype'} but policy "
-                f"{name!r} needs {expect or 'FP32 (autocast computes in ' + str(policy.compute_dtype) + ')'} there; "
-                "shard with mixprec.distributed.fully_shard(model, policy) or "
-                "mp_policy=mixprec.distributed.fsdp_mixed_precision(policy)."
-            )
-    if policy.has_masters:
-        # An island whose parameters sit in a half-precision FSDP group would compute in half.
-        for qname, mod in island_modules(model, policy):
-            if isinstance(mod, FSDPModule) or not any(True for _ in mod.parameters(recurse=False)):
-                continue
-            parts = qname.split(".") if qname else []
-            for k in range(len(parts) - 1, -1, -1):
-                owner = named.get(".".join(parts[:k]))
-                if isinstance(owner, FSDPModule):
-                    raise ValueError(
-                        f"FP32 island {qname!r} is not sharded on its own, so FSDP2 would gather its parameters in "
-                        f"{policy.compute_dtype} with its parent; shard it first (mixprec.distributed.fully_shard does) "
-                        "or drop it from the policy's fp32_islands."
-                    )
-    return True
-

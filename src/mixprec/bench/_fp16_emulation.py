@@ -193,6 +193,8 @@ _PASSTHROUGH_CACHE: dict[Any, bool] = {}
 _WRITTEN_CACHE: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
 
 
+# The helpers below walk aten arguments under __torch_dispatch__: tensors and one level of tensor lists
+# (op schemas), never user containers, on the per-op hot path; so they are not mixprec._tree.
 def _any_half(values: Any) -> bool:
     for v in values:
         if isinstance(v, torch.Tensor):

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._master_grad import is_view
+from .._tree import tree_leaves
 
 __all__ = ["LiveTensorTracker", "StepMemory", "measure_step_memory", "model_state_bytes", "state_tensors"]
 
@@ -74,6 +75,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
 
 def _storages(values: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
+    # aten arguments under __torch_dispatch__ (tensors and tensor lists, never user containers): not _tree, on the hot path
     for v in values:
         if isinstance(v, torch.Tensor):
             # A master-gradient view has no storage of its own (its master's gradient is counted).
@@ -108,7 +110,7 @@ def state_tensors(model: nn.Module, optimizer: Any = None) -> list[torch.Tensor]
         state = getattr(opt, "state", {})
         values = state.values() if hasattr(state, "values") else []
         for s in values:
-            _collect(s, out)
+            out.extend(tree_leaves(s))
         for attr in ("masters", "_masters"):
             m = getattr(opt, attr, None)
             if isinstance(m, (list, tuple)):
@@ -123,17 +125,6 @@ def state_tensors(model: nn.Module, optimizer: Any = None) -> list[torch.Tensor]
 
     visit_opt(optimizer)
     return out
-
-
-def _collect(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _collect(v, out)
 
 
 def model_state_bytes(model: nn.Module, optimizer: Any = None) -> int:

@@ -42,6 +42,8 @@ from torch import nn
 
 from .._errors import closest
 from .._policy import PRESETS, Policy
+from .._tree import tree_map
+from ._environment import environment
 from ._fp16_emulation import FP16Emulation
 from ._memory import measure_step_memory, model_state_bytes, parameter_count
 from ._timing import count_flops, peak_tflops, summarize, timed
@@ -198,18 +200,11 @@ def _json_safe(obj: Any) -> Any:
 
 # ----- helpers ------------------------------------------------------------------------------------
 def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=False)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
+    return tree_map(lambda t: t.to(device, non_blocking=False), obj)
 
 
 def _hash_tensors(objs: Any) -> str:
+    # not mixprec._tree: the hash covers dict keys and non-tensor leaves too, not only the tensors
     h = hashlib.sha256()
 
     def visit(o: Any) -> None:
@@ -648,7 +643,7 @@ def run_compare(
             progress("done", row.label, steps, steps)
     _gaps(rows, w)
 
-    env = _environment(dev)
+    env = environment(dev)
     notes = _notes(dev, rows, emulate, amp_dtypes, env)
     workload_info = {
         "name": w.name, "description": w.description, "parameters": n_params, "unit": unit,
@@ -722,12 +717,6 @@ def _gaps(rows: list[RowResult], w: Workload) -> None:
             r.val_loss_gap = r.val_loss - ref.val_loss
         if r.val_metric is not None and ref.val_metric is not None:
             r.val_metric_gap = r.val_metric - ref.val_metric
-
-
-def _environment(dev: torch.device) -> dict[str, Any]:
-    from ._report import environment
-
-    return environment(dev)
 
 
 def _notes(dev: torch.device, rows: list[RowResult], emulate: bool, amp_dtypes: list[torch.dtype],

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import closest, unknown_choice
+from .._tree import tree_leaves
 
 __all__ = ["BUILTIN_WORKLOADS", "BenchError", "Workload", "load_workload"]
 
@@ -100,16 +101,7 @@ class Workload:
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for x in obj:
-            t = _first_tensor(x)
-            if t is not None:
-                return t
-    return None
+    return next(tree_leaves(obj), None)
 
 
 # ----- text data shared by gpt and hf-gpt2 --------------------------------------------------------
@@ -284,7 +276,7 @@ _CNN_DEFAULTS: dict[str, Any] = dict(width=16, batch_size=64, lr=3e-3, weight_de
 def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     if "digits" not in _TEXT_CACHE:
         try:
-            from sklearn.datasets import load_digits  # type: ignore[import-untyped, unused-ignore]
+            from sklearn.datasets import load_digits
         except ImportError:
             raise BenchError(
                 "the cnn workload needs scikit-learn (its bundled digits data set): pip install scikit-learn"

@@ -14,7 +14,7 @@
   :func:`preflight` warns or raises on it (never switches precision).
 * :func:`audit`: the dtypes actually used for parameters, masters, gradients, accumulation,
   optimizer states and communication, with silent downgrades flagged.
-* The ``mixprec doctor`` and ``mixprec check`` commands (``mixprec.numerics._cli``).
+* The ``mixprec doctor`` and ``mixprec check`` commands (``mixprec.cli._doctor``, ``mixprec.cli._check``).
 """
 
 from ._audit import AuditResult, AuditRow, audit

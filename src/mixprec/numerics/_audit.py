@@ -122,13 +122,13 @@ class AuditResult:
         return self.table()
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     if not n:
         return ""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return str(n)
 
 

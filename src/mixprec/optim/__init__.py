@@ -23,7 +23,8 @@ Example:
 """
 
 from ._adamw import Adam, AdamW
-from ._base import Compensation, LowPrecisionOptimizer, from_torch
+from ._base import Compensation, LowPrecisionOptimizer
+from ._convert import from_torch
 from ._rounding import kahan_add_, stochastic_round
 from ._sgd import SGD
 

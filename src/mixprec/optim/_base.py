@@ -57,7 +57,7 @@ from .._dtypes import dtype_name, parse_dtype
 from .._errors import unknown_choice
 from ._rounding import stochastic_round
 
-__all__ = ["Compensation", "LowPrecisionOptimizer", "from_torch"]
+__all__ = ["Compensation", "LowPrecisionOptimizer"]
 
 Compensation = Literal["kahan", "stochastic", "none"]
 _HALF = (torch.bfloat16, torch.float16)
@@ -480,7 +480,7 @@ class LowPrecisionOptimizer(Optimizer):
                 invent compensation buffers); an unknown ``version``.
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)  # type: ignore[arg-type]
+            result = pre_hook(self, state_dict)  # type: ignore[arg-type]  # torch types it dict; any Mapping passes through, as in torch
             if result is not None:
                 state_dict = result
         meta = state_dict.get("mixprec")
@@ -672,100 +672,3 @@ def _device_ctx(device: torch.device, grad_scale: Tensor | float | None, found_i
         skip = f != 0
         keep = (~skip).to(torch.float32)
     return _DeviceCtx(scale, skip, keep)
-
-
-# ----- conversion from torch.optim ----------------------------------------------------------------------------------
-_IGNORED_TORCH_KEYS = ("foreach", "fused", "capturable")
-
-
-def from_torch(
-    optimizer: Optimizer,
-    compensation: Compensation = "kahan",
-    state_dtype: torch.dtype | str = torch.float32,
-    *,
-    seed: int | None = None,
-    generator: torch.Generator | None = None,
-    chunk_numel: int = DEFAULT_CHUNK_NUMEL,
-) -> LowPrecisionOptimizer:
-    """Convert a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` into the mixprec optimizer of the same algorithm.
-
-    * ``AdamW`` -> :class:`mixprec.optim.AdamW`; ``Adam`` -> :class:`mixprec.optim.Adam` (L2
-      weight decay added to the gradient, as torch's Adam, or decoupled when the torch group says
-      ``decoupled_weight_decay=True``); ``SGD`` -> :class:`mixprec.optim.SGD`.
-    * ``param_groups``: the converted optimizer uses *the same group dicts* as ``optimizer``, so an
-      LR scheduler built on the torch optimizer keeps driving the learning rate. Keys mixprec
-      does not use (``foreach``, ``fused``, ``capturable``) stay in them and are ignored.
-    * State (step counts, moments, momentum buffers) is carried over into ``state_dtype`` on each
-      parameter's device; tensors already in the right dtype/device are shared, not copied.
-      Compensation buffers start at zero: call :meth:`~LowPrecisionOptimizer.load_full_precision_params_`
-      with the FP32 weights to seed them with what a cast to half precision lost.
-
-    Do not step ``optimizer`` afterwards.
-
-    Args:
-        optimizer: The torch optimizer (exactly one of the three classes; subclasses may change
-            the algorithm and are refused).
-        compensation: ``"kahan"`` (default), ``"stochastic"`` or ``"none"``.
-        state_dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
-        seed, generator, chunk_numel: As the mixprec optimizers' constructors.
-
-    Returns:
-        The new optimizer.
-
-    Raises:
-        TypeError: any other optimizer class (the message lists the supported ones), or an
-            optimizer that is already a mixprec optimizer.
-        ValueError: ``differentiable=True`` (mixprec's optimizers are not differentiable), or an
-            invalid compensation/state_dtype.
-
-    Example:
-        >>> model = torch.nn.Linear(4, 2)
-        >>> opt = from_torch(torch.optim.AdamW(model.parameters(), lr=1e-3), compensation="kahan")
-        >>> type(opt).__module__, type(opt).__name__
-        ('mixprec.optim._adamw', 'AdamW')
-    """
-    from ._adamw import Adam, AdamW
-    from ._sgd import SGD
-
-    if isinstance(optimizer, LowPrecisionOptimizer):
-        raise TypeError(f"from_torch: the optimizer is already a mixprec.optim.{type(optimizer).__name__}; use it as is.")
-    table: dict[type, Any] = {
-        torch.optim.AdamW: AdamW, torch.optim.Adam: Adam, torch.optim.SGD: SGD,
-    }
-    cls = table.get(type(optimizer))
-    if cls is None:
-        raise TypeError(
-            f"from_torch converts torch.optim.AdamW, torch.optim.Adam and torch.optim.SGD; got "
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. For another optimizer keep FP32 master "
-            "weights instead (MasterWeightOptimizer, or a '*-master' policy)."
-        )
-    for i, g in enumerate(optimizer.param_groups):
-        if g.get("differentiable", False):
-            raise ValueError(f"from_torch: param group {i} has differentiable=True; mixprec's optimizers are not "
-                             "differentiable. Build the torch optimizer with differentiable=False.")
-    groups = []
-    for g in optimizer.param_groups:
-        ng = {k: v for k, v in g.items() if k not in _IGNORED_TORCH_KEYS and k != "differentiable"}
-        if cls is Adam and "decoupled_weight_decay" not in ng:
-            ng["decoupled_weight_decay"] = False
-        if cls is AdamW:
-            ng["decoupled_weight_decay"] = True
-        groups.append(ng)
-    new = cls(groups, compensation=compensation, state_dtype=state_dtype, seed=seed, generator=generator,
-              chunk_numel=chunk_numel)
-    # Share the group dicts so schedulers bound to the torch optimizer keep working.
-    for g, ng in zip(optimizer.param_groups, new.param_groups):
-        for k, v in ng.items():
-            g.setdefault(k, v)
-    new.param_groups = optimizer.param_groups
-    # An LR scheduler built on the torch optimizer checks (once, at its first step) that the torch
-    # optimizer's step ran; the converted optimizer steps instead, so say so to avoid a false warning.
-    optimizer._opt_called = True  # type: ignore[attr-defined]
-    new.defaults = {**optimizer.defaults, **new.defaults}
-    for g in new.param_groups:
-        for p in g["params"]:
-            st = optimizer.state.get(p)
-            if st:
-                new.state[p] = new._import_state(p, g, st, copy=False)
-    return new
-

@@ -1,7 +1,6 @@
-"""The ``mixprec`` command: ``compare`` (this module), ``doctor`` and ``check`` (mixprec.numerics).
+"""``mixprec compare``: one workload under each precision preset and torch.amp, side by side.
 
-Exit codes: 0 success, 1 a failure while running, 2 bad arguments (one line on stderr,
-never a traceback), 130 interrupted.
+The work is :func:`mixprec.bench.run_compare`; this module parses the arguments and prints.
 """
 
 from __future__ import annotations
@@ -9,10 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-__all__ = ["build_parser", "main"]
+from ._common import UsageError, parse_option
+
+__all__ = ["add_compare"]
 
 _EPILOG_COMPARE = """\
 examples:
@@ -30,31 +30,6 @@ speed-ups.
 """
 
 
-class UsageError(Exception):
-    """Bad command-line arguments: printed as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
-
-
-def _parse_option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise UsageError(f"mixprec compare: error: -o/--option expects KEY=VALUE, got {text!r} (e.g. -o n_layer=4)")
-    v: Any = value.strip()
-    for conv in (int, float):
-        try:
-            v = conv(value)
-            break
-        except ValueError:
-            continue
-    if isinstance(v, str) and v.lower() in ("true", "false"):
-        v = v.lower() == "true"
-    return key.strip(), v
-
-
 def _baseline_arg(text: str) -> str:
     parts = [p.strip().lower() for p in text.split(",") if p.strip()]
     allowed = ("auto", "fp16", "bf16", "none")
@@ -64,7 +39,8 @@ def _baseline_arg(text: str) -> str:
     return ",".join(parts)
 
 
-def _add_compare(subparsers: Any) -> None:
+def add_compare(subparsers: Any) -> None:
+    """Add the ``compare`` subcommand to ``mixprec``'s parser."""
     p = subparsers.add_parser(
         "compare",
         help="train one model under each precision preset and torch.amp, side by side",
@@ -98,62 +74,16 @@ def _add_compare(subparsers: Any) -> None:
     p.set_defaults(func=_cmd_compare)
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, str | None]:
-    """The ``mixprec`` parser, and why ``doctor``/``check`` are missing (``None`` when present)."""
-    from . import __version__
 
-    parser = _Parser(prog="mixprec", description="Mixed-precision training for PyTorch: benchmark and diagnostics.")
-    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    _add_compare(subparsers)
-    missing: str | None = None
-    try:
-        from .numerics import _cli as numerics_cli  # type: ignore[import-not-found, unused-ignore]
-    except ModuleNotFoundError as e:
-        missing = f"not installed in this build ({e})"
-    except Exception as e:  # a broken numerics module must not take `compare` down with it
-        missing = f"failed to load: {type(e).__name__}: {e}"
-    else:
-        try:
-            numerics_cli.register(subparsers)
-        except Exception as e:
-            missing = f"failed to register: {type(e).__name__}: {e}"
-    return parser, missing
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``mixprec`` command line; returns the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    try:
-        parser, numerics_missing = build_parser()
-        if args_list and args_list[0] in ("doctor", "check") and numerics_missing:
-            raise UsageError(f"mixprec {args_list[0]}: unavailable: mixprec.numerics is {numerics_missing}")
-        try:
-            args = parser.parse_args(args_list)
-        except SystemExit as e:  # --help / --version
-            return int(e.code or 0) if not isinstance(e.code, str) else 2
-        if getattr(args, "func", None) is None:
-            parser.print_help(sys.stderr)
-            return 2
-        args.argv = None if argv is None else list(argv)
-        return int(args.func(args))
-    except UsageError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("mixprec: interrupted", file=sys.stderr)
-        return 130
-
-
-# ----- compare ------------------------------------------------------------------------------------
+# ----- the command ------------------------------------------------------------------------------------
 def _cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
-    from .bench import BenchError
+    from ..bench import BenchError
 
     prog = "mixprec compare"
     try:
-        options = dict(_parse_option(o) for o in args.option)
+        options = dict(parse_option(o) for o in args.option)
         if args.threads is not None:
             if args.threads < 1:
                 raise BenchError(f"--threads {args.threads}: must be at least 1")
@@ -179,9 +109,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from pathlib import Path
 
-    from .bench import parse_presets, resolve_device, run_compare
-    from .bench._plots import write_plots
-    from .bench._report import print_report, write_json
+    from ..bench import parse_presets, resolve_device, run_compare
+    from ..bench._plots import write_plots
+    from ..bench._report import print_report, write_json
 
     device = resolve_device(args.device)
     presets = parse_presets(args.presets, device)  # validates before the (slower) workload build
@@ -286,7 +216,3 @@ class _Progress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

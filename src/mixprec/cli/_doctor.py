@@ -1,8 +1,8 @@
-"""``mixprec doctor`` and ``mixprec check``: the numerics diagnostics on the command line.
+"""``mixprec doctor``: check, monitor, report and audit a workload for a policy.
 
-``mixprec.cli`` builds the parser and calls :func:`register`. Exit codes: 0 done (for
-``check``: pass or warn), 1 the pre-flight check failed or the run failed, 2 bad arguments
-(one line on stderr, never a traceback; set ``MIXPREC_DEBUG=1`` for tracebacks of run failures).
+:func:`run_doctor` is the engine (importable without the command line); the rest parses the
+arguments and prints. Exit codes: 0 done, 1 the pre-flight check failed or the run failed, 2 bad
+arguments (one line on stderr, never a traceback; set ``MIXPREC_DEBUG=1`` for tracebacks of run failures).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import itertools
 import json
 import os
 import sys
@@ -18,11 +17,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DoctorResult", "register", "run_doctor"]
+from .._autocast import autocast
+from .._policy import Policy
+from ..numerics import NumericsMonitor, audit, check
+from ..numerics._report import jsonable
+from . import _common
+from ._common import WORKLOAD_HELP, ArgError, add_common
 
-_WORKLOAD_HELP = ("gpt, cnn, hf-gpt2, or MODULE:FUNCTION where FUNCTION(**options) returns a mixprec.bench.Workload "
-                  "or a 4-tuple (model, optimizer_fn, batches, loss_fn): optimizer_fn(params) -> optimizer, batches "
-                  "an iterable of batches, loss_fn(model, batch) -> scalar loss")
+__all__ = ["DoctorResult", "add_doctor", "run_doctor"]
 
 _EPILOG_DOCTOR = """\
 what it does:
@@ -46,79 +48,6 @@ examples:
 exit status: 0 done, 1 the pre-flight check failed (or the run failed), 2 bad arguments.
 """
 
-_EPILOG_CHECK = """\
-examples:
-  mixprec check my_model:make --policy fp16-mixed
-  mixprec check gpt -p bf16-master --json check.json
-
-The model runs twice on the first batch, in FP32 and under the policy (deep copies; nothing is
-changed). Exit status: 0 pass or warn, 1 fail, 2 bad arguments.
-"""
-
-
-class _ArgError(Exception):
-    """Bad input: one line on stderr, exit status 2."""
-
-
-# ----- helpers ----------------------------------------------------------------------------------------
-def _options(items: list[str]) -> dict[str, Any]:
-    from ..cli import UsageError, _parse_option
-
-    out: dict[str, Any] = {}
-    for text in items:
-        try:
-            k, v = _parse_option(text)
-        except UsageError:
-            raise _ArgError(f"-o/--option expects KEY=VALUE, got {text!r} (e.g. -o n_layer=4)") from None
-        out[k] = v
-    return out
-
-
-def _policy(text: str) -> Any:
-    from .._policy import Policy
-
-    try:
-        return Policy.parse(text)
-    except (ValueError, TypeError) as e:
-        raise _ArgError(f"--policy: {e}") from None
-
-
-def _device(text: str) -> Any:
-    import torch
-
-    if text in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(text)
-    except (RuntimeError, TypeError):
-        raise _ArgError(f"--device {text!r}: use auto, cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise _ArgError("--device cuda was asked for but no CUDA device is available")
-    return dev
-
-
-def _load(spec: str, options: dict[str, Any]) -> Any:
-    """The workload, via mixprec.bench.load_workload (its errors are user errors)."""
-    from ..bench import BenchError, load_workload
-
-    try:
-        return load_workload(spec, **options)
-    except BenchError as e:
-        raise _ArgError(str(e)) from None
-
-
-def _to_device(obj: Any, device: Any) -> Any:
-    from ._tree import map_tensors
-
-    return map_tensors(obj, lambda t: t.to(device))
-
-
-def _first_batches(workload: Any, n: int, device: Any) -> list[Any]:
-    batches = list(itertools.islice(iter(workload.batches), n))
-    if not batches:
-        raise _ArgError(f"workload {workload.name!r} yields no batches")
-    return [_to_device(b, device) for b in batches]
-
 
 def _scale_for(policy: Any, check_result: Any) -> float:
     if policy.loss_scale == "none":
@@ -130,7 +59,6 @@ def _scale_for(policy: Any, check_result: Any) -> float:
     return 2.0**16 if policy.loss_scale == "dynamic" else 1.0
 
 
-# ----- doctor --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class DoctorResult:
     """Everything ``mixprec doctor`` found (see :func:`run_doctor`)."""
@@ -147,8 +75,6 @@ class DoctorResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (schema ``mixprec.doctor/1``)."""
-        from ._report import jsonable
-
         return {
             "schema": "mixprec.doctor/1", "workload": self.workload, "policy": self.policy, "device": self.device,
             "steps": self.steps, "losses": jsonable(self.losses), "report": self.report.to_dict(),
@@ -178,18 +104,12 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
     """
     import torch
 
-    from .._autocast import autocast
-    from .._policy import Policy
-    from ._audit import audit
-    from ._check import check
-    from ._monitor import NumericsMonitor
-
     pol = Policy.parse(policy)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    w = _load(workload, options or {}) if isinstance(workload, str) else workload
+    w = _common.load(workload, options or {}) if isinstance(workload, str) else workload
     notes: list[str] = []
     base = w.model.to(dev)
-    batches = _first_batches(w, max(steps, 1), dev)
+    batches = _common.first_batches(w, max(steps, 1), dev)
 
     check_result = check(base, batches[0], pol, w.loss_fn, seed=seed) if run_check else None
 
@@ -231,28 +151,28 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
 def _cmd_doctor(args: argparse.Namespace) -> int:
     prog = "mixprec doctor"
     try:
-        options = _options(args.option)
-        pol = _policy(args.policy)
-        dev = _device(args.device)
+        opts = _common.options(args.option)
+        pol = _common.policy(args.policy)
+        dev = _common.device(args.device)
         if args.steps < 1:
-            raise _ArgError(f"--steps {args.steps}: need at least 1")
+            raise ArgError(f"--steps {args.steps}: need at least 1")
         if args.every < 1:
-            raise _ArgError(f"--every {args.every}: need at least 1")
+            raise ArgError(f"--every {args.every}: need at least 1")
         if args.threads is not None:
             if args.threads < 1:
-                raise _ArgError(f"--threads {args.threads}: must be at least 1")
+                raise ArgError(f"--threads {args.threads}: must be at least 1")
             import torch
 
             torch.set_num_threads(args.threads)
         if not args.no_plot:
             try:
-                from ._plots import _pyplot
+                from ..numerics._plots import _pyplot
 
                 _pyplot()
             except ImportError as e:
-                raise _ArgError(f"{e} (or pass --no-plot)") from None
-        w = _load(args.workload, options)
-    except _ArgError as e:
+                raise ArgError(f"{e} (or pass --no-plot)") from None
+        w = _common.load(args.workload, opts)
+    except ArgError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     json_to_stdout = args.json == "-"
@@ -262,7 +182,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     try:
         res = run_doctor(w, pol, steps=args.steps, every=args.every, device=dev, seed=args.seed,
                          run_check=not args.no_check)
-    except _ArgError as e:
+    except ArgError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
@@ -283,7 +203,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     written = []
     out = Path(args.out)
     if not args.no_plot:
-        from ._plots import plot_gradient_histogram
+        from ..numerics._plots import plot_gradient_histogram
 
         written.append(plot_gradient_histogram(res.report, out / "doctor-grad-hist.png",
                                                title=f"{w.name}: activation-gradient magnitudes (FP32 run, "
@@ -302,50 +222,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if res.check is not None and res.check.verdict == "fail" else 0
 
 
-# ----- check --------------------------------------------------------------------------------------------
-def _cmd_check(args: argparse.Namespace) -> int:
-    prog = "mixprec check"
-    try:
-        options = _options(args.option)
-        pol = _policy(args.policy)
-        dev = _device(args.device)
-        w = _load(args.workload, options)
-        batch = _first_batches(w, 1, dev)[0]
-    except _ArgError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    from ._check import check
-
-    try:
-        res = check(w.model.to(dev), batch, pol, w.loss_fn, seed=args.seed)
-    except Exception as e:
-        if os.environ.get("MIXPREC_DEBUG"):
-            raise
-        print(f"{prog}: error: the run failed: {type(e).__name__}: {e} (MIXPREC_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
-        return 1
-    json_to_stdout = args.json == "-"
-    res.print(file=sys.stderr if json_to_stdout else sys.stdout)
-    if args.json is not None:
-        payload = json.dumps(res.to_dict(), indent=1)
-        if json_to_stdout:
-            print(payload)
-        else:
-            Path(args.json).write_text(payload)
-    return 1 if res.verdict == "fail" else 0
-
-
-# ----- registration ---------------------------------------------------------------------------------------
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="workload option, repeatable (gpt: n_layer, n_embd, batch_size, ...; your function's keyword arguments)")
-    p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
-    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
-    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
-
-
-def register(subparsers: Any) -> None:
-    """Add the ``doctor`` and ``check`` subcommands to ``mixprec``'s parser."""
+def add_doctor(subparsers: Any) -> None:
+    """Add the ``doctor`` subcommand to ``mixprec``'s parser."""
     d = subparsers.add_parser(
         "doctor",
         help="diagnose a model's numerics: overflow, underflow, loss scale, stagnation, islands, preset",
@@ -354,7 +232,7 @@ def register(subparsers: Any) -> None:
                     "the prepared setup really uses.",
         epilog=_EPILOG_DOCTOR, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d.add_argument("-w", "--workload", default="gpt", help=_WORKLOAD_HELP + " (default: gpt)")
+    d.add_argument("-w", "--workload", default="gpt", help=WORKLOAD_HELP + " (default: gpt)")
     d.add_argument("-p", "--policy", default="fp16-mixed", help="the policy to diagnose (default fp16-mixed)")
     d.add_argument("--steps", type=int, default=10, help="monitored FP32 training steps (default 10)")
     d.add_argument("--every", type=int, default=1, help="monitor one step in N (default 1)")
@@ -363,17 +241,5 @@ def register(subparsers: Any) -> None:
                    "(default mixprec-out)")
     d.add_argument("--no-plot", action="store_true", help="do not write the histogram PNG (no matplotlib needed)")
     d.add_argument("--no-check", action="store_true", help="skip the pre-flight check")
-    _common(d)
+    add_common(d)
     d.set_defaults(func=_cmd_doctor)
-
-    c = subparsers.add_parser(
-        "check",
-        help="pre-flight check: one step in FP32 and under a policy, compared, with a verdict",
-        description="Run the workload's model on its first batch in FP32 and under --policy; compare loss, outputs and "
-                    "gradients (relative error, SQNR in dB), check the device, and print a verdict with reasons.",
-        epilog=_EPILOG_CHECK, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    c.add_argument("workload", help=_WORKLOAD_HELP)
-    c.add_argument("-p", "--policy", default="bf16-mixed", help="the policy to check (default bf16-mixed)")
-    _common(c)
-    c.set_defaults(func=_cmd_check)

@@ -1,0 +1,8 @@
+"""``python -m mixprec``: the ``mixprec`` command (see :mod:`mixprec.cli`)."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

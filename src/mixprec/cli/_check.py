@@ -1,0 +1,74 @@
+"""``mixprec check``: the pre-flight check of :func:`mixprec.numerics.check` on the command line.
+
+Exit codes: 0 pass or warn, 1 the check failed or the run failed, 2 bad arguments (one line on
+stderr, never a traceback; set ``MIXPREC_DEBUG=1`` for tracebacks of run failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..numerics import check
+from . import _common
+from ._common import WORKLOAD_HELP, ArgError, add_common
+
+__all__ = ["add_check"]
+
+_EPILOG_CHECK = """\
+examples:
+  mixprec check my_model:make --policy fp16-mixed
+  mixprec check gpt -p bf16-master --json check.json
+
+The model runs twice on the first batch, in FP32 and under the policy (deep copies; nothing is
+changed). Exit status: 0 pass or warn, 1 fail, 2 bad arguments.
+"""
+
+
+def add_check(subparsers: Any) -> None:
+    """Add the ``check`` subcommand to ``mixprec``'s parser."""
+    c = subparsers.add_parser(
+        "check",
+        help="pre-flight check: one step in FP32 and under a policy, compared, with a verdict",
+        description="Run the workload's model on its first batch in FP32 and under --policy; compare loss, outputs and "
+                    "gradients (relative error, SQNR in dB), check the device, and print a verdict with reasons.",
+        epilog=_EPILOG_CHECK, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("workload", help=WORKLOAD_HELP)
+    c.add_argument("-p", "--policy", default="bf16-mixed", help="the policy to check (default bf16-mixed)")
+    add_common(c)
+    c.set_defaults(func=_cmd_check)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    prog = "mixprec check"
+    try:
+        opts = _common.options(args.option)
+        pol = _common.policy(args.policy)
+        dev = _common.device(args.device)
+        w = _common.load(args.workload, opts)
+        batch = _common.first_batches(w, 1, dev)[0]
+    except ArgError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        res = check(w.model.to(dev), batch, pol, w.loss_fn, seed=args.seed)
+    except Exception as e:
+        if os.environ.get("MIXPREC_DEBUG"):
+            raise
+        print(f"{prog}: error: the run failed: {type(e).__name__}: {e} (MIXPREC_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+    json_to_stdout = args.json == "-"
+    res.print(file=sys.stderr if json_to_stdout else sys.stdout)
+    if args.json is not None:
+        payload = json.dumps(res.to_dict(), indent=1)
+        if json_to_stdout:
+            print(payload)
+        else:
+            Path(args.json).write_text(payload)
+    return 1 if res.verdict == "fail" else 0

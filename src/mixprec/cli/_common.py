@@ -1,0 +1,113 @@
+"""What the ``mixprec`` subcommands share: the parser class, usage errors, ``-o KEY=VALUE``, workloads.
+
+A leaf of :mod:`mixprec.cli`: it imports no other module of the package at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Any, NoReturn
+
+WORKLOAD_HELP = ("gpt, cnn, hf-gpt2, or MODULE:FUNCTION where FUNCTION(**options) returns a mixprec.bench.Workload "
+                 "or a 4-tuple (model, optimizer_fn, batches, loss_fn): optimizer_fn(params) -> optimizer, batches "
+                 "an iterable of batches, loss_fn(model, batch) -> scalar loss")
+
+
+class UsageError(Exception):
+    """Bad command-line arguments: printed as one line, exit status 2."""
+
+
+class ArgError(Exception):
+    """Bad input to ``doctor``/``check``: one line on stderr (prefixed with the command), exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors raise :class:`UsageError` instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(key, value)``, the value as an int, float or bool when it reads as one."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise UsageError(f"mixprec compare: error: -o/--option expects KEY=VALUE, got {text!r} (e.g. -o n_layer=4)")
+    v: Any = value.strip()
+    for conv in (int, float):
+        try:
+            v = conv(value)
+            break
+        except ValueError:
+            continue
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        v = v.lower() == "true"
+    return key.strip(), v
+
+
+# ----- doctor and check -----------------------------------------------------------------------------
+def options(items: list[str]) -> dict[str, Any]:
+    """The ``-o`` options of ``doctor``/``check`` as keyword arguments of the workload."""
+    out: dict[str, Any] = {}
+    for text in items:
+        try:
+            k, v = parse_option(text)
+        except UsageError:
+            raise ArgError(f"-o/--option expects KEY=VALUE, got {text!r} (e.g. -o n_layer=4)") from None
+        out[k] = v
+    return out
+
+
+def policy(text: str) -> Any:
+    """``--policy`` as a :class:`mixprec.Policy`."""
+    from .._policy import Policy
+
+    try:
+        return Policy.parse(text)
+    except (ValueError, TypeError) as e:
+        raise ArgError(f"--policy: {e}") from None
+
+
+def device(text: str) -> Any:
+    """``--device`` (auto, cpu, cuda, cuda:N) as a ``torch.device``."""
+    import torch
+
+    if text in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ArgError(f"--device {text!r}: use auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ArgError("--device cuda was asked for but no CUDA device is available")
+    return dev
+
+
+def load(spec: str, opts: dict[str, Any]) -> Any:
+    """The workload, via mixprec.bench.load_workload (its errors are user errors)."""
+    from ..bench import BenchError, load_workload
+
+    try:
+        return load_workload(spec, **opts)
+    except BenchError as e:
+        raise ArgError(str(e)) from None
+
+
+def first_batches(workload: Any, n: int, device: Any) -> list[Any]:
+    """The workload's first ``n`` batches, moved to ``device``."""
+    from .._tree import tree_map
+
+    batches = list(itertools.islice(iter(workload.batches), n))
+    if not batches:
+        raise ArgError(f"workload {workload.name!r} yields no batches")
+    return [tree_map(lambda t: t.to(device), b) for b in batches]
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """The arguments ``doctor`` and ``check`` share."""
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="workload option, repeatable (gpt: n_layer, n_embd, batch_size, ...; your function's keyword arguments)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
