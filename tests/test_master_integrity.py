@@ -393,19 +393,21 @@ def _master_of(run: Run, p: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------- 4. add_param_group after prepare
-@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-mixed"])
-def test_param_group_added_after_prepare_round_trips_through_save_convert_and_export(preset: str, tmp_path) -> None:
-    def build() -> nn.Module:
-        return nn.ModuleDict({"body": mlp(), "head": nn.Linear(3, 2)})
-
+def _run_with_head_group_added_after_prepare(preset: str) -> tuple[nn.Module, Any, mp.MixedPrecision]:
+    """A body prepared with its optimizer, then a head added with ``add_param_group``."""
     torch.manual_seed(0)
-    model = build()
-    given = torch.optim.SGD(model["body"].parameters(), lr=0.1)
+    model = nn.ModuleDict({"body": mlp(), "head": nn.Linear(3, 2)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prec = mp.MixedPrecision(preset)
-        model, opt = prec.prepare(model, given)
+        model, opt = prec.prepare(model, torch.optim.SGD(model["body"].parameters(), lr=0.1))
     opt.add_param_group({"params": list(model["head"].parameters()), "lr": 0.3})
+    return model, opt, prec
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-mixed"])
+def test_param_group_added_after_prepare_round_trips_through_save_convert_and_export(preset: str, tmp_path) -> None:
+    model, opt, prec = _run_with_head_group_added_after_prepare(preset)
     for x, y in batches(3):
         opt.zero_grad()
         with prec.autocast():
@@ -417,29 +419,16 @@ def test_param_group_added_after_prepare_round_trips_through_save_convert_and_ex
     assert "head.weight" in names and "head.bias" in names
     exported = checkpoint.fp32_state_dict(prec)
     for n, p in model.named_parameters():
-        assert torch.equal(exported[n], _master_of(Run(model, opt, given, prec), p)), n
+        assert torch.equal(exported[n], _master_of(Run(model, opt, opt, prec), p)), n
     # save, load into a fresh run built the same way (group added after prepare), identical weights
     checkpoint.save(sd, tmp_path / "ck.pt")
-    torch.manual_seed(0)
-    model2 = build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prec2 = mp.MixedPrecision(preset)
-        model2, opt2 = prec2.prepare(model2, torch.optim.SGD(model2["body"].parameters(), lr=0.1))
-    opt2.add_param_group({"params": list(model2["head"].parameters()), "lr": 0.3})
+    _, _, prec2 = _run_with_head_group_added_after_prepare(preset)
     prec2.load_state_dict(checkpoint.load(tmp_path / "ck.pt"))
     assert max_diff(checkpoint.fp32_state_dict(prec2), exported) == 0.0
     # convert to another preset: the new group keeps its trained values (the bug: initial values)
     other = "bf16-master" if preset != "bf16-master" else "bf16-mixed"
-    conv = checkpoint.convert_state_dict(sd, other)
-    torch.manual_seed(0)
-    model3 = build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prec3 = mp.MixedPrecision(other)
-        model3, opt3 = prec3.prepare(model3, torch.optim.SGD(model3["body"].parameters(), lr=0.1))
-    opt3.add_param_group({"params": list(model3["head"].parameters()), "lr": 0.3})
-    prec3.load_state_dict(conv)
+    _, _, prec3 = _run_with_head_group_added_after_prepare(other)
+    prec3.load_state_dict(checkpoint.convert_state_dict(sd, other))
     assert max_diff(checkpoint.fp32_state_dict(prec3), exported) == 0.0
 
 
