@@ -177,6 +177,14 @@ class MasterWeightOptimizer(Optimizer):
         if self.grad_accumulation == "fp32":
             self._hooks.append(p.register_post_accumulate_grad_hook(_AccumulateInto(master, view)))
 
+    def grad_view(self, param: torch.Tensor) -> MasterGradView:
+        """The ``.grad`` view of a half-precision model parameter (see :class:`MasterGradView`).
+
+        Raises:
+            KeyError: ``param`` has no master (an FP32 or frozen parameter) or is not managed here.
+        """
+        return self._views[id(param)]
+
     def _read_hook(self) -> None:
         if self._before_read is not None:
             self._before_read()
@@ -344,6 +352,13 @@ class MasterWeightOptimizer(Optimizer):
                 "mixprec.distributed.wrap_ddp(prec, model) instead (it reduces before accumulating), or use "
                 "grad_accumulation='compute'."
             )
+        elif not self._hooks and self.grad_accumulation == "fp32":
+            # mixprec.distributed.wrap_ddp owns the accumulation: DDP wrote its reduced half copy into
+            # p.grad, the master holds the same gradient in FP32. Show the view from here on, so that
+            # model.zero_grad() (to None or to zeros) and torch's clipping act on the master's.
+            for p, m in self._half_pairs():
+                if m.grad is not None and p.grad is not None and not isinstance(p.grad, MasterGradView):
+                    p.grad = self._views[id(p)]
         return [m.grad for m in self._masters if m.grad is not None]
 
     def unscale_(self, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> torch.Tensor:
@@ -368,7 +383,12 @@ class MasterWeightOptimizer(Optimizer):
                 if set_to_none:
                     t.grad = None
                 elif not isinstance(t.grad, MasterGradView):  # a view is zeroed with its master
-                    t.grad.detach_()
+                    # as torch.optim.Optimizer.zero_grad: a gradient that is a view (of a DDP bucket,
+                    # of wrap_ddp's reduced buffer) cannot be detached in place
+                    if t.grad.grad_fn is not None:
+                        t.grad.detach_()
+                    else:
+                        t.grad.requires_grad_(False)
                     t.grad.zero_()
 
     # ----- step -----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ._dist import check_fsdp_policy as _check_fsdp_policy
 from ._dist import check_prepare_target as check_prepare_target  # explicit re-export (not in __all__, as before)
 from ._dist import is_fsdp2 as _is_fsdp2
 from ._dist import local_grad as local_grad  # explicit re-export (not in __all__, as before)
+from ._master_grad import is_view
 
 if TYPE_CHECKING:  # core modules are imported inside the functions that need them (this module sits on top)
     from torch.nn.parallel import DistributedDataParallel
@@ -100,6 +101,36 @@ class _DDPState:
         self.masters = masters  # id(half param) -> FP32 master whose .grad gets the reduced gradient
         self.armed = True  # does DDP reduce in this backward (False inside ddp.no_sync())
         self.handles: list[Any] = []  # the gated accumulation hooks
+        # (half param, master, its .grad view) of every FP32-accumulating parameter, and the ids of
+        # those whose .grad this module set to None itself (so a None there is not the user's clear).
+        self.pairs: list[tuple[Tensor, Tensor, Tensor]] = []
+        self.cleared_by_us: set[int] = set()
+
+    @torch.no_grad()
+    def before_forward(self) -> None:
+        """Reconcile the masters' gradients with what the user did to ``param.grad`` since the last forward.
+
+        * ``param.grad is None`` and we did not set it: the user cleared the gradients
+          (``model.zero_grad()``), so the master's partial sum goes too.
+        * a plain tensor: DDP's reduced copy of the last synchronised backward, which the
+          master already holds in FP32 (not cleared: the next gradient adds to the master's).
+        * the view: micro-batches under ``no_sync()`` accumulated into the master.
+
+        Then, for a synchronising backward ``param.grad`` is set to ``None`` (DDP reduces the
+        fresh local gradient; the comm hook adds the master's partial sum in FP32); under
+        ``no_sync()`` to the view when the master holds a partial sum (autograd then adds
+        into it in FP32).
+        """
+        for p, m, view in self.pairs:
+            g = p.grad
+            if g is None and id(p) not in self.cleared_by_us:
+                m.grad = None
+            if self.armed or m.grad is None:
+                p.grad = None
+                self.cleared_by_us.add(id(p))
+            else:
+                p.grad = view
+                self.cleared_by_us.discard(id(p))
 
 
 def _reduce_hook(state, bucket):
@@ -140,6 +171,8 @@ def _reduce_hook(state, bucket):
             r32 = reduced.to(torch.float32)
             for off, n, m in accum:
                 m.grad = r32[off:off + n].view_as(m)
+        for p in bucket.parameters():
+            state.cleared_by_us.discard(id(p))  # DDP writes the reduced gradient into p.grad next
         return reduced.to(buf.dtype)
 
     return fut.then(_done)
@@ -149,19 +182,22 @@ class _GatedAccumulate:
     """Post-accumulate-grad hook for DDP: move the local half gradient into the FP32 master only
     when DDP does not reduce in this backward (``no_sync``); otherwise leave it for DDP's reducer."""
 
-    def __init__(self, state: _DDPState, master: Tensor) -> None:
+    def __init__(self, state: _DDPState, master: Tensor, view: Tensor) -> None:
         self.state = state
         self.master = master
+        self.view = view
 
     @torch.no_grad()
     def __call__(self, param: Tensor) -> None:
-        if self.state.armed or param.grad is None:
+        g = param.grad
+        if self.state.armed or g is None or is_view(g):  # a view: autograd already added into the master
             return
         if self.master.grad is None:
-            self.master.grad = param.grad.to(self.master.dtype)
+            self.master.grad = g.to(self.master.dtype)
         else:
-            self.master.grad.add_(param.grad)
-        param.grad = None
+            self.master.grad.add_(g)
+        param.grad = self.view  # clearing param.grad now also tells the next forward to drop the partial sum
+        self.state.cleared_by_us.discard(id(param))
 
 
 def wrap_ddp(
@@ -236,6 +272,8 @@ def wrap_ddp(
     def _arm(module: nn.Module, args: Any) -> None:
         # DDP prepares its reducer in forward iff grad is on and it is not under no_sync().
         state.armed = bool(torch.is_grad_enabled() and ddp.require_backward_grad_sync)
+        if torch.is_grad_enabled():
+            state.before_forward()
 
     ddp.register_forward_pre_hook(_arm)
     by_id = {id(p): p for p in model.parameters()}
@@ -244,8 +282,12 @@ def wrap_ddp(
             o.remove_hooks()
             for p, m in zip(o.model_params, o.masters):
                 if p is not m:
+                    view = o.grad_view(p)
+                    state.pairs.append((by_id[id(p)], m, view))
                     # Kept on the state, not in o._hooks: an MWO without hooks reads only master.grad.
-                    state.handles.append(by_id[id(p)].register_post_accumulate_grad_hook(_GatedAccumulate(state, m)))
+                    state.handles.append(
+                        by_id[id(p)].register_post_accumulate_grad_hook(_GatedAccumulate(state, m, view))
+                    )
         # DDP broadcast the half parameters from the first rank; the masters must follow.
         src = torch.distributed.get_global_rank(group, 0) if process_group is not None else 0
         with torch.no_grad():

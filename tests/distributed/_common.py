@@ -85,8 +85,12 @@ def train(
     accum: int = 1,
     poison: bool = True,
     no_sync: Callable[[], Any] | None = None,
+    clear: Callable[[nn.Module, Any], None] | None = None,
 ) -> dict[str, Any]:
-    """Run STEPS steps; return the skip flags and the scales seen."""
+    """Run STEPS steps; return the skip flags and the scales seen.
+
+    ``clear(model, opt)`` clears the gradients after each step (default ``opt.zero_grad()``).
+    """
     import contextlib
 
     skipped, scales = [], []
@@ -104,7 +108,10 @@ def train(
         info = prec.step(opt)
         skipped.append(bool(info.skipped.item()))
         scales.append(float(info.scale.item()))
-        opt.zero_grad(set_to_none=True)
+        if clear is not None:
+            clear(model, opt)
+        else:
+            opt.zero_grad(set_to_none=True)
     return {"skipped": skipped, "scales": scales}
 
 

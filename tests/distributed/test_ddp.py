@@ -32,7 +32,15 @@ SCENARIOS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int]] = {
 TOL = {"bf16": 3e-3, "fp16": 5e-4}
 
 
-def _run(policy: str, prec_kw: dict[str, Any], ddp_kw: dict[str, Any], accum: int, rank: int, world: int) -> dict[str, Any]:
+CLEARS = {
+    "model.zero_grad()": lambda m, o: m.zero_grad(),
+    "model.zero_grad(set_to_none=False)": lambda m, o: m.zero_grad(set_to_none=False),
+    "opt.zero_grad(set_to_none=False)": lambda m, o: o.zero_grad(set_to_none=False),
+}
+
+
+def _run(policy: str, prec_kw: dict[str, Any], ddp_kw: dict[str, Any], accum: int, rank: int, world: int,
+         clear: Any = None) -> dict[str, Any]:
     from mixprec.distributed import wrap_ddp
 
     prec = c.make_prec(policy, **prec_kw)
@@ -42,7 +50,7 @@ def _run(policy: str, prec_kw: dict[str, Any], ddp_kw: dict[str, Any], accum: in
     if world > 1:
         fwd = wrap_ddp(prec, model, **ddp_kw)
         no_sync = fwd.no_sync
-    out = c.train(prec, fwd, opt, rank=rank, world=world, accum=accum, no_sync=no_sync)
+    out = c.train(prec, fwd, opt, rank=rank, world=world, accum=accum, no_sync=no_sync, clear=clear)
     out["params"] = c.fp32_params(prec, model)
     return out
 
@@ -57,6 +65,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     results: dict[str, Any] = {}
     for name, (policy, prec_kw, ddp_kw, accum) in SCENARIOS.items():
         results[name] = _run(policy, prec_kw, ddp_kw, accum, rank, c.WORLD)
+    # Every way to clear gradients under wrap_ddp clears what the next step uses (issue 18), also
+    # after the poisoned step and across no_sync() micro-batches.
+    for accum in (1, 2):
+        results[f"clear/{accum}/reference"] = _run("bf16-master", {}, {}, accum, rank, c.WORLD)
+        for how, clear in CLEARS.items():
+            results[f"clear/{accum}/{how}"] = _run("bf16-master", {}, {}, accum, rank, c.WORLD, clear=clear)
     # Plain DDP around an FP32-accumulating master-weight model: the master-gradient views give
     # DDP's reducer the FP32 gradient to reduce (in the model's half dtype) and take the reduced
     # one back, so it trains like wrap_ddp, up to the precision of the reduction.
@@ -112,6 +126,17 @@ def test_ddp_matches_single_process(ranks: list[dict[str, Any]], name: str) -> N
     moved = c.max_diff(init, ref["params"])
     assert moved > 1e-2 and moved > 10 * diff, (moved, diff)
     print(f"\n{name}: max|ddp - single| = {diff:.3g}, weights moved {moved:.3g}")
+
+
+@pytest.mark.parametrize("how", list(CLEARS))
+@pytest.mark.parametrize("accum", [1, 2])
+def test_every_way_to_clear_gradients_under_wrap_ddp_matches_opt_zero_grad(
+    ranks: list[dict[str, Any]], accum: int, how: str
+) -> None:
+    for r in ranks:
+        ref, got = r[f"clear/{accum}/reference"], r[f"clear/{accum}/{how}"]  # reference: opt.zero_grad()
+        assert got["skipped"] == ref["skipped"] == [s == c.POISON_STEP for s in range(c.STEPS)]
+        assert c.max_diff(got["params"], ref["params"]) == 0.0
 
 
 @pytest.mark.parametrize("policy", ["bf16-master", "fp16-master"])
