@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ._autocast import autocast
+from ._autocast import autocast, tf32
 from ._casting import cast_module, is_prepared, uncast_module
 from ._checkpoint import (
     STATE_VERSION,
@@ -346,8 +346,6 @@ class MixedPrecision:
                 "backward() after the gradients were unscaled (by clip_grad_norm_ or unscale_) in the same step would "
                 "mix scaled and unscaled gradients; call step() first."
             )
-        from ._autocast import tf32
-
         # Autocast regions end before backward, so the TF32 switch they set is gone here; the
         # backward matmuls are as large as the forward ones and follow the policy too.
         with tf32(self.policy.tf32):
