@@ -93,6 +93,19 @@ def test_compare_user_workload_smoke(user_module: str, capsys: pytest.CaptureFix
     assert rc == 0 and "bf16-mixed" in out and "torch-amp" not in out
 
 
+def test_compare_takes_the_workload_positional_too(user_module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for form in ([f"{user_module}:make"], [f"{user_module}:make", "-w", f"{user_module}:make"]):
+        rc = main(["compare", *form, "-o", "width=3", *FAST, "-p", "fp32", "--baseline", "none"])
+        out, _ = capsys.readouterr()
+        assert rc == 0 and f"mixprec compare: {user_module}:make on " in out
+
+
+def test_compare_workload_given_twice_and_disagreeing_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line_error(capsys, main(["compare", "cnn", "--workload", "gpt", *FAST]))
+    assert line == ("mixprec compare: error: the workload was given twice and the two disagree: 'cnn' (positional) "
+                    "and 'gpt' (-w/--workload); give it once (see mixprec compare --help)")
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

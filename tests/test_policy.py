@@ -50,6 +50,33 @@ def test_aliases(alias, preset):
     assert Policy.parse(alias) == PRESETS[preset]
 
 
+@pytest.mark.parametrize(
+    "alias,preset",
+    [("fp16", "fp16-mixed"), ("f16", "fp16-mixed"), ("half", "fp16-mixed"), ("float16", "fp16-mixed"),
+     ("FP16", "fp16-mixed"), (" Half ", "fp16-mixed"), ("bf16", "bf16-mixed"), ("bfloat16", "bf16-mixed"),
+     ("BFloat16", "bf16-mixed"), ("f32", "fp32"), ("float32", "fp32")],
+)
+def test_bare_dtype_names_mean_the_autocast_preset_of_that_dtype(alias, preset):
+    # Issue 15: "fp16" was answered with "Did you mean 'bf16'?" (another dtype) and "f32" with
+    # "'tf32'?". A bare dtype name resolves the way Lightning reads "bf16": the autocast recipe.
+    p = Policy.parse(alias)
+    assert p == PRESETS[preset] and p.name == preset
+    assert Policy.parse(str(p)) == p
+    assert ALIASES[alias.strip().lower()] == preset
+
+
+@pytest.mark.parametrize(
+    "typo,suggestion",
+    [("fp16-mixd", "fp16-mixed"), ("fp16-mastr", "fp16-master"), ("bf16-pur", "bf16-pure"), ("hlaf", "half"),
+     ("flaot16", "float16")],
+)
+def test_typos_still_get_the_closest_name(typo, suggestion):
+    with pytest.raises(ValueError, match=re.escape(f"unknown precision preset {typo!r}; choose one of: fp32,")) as e:
+        Policy.parse(typo)
+    assert f"Did you mean {suggestion!r}?" in str(e.value)
+    assert Policy.parse(suggestion) == Policy.parse(ALIASES.get(suggestion, suggestion))
+
+
 def test_bf16_true_keeps_lightnings_meaning():
     p = Policy.parse("bf16-true")
     assert (p.param_dtype, p.compute_dtype, p.master_dtype, p.compensation) == (BF16, BF16, None, "none")

@@ -251,8 +251,10 @@ class Policy:
         """Build a policy from a preset name, an alias or the ``key=value`` grammar.
 
         Args:
-            spec: ``"bf16-mixed"``, ``"16-mixed"``, ``"mixed_float16"``, or
-                ``"p=f32,c=f16,o=f32,ls=dynamic"``; a :class:`Policy` is returned as is.
+            spec: ``"bf16-mixed"``, ``"16-mixed"``, ``"mixed_float16"``, a bare dtype name
+                (``"fp16"``, ``"f16"``, ``"half"``, ``"float16"`` mean ``fp16-mixed``;
+                ``"bf16"``, ``"bfloat16"`` mean ``bf16-mixed``; ``"f32"``, ``"float32"`` mean
+                ``fp32``), or ``"p=f32,c=f16,o=f32,ls=dynamic"``; a :class:`Policy` is returned as is.
 
         Returns:
             The policy.
@@ -353,4 +355,10 @@ ALIASES: dict[str, str] = {
     "16-true": "fp16-pure",
     # Keras mixed-precision policy names.
     "mixed_float16": "fp16-mixed", "mixed_bfloat16": "bf16-mixed", "float32": "fp32",
+    # A bare dtype name means the safe autocast recipe of that dtype, as Lightning reads "bf16"
+    # and "16": FP32 parameters, half compute (dynamic loss scaling for f16). Without these,
+    # "fp16" was answered with "Did you mean 'bf16'?" and "f32" with "'tf32'?", other precisions.
+    # (Keras's own "float16"/"bfloat16" policies are pure half; spell those fp16-pure / bf16-pure.)
+    "fp16": "fp16-mixed", "f16": "fp16-mixed", "half": "fp16-mixed", "float16": "fp16-mixed",
+    "bfloat16": "bf16-mixed", "f32": "fp32",
 }

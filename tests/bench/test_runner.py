@@ -20,6 +20,7 @@ from mixprec.bench import (
     run_compare,
 )
 from mixprec.bench._plots import PLOT_FILES, write_plots
+from mixprec.bench._runner import _hash_tensors
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, eval_batches=1)
 MIXED_ROWS = "fp32,bf16-mixed,fp16-mixed,bf16-master,fp16-master"
@@ -70,6 +71,46 @@ def test_every_row_sees_the_same_initial_weights_and_batches() -> None:
     for weights in rec.first_weights.values():
         for k, v in weights.items():
             assert torch.equal(v.float(), pristine[k].to(v.dtype).float()), k
+
+
+@pytest.mark.parametrize(("name", "opts"), [("gpt", TINY), ("cnn", dict(width=4, batch_size=16)), ("hf-gpt2", TINY)])
+def test_seed_picks_the_initial_weights_and_the_batches(name: str, opts: dict) -> None:
+    # Issue 15: --seed used to seed only the rows' dropout stream, so seeds 0, 1 and 2 gave
+    # identical losses on every built-in workload.
+    if name == "hf-gpt2":
+        pytest.importorskip("transformers")
+
+    def once(seed: int) -> dict:
+        r = run_compare(name, "fp32,bf16-mixed", baseline="bf16", steps=4, warmup=1, device="cpu", seed=seed,
+                        workload_options=opts)
+        assert [row.status for row in r.rows] == ["ok"] * 3, [(row.name, row.reason) for row in r.rows]
+        # whatever the seed, every row of one run starts from the same weights
+        assert {row.init_weights_sha256 for row in r.rows} == {r.workload["initial_weights_sha256"]}
+        assert r.workload["options"]["seed"] == seed and r.settings["seed"] == seed
+        return {"weights": r.workload["initial_weights_sha256"], "batches": r.workload["batches_sha256"],
+                "losses": {row.name: row.losses for row in r.rows}}
+
+    first, again, other = once(0), once(0), once(1)
+    assert first == again
+    assert other["weights"] != first["weights"]
+    assert other["batches"] != first["batches"]
+    for row, losses in first["losses"].items():
+        assert other["losses"][row] != losses, row
+    # the weights seed 1 gives are the workload's own for seed=1
+    assert _hash_tensors(load_workload(name, **opts, seed=1).model.state_dict()) == other["weights"]
+
+
+def test_an_explicit_workload_seed_option_wins_over_seed() -> None:
+    def weights(seed: int, options: dict) -> str:
+        r = run_compare("gpt", "fp32", baseline="none", steps=2, warmup=1, device="cpu", seed=seed,
+                        workload_options={**TINY, **options})
+        return r.workload["initial_weights_sha256"]
+
+    assert weights(3, {"seed": 5}) == weights(5, {}) != weights(3, {})
+    # a Workload object is already built: seed cannot re-seed it, and it is used as it is
+    w = load_workload("gpt", **TINY)
+    r = run_compare(w, "fp32", baseline="none", steps=2, warmup=1, device="cpu", seed=7)
+    assert r.workload["options"]["seed"] == 0
 
 
 def test_fp32_results_are_reproducible_run_to_run() -> None:

@@ -149,6 +149,24 @@ def test_user_workload_from_a_file_path(tmp_path: Path) -> None:
     assert isinstance(load_workload(f"{f}:make"), Workload)
 
 
+def test_a_file_workload_imports_its_sibling_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As under ``python path/to/file.py``: the file's folder is on sys.path while it loads, not after."""
+    import sys
+
+    (tmp_path / "sibling_helpers_for_mixprec_test.py").write_text("WIDTH = 5\n")
+    f = tmp_path / "bench_with_sibling.py"
+    f.write_text(textwrap.dedent(USER_MODULE) + textwrap.dedent('''
+        def make_wide():
+            import sibling_helpers_for_mixprec_test as h  # a lazy sibling import, at call time
+            return make()
+        '''))
+    f.write_text("import sibling_helpers_for_mixprec_test\n" + f.read_text())
+    monkeypatch.chdir(Path("/"))
+    before = list(sys.path)
+    assert isinstance(load_workload(f"{f}:make_wide"), Workload)
+    assert sys.path == before
+
+
 @pytest.mark.parametrize(
     ("func", "message"),
     [

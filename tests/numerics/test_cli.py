@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,97 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys:
     err = capsys.readouterr().err
     assert err.startswith(message), err
     assert len(err.strip().splitlines()) == 1
+
+
+# ----- the workload: positional or -w in every command (issue 15.4) ----------------------------------
+def test_check_takes_the_workload_as_w_too(user_module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "-w", f"{user_module}:make", "-p", "bf16-mixed"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["check", f"{user_module}:make", "--workload", f"{user_module}:make"]) == 0  # both, alike
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_doctor_takes_the_workload_positional_too(user_module: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", f"{user_module}:make", "--steps", "1", "--no-plot", "--out", str(tmp_path / "d"),
+                 "--json", "-"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["workload"] == f"{user_module}:make"
+
+
+@pytest.mark.parametrize("command", ["check", "doctor", "compare"])
+def test_a_workload_given_twice_and_disagreeing_is_a_usage_error(command: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "gpt", "-w", "cnn"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == (
+        f"mixprec {command}: error: the workload was given twice and the two disagree: 'gpt' (positional) and "
+        f"'cnn' (-w/--workload); give it once (see mixprec {command} --help)"
+    ), err
+    assert not out
+
+
+def test_check_without_a_workload_says_both_forms(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "-p", "bf16-mixed"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec check: error: a workload is required: mixprec check WORKLOAD or mixprec check -w "
+                          "WORKLOAD"), err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ----- path/to/file.py:function imports its sibling modules (issue 15.4) ------------------------------
+SIBLING = "_mixprec_test_sibling_layers"
+
+FILE_WITH_SIBLING = f'''
+import torch
+from {SIBLING} import make_model
+
+
+def make():
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(16, 8, generator=g) for _ in range(4)]
+    return (make_model(), lambda params: torch.optim.SGD(params, lr=0.1), batches,
+            lambda m, x: m(x).float().pow(2).mean())
+'''
+
+SIBLING_MODULE = '''
+import torch
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+'''
+
+
+@pytest.fixture()
+def file_with_sibling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    import sys
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(textwrap.dedent(FILE_WITH_SIBLING))
+    (project / f"{SIBLING}.py").write_text(textwrap.dedent(SIBLING_MODULE))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not the file's folder: only the fix can find the sibling
+    yield str(project / "train.py")
+    sys.modules.pop(SIBLING, None)
+
+
+@pytest.mark.parametrize("command", [
+    ["check", "{spec}", "-p", "bf16-mixed"],
+    ["doctor", "-w", "{spec}", "--steps", "1", "--no-plot", "--no-check"],
+    ["compare", "-w", "{spec}", "-p", "fp32", "--baseline", "none", "--steps", "2", "--warmup", "1", "--no-progress"],
+], ids=["check", "doctor", "compare"])
+def test_a_file_workload_imports_its_sibling_module(file_with_sibling: str, command: list[str], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    path_before = list(sys.path)
+    extra = ["--out", str(tmp_path / "out")] if command[0] == "doctor" else []
+    code = main([a.format(spec=f"{file_with_sibling}:make") for a in command] + extra)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "no module named" not in (out + err).lower()
+    assert sys.path == path_before  # the file's folder was on sys.path only while it loaded

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -259,3 +260,40 @@ def test_deep_unnormalised_network_needs_the_recommended_loss_scale() -> None:
     assert progress(unscaled) < 0.6 and unscaled[-1] > 2 * fp32[-1]  # FP16 without scaling lags
     assert progress(scaled) == pytest.approx(1.0, abs=0.03)  # the recommended scale tracks FP32
     assert scaled[-1] == pytest.approx(fp32[-1], rel=0.05)
+
+
+def _stagnating_norm_run(policy: Any = None) -> Any:
+    """A Linear + LayerNorm model whose LayerNorm weights (~1) and Linear weights get updates far below BF16's half ulp."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 1))
+    for lin in (model[0], model[2]):
+        nn.init.zeros_(lin.bias)  # a zero weight never stagnates: only the three weights are named
+    # lr 1e-5: updates ~1e-6, above FP32's half ulp of the weights (they move) and far below BF16's (2^-9 at 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    with NumericsMonitor(model, optimizer=opt, **({} if policy is None else {"policy": policy})) as mon:
+        _train(model, opt, 1)
+    return mon.report()
+
+
+def test_bf16_stagnation_finding_skips_fp32_islands() -> None:
+    # LayerNorm weights stay FP32 under every preset: the finding must not name them (issue 15.4).
+    rep = _stagnating_norm_run()
+    (finding,) = [f for f in rep.findings if "below half a BF16 ulp" in f]
+    assert "0.weight" in finding and "2.weight" in finding
+    assert "1.weight" not in finding and "1.bias" not in finding
+    assert all(not name.startswith("1.") for name, _ in rep.stagnation["worst"]), rep.stagnation
+    norm_w = next(p for p in rep.params if p.name == "1.weight")
+    assert norm_w.fp32_island and norm_w.updated and norm_w.stagnant_bf16 == 1.0  # still measured, only left out of the finding
+    assert not next(p for p in rep.params if p.name == "0.weight").fp32_island
+    assert "FP32 island" in rep.table()
+
+
+def test_bf16_stagnation_finding_follows_the_policys_islands() -> None:
+    # Every stagnating weight is an island under this policy (norm + the Linears by name): no finding.
+    rep = _stagnating_norm_run(policy="p=bf16,c=bf16,o=f32,m=f32,i=norm+name:0+name:2")
+    assert not any("BF16 ulp" in f for f in rep.findings), rep.findings
+    assert rep.stagnation["bf16"] == 0.0 and rep.stagnation["worst"] == []
+    # A policy without islands stores the LayerNorm in BF16 too: then it is named.
+    rep = _stagnating_norm_run(policy="p=bf16,c=bf16,o=f32,m=f32,i=none")
+    (finding,) = [f for f in rep.findings if "below half a BF16 ulp" in f]
+    assert "1.weight" in dict(rep.stagnation["worst"]) and not any(p.fp32_island for p in rep.params)

@@ -5,7 +5,8 @@ Protocol (DESIGN.md section 7):
 1. One workload: its model is deep-copied for every row before anything is cast, so every
    precision starts from the same FP32 weights; its first ``steps`` batches are materialised
    once and the same tensors are fed to every row; each row has its own RNG stream, seeded
-   identically, so dropout masks match too.
+   identically, so dropout masks match too. ``seed`` also builds the built-in workloads, so
+   it picks their initial weights and batch order: another seed, another run of the same model.
 2. Rows are trained *interleaved*: step ``i`` of every row runs before step ``i + 1`` of any,
    in an order rotated each step (A B C, B C A, ...), so drift in clocks, temperature or
    background load spreads over all rows instead of biasing the last one.
@@ -47,7 +48,7 @@ from ._environment import environment
 from ._fp16_emulation import FP16Emulation
 from ._memory import measure_step_memory, model_state_bytes, parameter_count
 from ._timing import count_flops, peak_tflops, summarize, timed
-from ._workloads import BenchError, Workload, load_workload
+from ._workloads import BUILTIN_WORKLOADS, BenchError, Workload, load_workload
 
 __all__ = [
     "ALL_PRESETS",
@@ -520,7 +521,11 @@ def run_compare(
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or a device.
         fp16_cpu: ``"emulate"`` (FP16 storage, FP32 arithmetic) or ``"native"`` (torch's CPU
             FP16 kernels: slow, and their accumulation differs from a GPU's).
-        seed: Seeds every row's private RNG stream (dropout and other random ops).
+        seed: Seeds a built-in workload's model initialisation and data order (its ``seed``
+            option, unless ``workload_options`` sets ``seed`` itself) and every row's private
+            RNG stream (dropout and other random ops). All rows of one run share the same
+            initial weights and batches whatever the seed; a user workload (``MODULE:FUNCTION``
+            or a :class:`Workload`) seeds itself (``-o seed=...`` when its function takes a seed).
         peak_tflops_override: The device's dense peak TFLOP/s for MFU, when it is not in
             :data:`mixprec.bench._timing.DENSE_PEAK_TFLOPS`.
         progress: ``progress(event, row_label, step, total)`` with event ``"start"``, ``"step"``,
@@ -546,7 +551,7 @@ def run_compare(
     warmup = min(warmup, steps - 1)
     emulate = dev.type == "cpu" and fp16_cpu == "emulate"
     amp_dtypes = _baseline_dtypes(baseline, dev, names, emulate)
-    w = load_workload(workload, **(workload_options or {}))
+    w = load_workload(workload, **_workload_options(workload, seed, workload_options))
 
     # --- the shared inputs: initial weights and batches ---
     pristine = w.model.float() if any(p.dtype != torch.float32 for p in w.model.parameters() if p.is_floating_point()) else w.model
@@ -660,6 +665,14 @@ def run_compare(
         "peak_tflops_override": peak_tflops_override,
     }
     return CompareResult(environment=env, workload=workload_info, settings=settings, rows=rows, notes=notes)
+
+
+def _workload_options(workload: str | Workload, seed: int, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The options a workload is built with: a built-in one takes ``seed`` unless it is given explicitly."""
+    options = dict(given or {})
+    if isinstance(workload, str) and workload.strip().lower() in BUILTIN_WORKLOADS:
+        options.setdefault("seed", seed)
+    return options
 
 
 def _count_step_flops(model: nn.Module, w: Workload, batch: Any, dev: torch.device) -> int | None:

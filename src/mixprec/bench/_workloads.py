@@ -20,11 +20,13 @@
   ``-o KEY=VALUE`` options are passed to ``FUNCTION`` as keyword arguments.
 
 Every workload is deterministic: the model's initial weights and the batches depend only on
-``seed``.
+``seed``. ``mixprec compare --seed N`` builds the built-in workloads with ``seed=N`` (an explicit
+``-o seed=...`` wins), so each seed is another initialisation and another batch order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -482,6 +484,36 @@ def _load_user_workload(spec: str, options: dict[str, Any]) -> Workload:
     module_name, _, func_name = spec.rpartition(":")
     if not module_name or not func_name:
         raise BenchError(f"workload {spec!r}: expected MODULE:FUNCTION, e.g. my_bench:make")
+    with _file_folder_on_path(module_name):
+        return _make_user_workload(spec, module_name, func_name, options)
+
+
+def _is_file_spec(module_name: str) -> bool:
+    return module_name.endswith(".py") or os.sep in module_name or "/" in module_name
+
+
+@contextlib.contextmanager
+def _file_folder_on_path(module_name: str) -> Iterator[None]:
+    """For ``path/to/file.py``, the file's folder first on ``sys.path`` while it is imported and called.
+
+    So the file can import its sibling modules, as under ``python path/to/file.py``. Module
+    names (``package.module``) leave ``sys.path`` alone. The entry is removed afterwards.
+    """
+    if not _is_file_spec(module_name):
+        yield
+        return
+    folder = os.path.dirname(os.path.abspath(module_name))
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(folder)  # the first occurrence: the one inserted above
+        except ValueError:
+            pass
+
+
+def _make_user_workload(spec: str, module_name: str, func_name: str, options: dict[str, Any]) -> Workload:
     module = _import_user_module(spec, module_name)
     fn = getattr(module, func_name, None)
     if fn is None:
@@ -507,7 +539,7 @@ def _load_user_workload(spec: str, options: dict[str, Any]) -> Workload:
 
 def _import_user_module(spec: str, module_name: str) -> Any:
     path = Path(module_name)
-    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+    if _is_file_spec(module_name):
         if not path.is_file():
             raise BenchError(f"workload {spec!r}: file {module_name!r} does not exist")
         mod_spec = importlib.util.spec_from_file_location(f"_mixprec_user_{path.stem}", path)

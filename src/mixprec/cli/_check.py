@@ -15,7 +15,7 @@ from typing import Any
 
 from ..numerics import check
 from . import _common
-from ._common import WORKLOAD_HELP, ArgError, add_common
+from ._common import WORKLOAD_HELP, ArgError, add_common, add_workload, resolve_workload
 
 __all__ = ["add_check"]
 
@@ -23,6 +23,7 @@ _EPILOG_CHECK = """\
 examples:
   mixprec check my_model:make --policy fp16-mixed
   mixprec check gpt -p bf16-master --json check.json
+  mixprec check -w path/to/model.py:make             # the workload as -w, as in compare and doctor
 
 The model runs twice on the first batch, in FP32 and under the policy (deep copies; nothing is
 changed). Exit status: 0 pass or warn, 1 fail, 2 bad arguments.
@@ -38,7 +39,7 @@ def add_check(subparsers: Any) -> None:
                     "gradients (relative error, SQNR in dB), check the device, and print a verdict with reasons.",
         epilog=_EPILOG_CHECK, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    c.add_argument("workload", help=WORKLOAD_HELP)
+    add_workload(c, WORKLOAD_HELP + " (required: positional or -w)")
     c.add_argument("-p", "--policy", default="bf16-mixed", help="the policy to check (default bf16-mixed)")
     add_common(c)
     c.set_defaults(func=_cmd_check)
@@ -46,6 +47,7 @@ def add_check(subparsers: Any) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     prog = "mixprec check"
+    resolve_workload(args, prog)
     try:
         opts = _common.options(args.option)
         pol = _common.policy(args.policy)

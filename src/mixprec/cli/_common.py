@@ -11,7 +11,8 @@ from typing import Any, NoReturn
 
 WORKLOAD_HELP = ("gpt, cnn, hf-gpt2, or MODULE:FUNCTION where FUNCTION(**options) returns a mixprec.bench.Workload "
                  "or a 4-tuple (model, optimizer_fn, batches, loss_fn): optimizer_fn(params) -> optimizer, batches "
-                 "an iterable of batches, loss_fn(model, batch) -> scalar loss")
+                 "an iterable of batches, loss_fn(model, batch) -> scalar loss; MODULE may be a file, "
+                 "path/to/file.py, which can import the modules next to it")
 
 
 class UsageError(Exception):
@@ -82,6 +83,33 @@ def device(text: str) -> Any:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ArgError("--device cuda was asked for but no CUDA device is available")
     return dev
+
+
+def add_workload(p: argparse.ArgumentParser, help: str) -> None:
+    """The workload, as a positional argument or ``-w/--workload``: either form, in every subcommand.
+
+    :func:`resolve_workload` turns the two into one (``args.workload``) after parsing.
+    """
+    p.add_argument("workload_pos", nargs="?", default=None, metavar="WORKLOAD", help=help)
+    p.add_argument("-w", "--workload", default=None, metavar="WORKLOAD",
+                   help="the workload as an option, the same as the positional WORKLOAD (give one, or both alike)")
+
+
+def resolve_workload(args: argparse.Namespace, prog: str, default: str | None = None) -> str:
+    """The workload of :func:`add_workload`'s two forms; :class:`UsageError` when they disagree or none is given.
+
+    Stores the result in ``args.workload`` and returns it.
+    """
+    pos, opt = args.workload_pos, args.workload
+    if pos is not None and opt is not None and pos.strip() != opt.strip():
+        raise UsageError(f"{prog}: error: the workload was given twice and the two disagree: {pos!r} (positional) "
+                         f"and {opt!r} (-w/--workload); give it once (see {prog} --help)")
+    spec = pos if pos is not None else opt if opt is not None else default
+    if spec is None:
+        raise UsageError(f"{prog}: error: a workload is required: {prog} WORKLOAD or {prog} -w WORKLOAD "
+                         f"(see {prog} --help)")
+    args.workload = spec
+    return spec
 
 
 def load(spec: str, opts: dict[str, Any]) -> Any:

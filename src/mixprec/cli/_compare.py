@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Any
 
-from ._common import UsageError, parse_option
+from ._common import UsageError, add_workload, parse_option, resolve_workload
 
 __all__ = ["add_compare"]
 
@@ -19,6 +19,7 @@ examples:
   mixprec compare                                   # gpt workload, default presets for this device
   mixprec compare -w cnn -p fp32,bf16-mixed,fp16-mixed --steps 200 --out results/
   mixprec compare -w hf-gpt2 -o n_layer=4 -o n_embd=128 --json results.json
+  mixprec compare cnn --steps 100                   # the workload may also be positional, as in check
   mixprec compare -w my_bench:make                  # your own: make() returns a Workload or
                                                     # (model, optimizer_fn, batches, loss_fn)
 
@@ -49,7 +50,7 @@ def add_compare(subparsers: Any) -> None:
         epilog=_EPILOG_COMPARE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-w", "--workload", default="gpt", help="gpt (default), cnn, hf-gpt2, or MODULE:FUNCTION")
+    add_workload(p, "gpt (default), cnn, hf-gpt2, or MODULE:FUNCTION (positional or -w)")
     p.add_argument("-p", "--presets", default=None,
                    help="comma-separated presets, or 'all' (default: all on a GPU; fp32,bf16-mixed,fp16-mixed,"
                         "bf16-master,fp16-master on a CPU)")
@@ -64,7 +65,9 @@ def add_compare(subparsers: Any) -> None:
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="workload size option, repeatable (gpt/hf-gpt2: n_layer, n_head, n_embd, block_size, "
                         "batch_size, lr, ...; cnn: width, batch_size, ...; your function's keyword arguments)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every row's RNG stream (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the built-in workload's initial weights and batch order (unless -o seed=S) and "
+                        "of every row's RNG stream; every row starts from the same weights and batches (default 0)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
     p.add_argument("--out", metavar="DIR", default=None, help="write PNG plots and compare.json into DIR")
@@ -83,6 +86,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     prog = "mixprec compare"
     try:
+        resolve_workload(args, prog, default="gpt")
         options = dict(parse_option(o) for o in args.option)
         if args.threads is not None:
             if args.threads < 1:
@@ -131,8 +135,8 @@ def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
         warnings.simplefilter("always")
         try:
             result = run_compare(
-                args.workload, presets, baseline=args.baseline, steps=args.steps, warmup=args.warmup, device=device,
-                fp16_cpu="native" if args.native_fp16 else "emulate", seed=args.seed,
+                args.workload, presets, baseline=args.baseline, steps=args.steps, warmup=args.warmup,
+                device=device, fp16_cpu="native" if args.native_fp16 else "emulate", seed=args.seed,
                 peak_tflops_override=args.peak_tflops, progress=progress, workload_options=options,
             )
         finally:

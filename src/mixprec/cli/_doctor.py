@@ -22,7 +22,7 @@ from .._policy import Policy
 from ..numerics import NumericsMonitor, audit, check
 from ..numerics._report import jsonable
 from . import _common
-from ._common import WORKLOAD_HELP, ArgError, add_common
+from ._common import WORKLOAD_HELP, ArgError, add_common, add_workload, resolve_workload
 
 __all__ = ["DoctorResult", "add_doctor", "run_doctor"]
 
@@ -44,6 +44,7 @@ examples:
   mixprec doctor                                  # gpt workload, fp16-mixed
   mixprec doctor -w cnn -p bf16-master --steps 20
   mixprec doctor -w my_model:make -o batch_size=8 --out diag/
+  mixprec doctor cnn -p bf16-master               # the workload may also be positional, as in check
 
 exit status: 0 done, 1 the pre-flight check failed (or the run failed), 2 bad arguments.
 """
@@ -118,7 +119,7 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
     model = copy.deepcopy(base)
     opt = w.optimizer_fn(model.parameters())
     losses: list[float] = []
-    mon = NumericsMonitor(model, every=every, optimizer=opt, max_elements=max_elements)
+    mon = NumericsMonitor(model, every=every, optimizer=opt, max_elements=max_elements, policy=pol)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         with mon, autocast.fp32(dev.type):
@@ -150,6 +151,7 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     prog = "mixprec doctor"
+    resolve_workload(args, prog, default="gpt")
     try:
         opts = _common.options(args.option)
         pol = _common.policy(args.policy)
@@ -232,7 +234,7 @@ def add_doctor(subparsers: Any) -> None:
                     "the prepared setup really uses.",
         epilog=_EPILOG_DOCTOR, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d.add_argument("-w", "--workload", default="gpt", help=WORKLOAD_HELP + " (default: gpt)")
+    add_workload(d, WORKLOAD_HELP + " (default: gpt; positional or -w)")
     d.add_argument("-p", "--policy", default="fp16-mixed", help="the policy to diagnose (default fp16-mixed)")
     d.add_argument("--steps", type=int, default=10, help="monitored FP32 training steps (default 10)")
     d.add_argument("--every", type=int, default=1, help="monitor one step in N (default 1)")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._casting import island_modules
 from .._dtypes import device_supports
 from .._policy import Policy
 from ._report import ModuleNumerics, NumericsReport, ParamNumerics, build_report
@@ -69,6 +70,8 @@ class _ParamRecord:
     grad_dtypes: set[str] = dataclasses.field(default_factory=set)
     # update statistics: [updated elements, below half a bf16 ulp, below half an f16 ulp]
     update_counts: torch.Tensor | None = None
+    # in an FP32 island under the policy: stored in FP32 whatever the preset, so never stagnant in BF16/FP16
+    fp32_island: bool = False
 
 
 def _short(dt: torch.dtype) -> str:
@@ -97,6 +100,11 @@ class NumericsMonitor:
         overflow_margin: A module is "at risk" in FP16 when its largest activation times this
             factor reaches the FP16 maximum (16: four binades of headroom).
         manual_steps: Count steps only by :meth:`step` calls (see there).
+        policy: The policy (a :class:`~mixprec.Policy` or its string) whose FP32 islands
+            (``island_modules(model, policy)``) keep their parameters in FP32: their updates are
+            measured but left out of the BF16/FP16 stagnation figures and finding, which are about
+            weights that would be stored in half precision. ``None`` (default): normalization
+            layers, the islands of every preset (``i=norm``).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -122,6 +130,7 @@ class NumericsMonitor:
         max_elements: int | None = None,
         overflow_margin: float = 16.0,
         manual_steps: bool = False,
+        policy: Policy | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"NumericsMonitor watches an nn.Module, got {type(model).__name__}")
@@ -155,6 +164,9 @@ class NumericsMonitor:
         self._update_measured = False
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._wrapped_step: Any = None
+        island_policy = _NORM_POLICY if policy is None else Policy.parse(policy)
+        island_ids = {id(p) for _, m in island_modules(model, island_policy) for p in m.parameters()}
+        self._island_params = {n for n, p in model.named_parameters() if id(p) in island_ids}
 
     # ----- selection and attachment ------------------------------------------------------------
     @staticmethod
@@ -197,7 +209,8 @@ class NumericsMonitor:
                 if not p.requires_grad or not p.is_floating_point():
                     continue
                 rec_p = self._params.setdefault(
-                    pname, _ParamRecord(pname, owner.get(id(p), ""), _short(p.dtype), p.numel()))
+                    pname, _ParamRecord(pname, owner.get(id(p), ""), _short(p.dtype), p.numel(),
+                                        fp32_island=pname in self._island_params))
                 self._handles.append(p.register_hook(functools.partial(self._on_param_grad, rec_p)))
         return self
 
@@ -218,7 +231,8 @@ class NumericsMonitor:
     def reset(self) -> None:
         """Forget the statistics (hooks stay)."""
         self._modules = {n: _ModuleRecord(n, r.type_name, r.norm_island) for n, r in self._modules.items()}
-        self._params = {n: _ParamRecord(n, r.module, r.dtype, r.numel) for n, r in self._params.items()}
+        self._params = {n: _ParamRecord(n, r.module, r.dtype, r.numel, fp32_island=r.fp32_island)
+                        for n, r in self._params.items()}
         if self._handles:
             self.detach()
             self.attach()
@@ -409,7 +423,8 @@ class NumericsMonitor:
             c = torch.stack(counts)
             rec = self._params.get(name)
             if rec is None:
-                rec = self._params.setdefault(name, _ParamRecord(name, "", _short(live.dtype), live.numel()))
+                rec = self._params.setdefault(name, _ParamRecord(name, "", _short(live.dtype), live.numel(),
+                                                                 fp32_island=name in self._island_params))
             rec.update_counts = c if rec.update_counts is None else rec.update_counts + c.to(rec.update_counts.device)
             self._update_measured = True
 
@@ -439,7 +454,8 @@ class NumericsMonitor:
         ]
         params = [
             ParamNumerics.from_record(r.name, r.module, r.dtype, r.numel, r.grad, sorted(r.grad_dtypes),
-                                      r.update_counts.tolist() if r.update_counts is not None else None, loss_scale)
+                                      r.update_counts.tolist() if r.update_counts is not None else None, loss_scale,
+                                      fp32_island=r.fp32_island)
             for r in self._params.values()
         ]
         pooled = self.histograms

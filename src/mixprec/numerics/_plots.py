@@ -67,7 +67,9 @@ def plot_gradient_histogram(
     lo = min(ks[0] - 2, f16.log2_flush_bin - 4)
     hi = max(ks[-1] + shift + 2, f16.log2_overflow_bin + 3)
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    # Constrained layout with the legend outside, below the axes: it leaves room for the legend, so
+    # the legend never covers the panel titles, the figure title or the data (it once sat on them).
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True, layout="constrained")
     for ax, s, label in ((axes[0], 0, "unscaled (loss scale 1)"), (axes[1], shift, f"after the loss scale 2^{shift}")):
         xs = [k + s for k in ks]
         ys = [bins.get(k, 0) / total for k in ks]
@@ -92,10 +94,9 @@ def plot_gradient_histogram(
             ax.plot([], [], " ", label=f"BF16: normal over the whole axis (2^{bf_lo}..2^{bf_hi - 1})")
     axes[1].set_xlabel("log2(|gradient|)   (bin k holds [2^k, 2^(k+1)))")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", fontsize=8, framealpha=0.9)
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8, framealpha=0.9)
     zero_txt = f"; {zero / total:.1%} exactly zero (not shown)" if zero else ""
     fig.suptitle(title or f"Activation-gradient magnitudes vs the FP16/BF16 ranges{zero_txt}", fontsize=11)
-    fig.tight_layout(rect=(0, 0, 0.8, 0.96))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

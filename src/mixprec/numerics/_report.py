@@ -226,6 +226,9 @@ class ParamNumerics:
         updated: Elements whose weight changed in the measured steps (``None``: not measured).
         stagnant_bf16 / stagnant_f16: Fraction of those whose update was below half an ulp of
             the weight in BF16 / FP16: they would not move if the weight were stored in that format.
+        fp32_island: The parameter belongs to an FP32 island of the monitor's policy (a norm
+            layer by default): it is stored in FP32 under that policy, so the report's stagnation
+            figures and finding leave it out.
     """
 
     name: str
@@ -240,10 +243,11 @@ class ParamNumerics:
     updated: int | None
     stagnant_bf16: float | None
     stagnant_f16: float | None
+    fp32_island: bool = False
 
     @classmethod
     def from_record(cls, name: str, module: str, dtype: str, numel: int, grad: Log2Histogram, grad_dtypes: list[str],
-                    update_counts: list[int] | None, scale: float) -> ParamNumerics:
+                    update_counts: list[int] | None, scale: float, *, fp32_island: bool = False) -> ParamNumerics:
         s = grad.summary()
         updated = stag_b = stag_h = None
         if update_counts is not None:
@@ -254,7 +258,7 @@ class ParamNumerics:
             name=name, module=module, dtype=dtype, numel=numel, grad_dtypes=grad_dtypes, grad_absmax=s["absmax"],
             grad_zero=s["zero"] / s["total"] if s["total"] else 0.0, grad_lost_f16=grad.lost_fraction("f16", 1.0),
             grad_lost_f16_at_scale=grad.lost_fraction("f16", scale), updated=updated, stagnant_bf16=stag_b,
-            stagnant_f16=stag_h,
+            stagnant_f16=stag_h, fp32_island=fp32_island,
         )
 
 
@@ -297,7 +301,8 @@ class NumericsReport:
         grad_absmax: Largest unscaled gradient (activation or parameter).
         scale_range: :class:`ScaleRange` for FP16.
         stagnation: ``{"bf16": f, "f16": f, "worst": [[name, f], ...]}``; fractions of updated
-            weight elements whose update is below half an ulp (``None`` without an optimizer).
+            weight elements whose update is below half an ulp (``None`` without an optimizer), over
+            the parameters that would be stored in half precision (FP32 islands left out).
         recommended_islands: FP32 islands to add for FP16 (policy ``i=`` entries).
         recommended_preset: The preset mixprec recommends for this model on this device.
         fp16_policy: A policy string for FP16 with the recommended scale and islands, or ``None``
@@ -362,7 +367,8 @@ class NumericsReport:
         params = sorted(self.params, key=lambda p: -(p.grad_lost_f16 or 0))[:top]
         par_rows = [[
             p.name, p.dtype, "/".join(p.grad_dtypes) or "-", _g(p.grad_absmax), _pct(p.grad_zero),
-            _pct(p.grad_lost_f16), _pct(p.grad_lost_f16_at_scale), _pct(p.stagnant_bf16), _pct(p.stagnant_f16),
+            _pct(p.grad_lost_f16), _pct(p.grad_lost_f16_at_scale),
+            *(("FP32 island", "-") if p.fp32_island else (_pct(p.stagnant_bf16), _pct(p.stagnant_f16))),
         ] for p in params]
         par_table = (
             f"Parameters (top {len(params)} of {len(self.params)} by FP16 gradient underflow)",
@@ -484,15 +490,17 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
         findings.append(f"The gradients span more than FP16 can hold: any scale that keeps the largest ({_g(gmax)}) "
                         f"finite (<= {_pow2(sr.high)}) still flushes more than {_pct(max_lost)} of the small ones.")
 
-    # stagnation
-    updated = sum(p.updated or 0 for p in params)
+    # stagnation, over the weights a half-precision preset would store in half precision: an FP32
+    # island's weights (norm layers under every preset) stay FP32, so their small updates are kept.
+    half = [p for p in params if not p.fp32_island]
+    updated = sum(p.updated or 0 for p in half)
     stagnation: dict[str, Any] = {"bf16": None, "f16": None, "worst": []}
     if update_measured:
-        stag_b = sum((p.stagnant_bf16 or 0) * (p.updated or 0) for p in params)
-        stag_h = sum((p.stagnant_f16 or 0) * (p.updated or 0) for p in params)
+        stag_b = sum((p.stagnant_bf16 or 0) * (p.updated or 0) for p in half)
+        stag_h = sum((p.stagnant_f16 or 0) * (p.updated or 0) for p in half)
         stagnation["bf16"] = stag_b / updated if updated else 0.0
         stagnation["f16"] = stag_h / updated if updated else 0.0
-        worst = sorted((p for p in params if p.updated), key=lambda p: -(p.stagnant_bf16 or 0))[:5]
+        worst = sorted((p for p in half if p.updated), key=lambda p: -(p.stagnant_bf16 or 0))[:5]
         stagnation["worst"] = [[p.name, p.stagnant_bf16] for p in worst if p.stagnant_bf16]
         if stagnation["bf16"] > STAGNATION_WARN:
             names = ", ".join(n for n, _ in stagnation["worst"][:3])
