@@ -18,7 +18,7 @@ EXPECTED = {
     # the training loop (DESIGN.md section 3)
     "Policy", "MixedPrecision", "StepInfo", "autocast", "cast_module", "uncast_module", "cast_tree",
     "LossScaler", "NoOpScaler", "StaticScaler", "DynamicScaler", "GradScaler", "MasterWeightOptimizer",
-    "all_finite", "NumericsError", "save", "load",
+    "all_finite", "NumericsError", "save", "load", "EMA",
     # the version and the public submodules
     "__version__", "checkpoint", "distributed", "numerics", "optim",
 }

@@ -24,6 +24,7 @@ from . import checkpoint, distributed, numerics, optim
 from ._autocast import autocast
 from ._casting import cast_module, cast_tree, uncast_module
 from ._checkpoint import load, save
+from ._ema import EMA
 from ._errors import NumericsError
 from ._finite import all_finite
 from ._grad_scaler import GradScaler
@@ -34,6 +35,7 @@ from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler
 from ._version import __version__
 
 __all__ = [
+    "EMA",
     "DynamicScaler",
     "GradScaler",
     "LossScaler",

@@ -73,10 +73,15 @@ class StepInfo:
     def mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """1 if the step was applied, 0 if skipped, as a 0-d tensor: gate EMA updates without a sync.
 
+        For a moving average of the weights use :class:`mixprec.EMA` (``ema.update(info)``):
+        it averages the FP32 masters where there are masters and upcasts half-precision
+        parameters (``lerp`` needs both sides in one dtype, so lerping an FP32 average towards
+        BF16/FP16 parameters fails).
+
         Example:
-            ``torch._foreach_lerp_(ema, masters, (1 - decay) * info.mask())``, where ``ema`` and
-            ``masters`` are FP32 (under ``*-master`` policies the masters are
-            ``optimizer.masters``; ``lerp`` needs both sides in one dtype).
+            ``weight = (1 - decay) * info.mask()`` is ``1 - decay`` on an applied step and ``0`` on a
+            skipped one: ``torch._foreach_lerp_(ema, fp32_weights, weight)`` then leaves ``ema``
+            unchanged on a skipped step, with no host sync (docs/ema.md).
         """
         return (~self.skipped).to(dtype)
 
