@@ -401,3 +401,28 @@ def test_lr_scheduler_built_before_or_after_prepare_sees_direct_steps(preset: st
             sched.step()
     assert sched.get_last_lr() == [0.125] and opt.param_groups[0]["lr"] == 0.125
     assert int(prec.last_step.applied_steps) == 3 if prec.last_step is not None else False
+
+
+def test_scheduler_built_before_prepare_keeps_driving_a_converted_optimizer_after_a_resume() -> None:
+    """bf16-pure replaces the torch optimizer; load_state_dict replaces its group dicts: the scheduler must follow."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    given = torch.optim.AdamW(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(given, lambda s: 0.5**s)
+    prec = mp.MixedPrecision("bf16-pure")
+    model, opt = prec.prepare(model, given)
+    assert opt is not given
+
+    def step() -> None:
+        prec.backward(model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum())
+        prec.step(opt, schedulers=[sched])
+        opt.zero_grad()
+
+    step()
+    assert opt.param_groups[0]["lr"] == 0.5
+    prec.load_state_dict(copy.deepcopy(prec.state_dict()))
+    step()
+    assert sched.get_last_lr() == [0.25] and opt.param_groups[0]["lr"] == 0.25
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a framework loading the optimizer directly
+    step()
+    assert opt.param_groups[0]["lr"] == 0.125

@@ -263,6 +263,8 @@ class MixedPrecision:
                 # The optimizer the user built now steps inside ours (masters) or was replaced
                 # (compensated): stepping it directly would bypass mixprec.
                 install_step_guard(given, "refuse")
+                if not isinstance(opt, MasterWeightOptimizer):
+                    _follow_param_groups(given, opt)
             if isinstance(opt, MasterWeightOptimizer):
                 opt.set_unscale_callback(self._unscale_callback(opt))
                 opt.weight_edits = self.weight_edits
@@ -649,6 +651,26 @@ class MixedPrecision:
             remove_step_guard(opt)
             if isinstance(opt, MasterWeightOptimizer):
                 remove_step_guard(opt.optimizer)
+
+
+def _follow_param_groups(given: Optimizer, converted: Optimizer) -> None:
+    """Keep ``given.param_groups`` the converted optimizer's list, also after ``load_state_dict``.
+
+    A compensated optimizer built from the user's torch optimizer shares its param-group dicts, so
+    an LR scheduler built on the torch optimizer before ``prepare`` drives the converted one.
+    ``Optimizer.load_state_dict`` replaces the group dicts; without this the scheduler would keep
+    setting the learning rate on the old ones after a resume, silently.
+    """
+    import weakref
+
+    ref = weakref.ref(given)
+
+    def relink(optimizer: Optimizer) -> None:
+        target = ref()
+        if target is not None:
+            target.param_groups = optimizer.param_groups
+
+    converted.register_load_state_dict_post_hook(relink)
 
 
 def for_inference(

@@ -1,0 +1,155 @@
+"""``mixprec.integrations.accelerate``: a plain Accelerate loop on a tiny GPT-2 built from a config.
+
+What is pinned: ``MixprecAccelerator``'s loop (``prepare``, ``backward``, ``clip_grad_norm_``,
+``optimizer.step()``, a prepared scheduler) equals mixprec's own loop under every preset family; a
+planted inf/NaN step is skipped, ``optimizer_step_was_skipped`` is true exactly then and the scheduler
+does not advance; ``save_state``/``load_state`` carry the mixprec state; Accelerate's own mixed
+precision, ``loss.backward()`` under loss scaling and an optimizer without its model are refused.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from mixprec.integrations.accelerate import MixprecAccelerator, attach
+
+from ._hf_common import PRESETS, Overflow, TokenDataset, gpt2, reference_run, transformers
+
+STEPS = 5
+# Per-dtype tolerance against mixprec's own loop: the same calls in the same order, so bit for bit.
+TOL = {"bf16-mixed": 0.0, "bf16-master": 0.0, "fp16-mixed": 0.0, "bf16-pure": 0.0}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _loop(preset, steps=STEPS, inf_step=None):
+    """The Accelerate loop as its docs write it, with Trainer's optimizer and scheduler."""
+    # TrainingArguments resets Accelerate's global state: before the accelerator
+    args = transformers.TrainingArguments("unused", learning_rate=1e-2, use_cpu=True, report_to=[])
+    accelerator = MixprecAccelerator(preset, cpu=True)  # the reference runs on the CPU
+    model = gpt2()
+    overflow = Overflow(model)
+    cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in model.named_parameters() if (n in decay) == d], "weight_decay": 0.0}
+              for d in (True, False)]
+    optimizer = cls(groups, **kwargs)
+    scheduler = transformers.get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    data = TokenDataset()
+    out = {"loss": [], "grad_norm": [], "skipped": [], "lr": []}
+    for step in range(steps):
+        x = data.batch(step)
+        overflow.on = step == inf_step
+        loss = model(input_ids=x, labels=x).loss  # no autocast block: prepare() put the forward in prec.autocast()
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        out["lr"].append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        out["loss"].append(loss.item())
+        out["grad_norm"].append(norm.item())
+        out["skipped"].append(accelerator.optimizer_step_was_skipped)
+    return out, accelerator, model
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_accelerate_loop_equals_mixprec_loop_and_skips_planted_inf(preset):
+    inf_step = 1
+    got, accelerator, _ = _loop(preset, inf_step=inf_step)
+    ref = reference_run(preset, TokenDataset(), STEPS, inf_step=inf_step)
+    assert got["skipped"] == ref["skipped"] == [s == inf_step for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol=TOL[preset], atol=0)
+    finite = [s for s in range(STEPS) if s != inf_step]
+    torch.testing.assert_close(torch.tensor([got["grad_norm"][s] for s in finite]),
+                               torch.tensor([ref["grad_norm"][s] for s in finite]), rtol=TOL[preset], atol=0)
+    assert got["lr"] == ref["lr"] and got["lr"][inf_step + 1] == got["lr"][inf_step]  # no advance on the skip
+    assert int(accelerator.prec._applied_steps) == STEPS - 1
+    if preset == "fp16-mixed":
+        assert float(accelerator.prec.scaler.loss_scale) == 2.0**15
+        assert max(got["grad_norm"][s] for s in finite) < 10  # the unscaled norm, not times 2**16
+
+
+def test_save_state_and_load_state_carry_the_mixprec_state(tmp_path):
+    _, accelerator, model = _loop("fp16-mixed", steps=2, inf_step=0)  # one skip: the scale is 2**15
+    accelerator.save_state(str(tmp_path))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    scale = accelerator.prec.scaler.loss_scale.clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    accelerator.prec.scaler.load_state_dict(type(accelerator.prec.scaler)().state_dict())
+    accelerator.load_state(str(tmp_path))
+    assert torch.equal(accelerator.prec.scaler.loss_scale, scale) and float(scale) == 2.0**15
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+def test_accelerate_mixed_precision_is_refused_with_a_policy():
+    with pytest.raises(ValueError, match=re.escape(
+            "MixprecAccelerator(mixed_precision='bf16'): Accelerate's mixed_precision='bf16' together with the mixprec "
+            "policy 'bf16-master' would run two mixed-precision systems at once")) as err:
+        MixprecAccelerator("bf16-master", mixed_precision="bf16")
+    assert "Use mixed_precision='no'" in str(err.value) and "'bf16-mixed'" in str(err.value)
+
+
+def test_attach_refuses_an_accelerator_with_its_own_mixed_precision():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    with pytest.raises(ValueError, match=re.escape("attach(Accelerator): Accelerate's mixed_precision='bf16'")):
+        attach(accelerator, "fp16-mixed")
+
+
+def test_loss_backward_under_loss_scaling_is_refused_by_name():
+    accelerator = MixprecAccelerator("fp16-mixed", cpu=True)
+    model = gpt2()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = TokenDataset().batch(0)
+    model(input_ids=x, labels=x).loss.backward()  # bypasses accelerator.backward: never scaled
+    with pytest.raises(ValueError, match=re.escape("Call prec.backward(loss) instead of loss.backward()")):
+        optimizer.step()
+
+
+def test_optimizer_without_its_model_is_refused():
+    accelerator = MixprecAccelerator("bf16-master", cpu=True)
+    model = gpt2()
+    with pytest.raises(ValueError, match=re.escape("needs the model and its optimizer(s) in one call")):
+        accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.raises(ValueError, match=re.escape("this optimizer was not prepared by mixprec")):
+        accelerator.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def test_the_frameworks_are_imported_lazily_with_an_install_hint(monkeypatch):
+    import subprocess
+    import sys
+
+    code = ("import sys, mixprec.integrations, mixprec.integrations.accelerate, mixprec.integrations.transformers; "
+            "print(sorted(m for m in ('accelerate', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+    from mixprec.integrations import accelerate as acc_mod
+    from mixprec.integrations import transformers as tr_mod
+
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate -> ImportError
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=re.escape("needs the `accelerate` package: pip install accelerate")):
+        acc_mod._import_accelerate()
+    with pytest.raises(ImportError, match=re.escape("needs the `transformers` package: pip install transformers")):
+        tr_mod._import_transformers()
