@@ -59,6 +59,30 @@ def test_compare_hf_gpt2_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r["status"] == "ok" for r in d["rows"])
 
 
+def test_compare_seeds_reports_the_verdict_and_the_json_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["compare", *TINY_LM, *FAST, "-p", "bf16-mixed", "--baseline", "none", "--seeds", "0,1",
+               "--json", str(tmp_path / "r.json")])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "Is the gap real? 2 seeds (0,1)" in out and "fp32 added to the presets" in out
+    line = next(x for x in out.splitlines() if x.startswith("bf16-mixed ") and "noise" in x)
+    assert "within noise (gap" in line or "outside noise (gap" in line
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert d["seeds"]["seeds"] == [0, 1] and [r["name"] for r in d["seeds"]["rows"]] == ["fp32", "bf16-mixed"]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--seed", "1", "--seeds", "0,1"], "--seed 1 and --seeds 0,1: give one"),
+        (["--seeds", "3"], "--seeds 3: need at least 2 seeds"),
+    ],
+)
+def test_compare_seeds_errors_are_one_line(args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line_error(capsys, main(["compare", *FAST, *args]))
+    assert line.startswith("mixprec compare: error: ") and expected in line
+
+
 USER_MODULE = '''
 import torch
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -13,11 +14,15 @@ import pytest
 import torch
 
 from mixprec.bench import (
+    NOISE_K,
     BenchError,
     Workload,
     load_workload,
     parse_presets,
+    parse_seeds,
     run_compare,
+    run_compare_seeds,
+    seed_verdict,
 )
 from mixprec.bench._plots import PLOT_FILES, write_plots
 from mixprec.bench._runner import _hash_tensors
@@ -248,3 +253,67 @@ def test_plots_are_valid_pngs(small_result: Any, tmp_path: Path) -> None:
         width, height = struct.unpack(">II", data[16:24])
         assert width >= 400 and height >= 300, (p, width, height)
         assert len(data) > 10_000
+
+
+# ----- several seeds: is the gap real? ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def seeds_result() -> Any:
+    return run_compare_seeds("gpt", "bf16-mixed", seeds="0,1,2", baseline="none", steps=3, warmup=1, device="cpu",
+                             workload_options=TINY)
+
+
+def test_seeds_gap_mean_spread_and_noise_are_recomputed_from_the_runs(seeds_result: Any) -> None:
+    import statistics
+
+    r = seeds_result
+    # fp32 is the reference: added in front when the presets leave it out, and said so
+    assert [row.name for row in r.rows] == ["fp32", "bf16-mixed"]
+    assert any("fp32 added" in n for n in r.notes)
+    assert r.seeds == [0, 1, 2] and [run.settings["seed"] for run in r.runs] == [0, 1, 2]
+    assert len({run.workload["initial_weights_sha256"] for run in r.runs}) == 3  # three different starts
+    assert r.metric == "val_loss" and r.k == NOISE_K == 2.0
+    fp32 = [run.row("fp32").val_loss for run in r.runs]
+    assert r.noise == pytest.approx(statistics.stdev(fp32), rel=1e-12) and r.noise > 0
+    gaps = [run.row("bf16-mixed").val_loss - run.row("fp32").val_loss for run in r.runs]
+    row = r.row("bf16-mixed")
+    assert row.gaps == pytest.approx(gaps, rel=1e-12, abs=1e-15)
+    assert row.gap_mean == pytest.approx(statistics.mean(gaps), rel=1e-9, abs=1e-15)
+    assert row.gap_std == pytest.approx(statistics.stdev(gaps), rel=1e-9, abs=1e-15)
+    assert (row.gap_min, row.gap_max) == (min(row.gaps), max(row.gaps))
+    assert (row.within_noise, row.verdict) == seed_verdict(row.gap_mean, r.noise)
+    assert r.row("fp32").gap_mean == 0.0 and r.row("fp32").verdict.startswith("reference")
+    # the JSON: the first seed's record plus the documented seeds section
+    d = json.loads(json.dumps(r.to_dict(), allow_nan=False))
+    assert d["schema"] == "mixprec.compare/1" and d["settings"]["seed"] == 0
+    sec = d["seeds"]
+    assert set(sec) == {"seeds", "metric", "noise", "k", "rule", "rows", "runs", "notes"}
+    assert [x["seed"] for x in sec["runs"]] == [0, 1, 2]
+    assert sec["rows"][1]["name"] == "bf16-mixed" and sec["rows"][1]["verdict"] == row.verdict
+
+
+def test_seeds_loss_plot_has_bands(seeds_result: Any, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    paths = write_plots(seeds_result.runs[0], tmp_path, seeds=seeds_result)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_seed_verdict_on_constructed_numbers() -> None:
+    assert seed_verdict(0.01, 0.02) == (True, "within noise (gap +0.0100 vs noise 0.0200)")
+    assert seed_verdict(-0.04, 0.02)[0] is True  # |gap| == k * noise: still within
+    assert seed_verdict(0.0401, 0.02) == (False, "outside noise (gap +0.0401 vs noise 0.0200)")
+    assert seed_verdict(-0.05, 0.02)[0] is False
+    assert seed_verdict(0.05, 0.02, k=3.0)[0] is True
+    within, text = seed_verdict(0.01, 0.0)
+    assert within is None and "identical across seeds" in text
+
+
+def test_seeds_need_two_distinct_integers() -> None:
+    assert parse_seeds("0,1,2") == [0, 1, 2] == parse_seeds("0-2") == parse_seeds([0, 1, 2])
+    with pytest.raises(BenchError, match=re.escape("--seeds 0: need at least 2 seeds to measure the seed-to-seed noise")):
+        run_compare_seeds("gpt", "fp32", seeds=[0], device="cpu", workload_options=TINY)
+    with pytest.raises(BenchError, match="a seed is repeated"):
+        parse_seeds("1,1")
+    with pytest.raises(BenchError, match="expected comma-separated integers"):
+        parse_seeds("a,b")
+    with pytest.raises(BenchError, match="drop -o seed"):
+        run_compare_seeds("gpt", "fp32", seeds=[0, 1], device="cpu", workload_options={**TINY, "seed": 3})

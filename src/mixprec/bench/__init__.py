@@ -20,6 +20,16 @@ kind, status, reason, policy, step_time_ms {median, p10, p90, mean, n}, throughp
 achieved_tflops, mfu, peak_memory_bytes, model_state_bytes(_per_param), final_train_loss,
 val_loss, val_metric, *_gap, skipped_steps, final_loss_scale, losses, loss_scales,
 init_weights_sha256, ...) and ``notes``. Non-finite numbers are written as ``null``.
+
+Is the gap real? :func:`run_compare_seeds` (``mixprec compare --seeds 0,1,2``) runs the whole
+comparison once per seed (a built-in workload's initial weights, batch order and RNG streams) and
+reports, per row, the loss gap to FP32 of the same seed as a mean over seeds with its spread (sample
+std), against the FP32 noise floor (the sample std of FP32's own loss across the seeds): "within
+noise" when ``|gap mean| <= k * noise`` (``k`` = :data:`NOISE_K` = 2). Its JSON record is the first
+seed's ``mixprec.compare/1`` record plus a ``seeds`` section: ``seeds`` (the list), ``metric``
+(``val_loss`` or ``final_train_loss``), ``noise``, ``k``, ``rule``, ``rows`` (name, label, kind,
+values and gaps per seed, gap_mean, gap_std, gap_min, gap_max, within_noise, verdict), ``runs``
+(per seed: seed, workload, settings, rows) and ``notes``.
 """
 
 from ._fp16_emulation import FP16Emulation
@@ -27,12 +37,18 @@ from ._memory import LiveTensorTracker, model_state_bytes
 from ._runner import (
     ALL_PRESETS,
     BASELINE,
+    NOISE_K,
     CompareResult,
     RowResult,
+    SeedRow,
+    SeedsResult,
     default_presets,
     parse_presets,
+    parse_seeds,
     resolve_device,
     run_compare,
+    run_compare_seeds,
+    seed_verdict,
 )
 from ._timing import DENSE_PEAK_TFLOPS, peak_tflops
 from ._workloads import BUILTIN_WORKLOADS, BenchError, Workload, load_workload
@@ -42,17 +58,23 @@ __all__ = [
     "BASELINE",
     "BUILTIN_WORKLOADS",
     "DENSE_PEAK_TFLOPS",
+    "NOISE_K",
     "BenchError",
     "CompareResult",
     "FP16Emulation",
     "LiveTensorTracker",
     "RowResult",
+    "SeedRow",
+    "SeedsResult",
     "Workload",
     "default_presets",
     "load_workload",
     "model_state_bytes",
     "parse_presets",
+    "parse_seeds",
     "peak_tflops",
     "resolve_device",
     "run_compare",
+    "run_compare_seeds",
+    "seed_verdict",
 ]

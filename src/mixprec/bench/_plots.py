@@ -3,7 +3,9 @@
 Files written to the output directory:
 
 * ``loss_curves.png``: the training loss of every row on one chart (raw steps faint, an
-  exponential moving average bold), with each row's validation loss as a marker at the end;
+  exponential moving average bold), with each row's validation loss as a marker at the end; for a
+  multi-seed comparison (``seeds=``) the mean over seeds of each row's moving average, bold, in a
+  band from its minimum to its maximum across the seeds;
 * ``loss_scale.png``: the loss scale of every row per step (log2 axis);
 * ``memory.png``: peak memory during a step and persistent model-state bytes, per row;
 * ``speed.png``: median step time with p10-p90 whiskers, and throughput, per row.
@@ -15,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ._runner import CompareResult, RowResult
+from ._runner import CompareResult, RowResult, SeedsResult
 from ._workloads import BenchError
 
 __all__ = ["PLOT_FILES", "write_plots"]
@@ -62,8 +64,10 @@ def _save(fig: Any, path: Path) -> None:
     fig.savefig(path, format="png")
 
 
-def write_plots(result: CompareResult, out_dir: str | Path) -> list[Path]:
+def write_plots(result: CompareResult, out_dir: str | Path, seeds: SeedsResult | None = None) -> list[Path]:
     """Write the four PNGs into ``out_dir`` (created if needed); returns their paths.
+
+    With ``seeds`` (``result`` is then one of its runs), the loss curves show every row's band across seeds.
 
     Raises:
         BenchError: matplotlib is not installed.
@@ -80,21 +84,27 @@ def write_plots(result: CompareResult, out_dir: str | Path) -> list[Path]:
     ax = fig.add_subplot(1, 1, 1)
     n = max((len(r.losses) for r in rows), default=0)
     alpha = 2.0 / (max(4, n // 20) + 1)
-    for r in rows:
-        xs = list(range(1, len(r.losses) + 1))
-        ys = [math.nan if v is None else v for v in r.losses]
-        ax.plot(xs, ys, color=color_of[r.name], alpha=0.18, linewidth=0.8)
-        diverged = any(v is None or not math.isfinite(v) for v in r.losses)
-        ax.plot(xs, _ema(r.losses, alpha), color=color_of[r.name], linewidth=1.8,
-                label=r.label + (" (diverged)" if diverged else ""),
-                linestyle="--" if r.kind == "baseline" else "-")
-        if r.val_loss is not None and math.isfinite(r.val_loss) and xs:
-            ax.plot([xs[-1]], [r.val_loss], marker="o", color=color_of[r.name], markersize=5)
+    if seeds is not None:
+        _seed_bands(ax, seeds, rows, color_of, alpha)
+    else:
+        for r in rows:
+            xs = list(range(1, len(r.losses) + 1))
+            ys = [math.nan if v is None else v for v in r.losses]
+            ax.plot(xs, ys, color=color_of[r.name], alpha=0.18, linewidth=0.8)
+            diverged = any(v is None or not math.isfinite(v) for v in r.losses)
+            ax.plot(xs, _ema(r.losses, alpha), color=color_of[r.name], linewidth=1.8,
+                    label=r.label + (" (diverged)" if diverged else ""),
+                    linestyle="--" if r.kind == "baseline" else "-")
+            if r.val_loss is not None and math.isfinite(r.val_loss) and xs:
+                ax.plot([xs[-1]], [r.val_loss], marker="o", color=color_of[r.name], markersize=5)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.text(0.99, 0.99, "faint: per step - bold: moving average - dot: validation loss", transform=ax.transAxes,
+    legend_text = ("bold: mean over seeds of the moving average - band: min-max across seeds" if seeds is not None
+                   else "faint: per step - bold: moving average - dot: validation loss")
+    ax.text(0.99, 0.99, legend_text, transform=ax.transAxes,
             fontsize=7, va="top", ha="right", color="#555555")
-    ax.set_title(f"Loss curves\n{_subtitle(result)}", fontsize=10)
+    title = "Loss curves" if seeds is None else f"Loss curves, seeds {','.join(str(x) for x in seeds.seeds)}"
+    ax.set_title(f"{title}\n{_subtitle(result)}", fontsize=10)
     if rows:
         ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, 0.94))
     ax.grid(alpha=0.3)
@@ -170,6 +180,31 @@ def write_plots(result: CompareResult, out_dir: str | Path) -> list[Path]:
     fig.suptitle(f"Speed\n{_subtitle(result)}", fontsize=10)
     _save(fig, paths[3])
     return paths
+
+
+def _seed_bands(ax: Any, seeds: SeedsResult, rows: list[RowResult], color_of: dict[str, str], alpha: float) -> None:
+    """Per row: the mean over seeds of the moving-average loss, and its min-max band across the seeds."""
+    for r in rows:
+        curves = []
+        for run in seeds.runs:
+            other = next((x for x in run.rows if x.name == r.name and x.status == "ok"), None)
+            if other is not None:
+                curves.append(_ema(other.losses, alpha))
+        n = min((len(c) for c in curves), default=0)
+        if not n:
+            continue
+        xs = list(range(1, n + 1))
+        cols = [[c[i] for c in curves] for i in range(n)]
+        lo = [min(v) if all(math.isfinite(x) for x in v) else math.nan for v in cols]
+        hi = [max(v) if all(math.isfinite(x) for x in v) else math.nan for v in cols]
+        mean = [sum(v) / len(v) if all(math.isfinite(x) for x in v) else math.nan for v in cols]
+        ax.fill_between(xs, lo, hi, color=color_of[r.name], alpha=0.12, linewidth=0)
+        label = r.label
+        with_verdict = next((s for s in seeds.rows if s.name == r.name), None)
+        if with_verdict is not None and with_verdict.within_noise is not None:
+            label += " (within noise)" if with_verdict.within_noise else " (outside noise)"
+        ax.plot(xs, mean, color=color_of[r.name], linewidth=1.8, label=label,
+                linestyle="--" if r.kind == "baseline" else "-")
 
 
 def _colors(n: int) -> list[str]:

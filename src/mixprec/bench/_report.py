@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._environment import environment
-from ._runner import CompareResult, RowResult
+from ._runner import CompareResult, RowResult, SeedsResult
 
-__all__ = ["environment", "format_table_plain", "print_report", "write_json"]
+__all__ = ["environment", "format_seeds_table", "format_table_plain", "print_report", "print_seeds_report", "write_json"]
 
 
 # ----- formatting -----------------------------------------------------------------------------
@@ -166,8 +166,46 @@ def print_report(result: CompareResult, file: IO[str] | None = None) -> None:
         console.print(f"* {n}", highlight=False, markup=False)
 
 
-def write_json(result: CompareResult, path: str | os.PathLike[str] | IO[str]) -> None:
-    """Write the JSON record (``-`` for standard output)."""
+def seeds_table_rows(result: SeedsResult) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the multi-seed table: per row the mean loss, the gap to fp32 and the verdict."""
+    what = "val loss" if result.metric == "val_loss" else "train loss"
+    header = ["precision", f"{what} (mean)", "gap mean", "spread (std)", "gap min..max", "verdict"]
+    cells = []
+    for r in result.rows:
+        vals = [v for v in r.values if v is not None and math.isfinite(v)]
+        mean = sum(vals) / len(vals) if len(vals) == len(r.values) else None
+        span = "-" if r.gap_min is None or r.gap_max is None else f"{r.gap_min:+.4f}..{r.gap_max:+.4f}"
+        cells.append([r.label, _num(mean), _gap(r.gap_mean), _num(r.gap_std), span, r.verdict])
+    return header, cells
+
+
+def format_seeds_table(result: SeedsResult) -> str:
+    """The multi-seed summary as plain aligned text: one line per row, ending in its verdict."""
+    header, cells = seeds_table_rows(result)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
+    seeds = ",".join(str(s) for s in result.seeds)
+    noise = "-" if result.noise is None else f"{result.noise:.4f}"
+    lines = [f"Is the gap real? {len(result.seeds)} seeds ({seeds}); fp32 noise (std of its {result.metric} across "
+             f"seeds) {noise}; within noise when |gap mean| <= {result.k:g} x noise"]
+    lines.append("  ".join(h.ljust(widths[i]) for i, h in enumerate(header)).rstrip())
+    lines.append("  ".join("-" * widths[i] for i in range(len(header))))
+    for c in cells:
+        lines.append("  ".join(x.ljust(widths[i]) for i, x in enumerate(c)).rstrip())
+    lines += [f"* {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def print_seeds_report(result: SeedsResult, file: IO[str] | None = None) -> None:
+    """Print the first seed's full table (speed, memory, ...) and then the multi-seed summary."""
+    file = file if file is not None else sys.stdout
+    print(f"Seed {result.seeds[0]} (speed, memory and losses of one run; the seed summary follows):", file=file)
+    print_report(result.runs[0], file)
+    print("", file=file)
+    print(format_seeds_table(result), file=file)
+
+
+def write_json(result: CompareResult | SeedsResult, path: str | os.PathLike[str] | IO[str]) -> None:
+    """Write the JSON record (``-`` for standard output); a :class:`SeedsResult` adds the ``seeds`` section."""
     text = json.dumps(result.to_dict(), indent=2, allow_nan=False)
     if hasattr(path, "write"):
         path.write(text + "\n")
@@ -180,4 +218,4 @@ def write_json(result: CompareResult, path: str | os.PathLike[str] | IO[str]) ->
     p.write_text(text + "\n", encoding="utf-8")
 
 
-__all__ += ["RowResult", "table_rows"]
+__all__ += ["RowResult", "SeedsResult", "seeds_table_rows", "table_rows"]

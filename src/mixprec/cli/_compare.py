@@ -20,6 +20,7 @@ examples:
   mixprec compare -w cnn -p fp32,bf16-mixed,fp16-mixed --steps 200 --out results/
   mixprec compare -w hf-gpt2 -o n_layer=4 -o n_embd=128 --json results.json
   mixprec compare cnn --steps 100                   # the workload may also be positional, as in check
+  mixprec compare -p bf16-mixed,fp16-mixed --seeds 0,1,2   # is each gap to fp32 within the seed noise?
   mixprec compare -w my_bench:make                  # your own: make() returns a Workload or
                                                     # (model, optimizer_fn, batches, loss_fn)
 
@@ -28,6 +29,12 @@ The torch-amp baseline row (torch.autocast + torch.amp.GradScaler, as the PyTorc
 it) is added unless --baseline none. On a CPU, fp16 rows run an FP16 emulation (FP16 storage and
 rounding, FP32 arithmetic, like GPU kernels) unless --native-fp16; CPU timings do not show GPU
 speed-ups.
+
+--seeds 0,1,2 runs the whole comparison once per seed (initial weights, batch order, dropout) and
+reports, per row, the loss gap to fp32 (same seed) as a mean over seeds with its spread (std), and a
+verdict: "within noise" when |gap mean| <= 2 x the noise of fp32 against itself (the std of fp32's loss
+across the seeds), else "outside noise". fp32 is added to the presets when missing. The JSON gets a
+"seeds" section; the loss plot shows a min-max band across seeds per row.
 """
 
 
@@ -65,9 +72,12 @@ def add_compare(subparsers: Any) -> None:
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="workload size option, repeatable (gpt/hf-gpt2: n_layer, n_head, n_embd, block_size, "
                         "batch_size, lr, ...; cnn: width, batch_size, ...; your function's keyword arguments)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=int, default=None,
                    help="seed of the built-in workload's initial weights and batch order (unless -o seed=S) and "
                         "of every row's RNG stream; every row starts from the same weights and batches (default 0)")
+    p.add_argument("--seeds", default=None, metavar="S,S,...",
+                   help="run every row once per seed (at least 2, e.g. 0,1,2 or 0-4) and report each gap to fp32 as "
+                        "mean and spread across seeds, with a verdict: within the seed noise of fp32 or not")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
     p.add_argument("--out", metavar="DIR", default=None, help="write PNG plots and compare.json into DIR")
@@ -82,7 +92,7 @@ def add_compare(subparsers: Any) -> None:
 def _cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench import BenchError
+    from ..bench import BenchError, parse_seeds
 
     prog = "mixprec compare"
     try:
@@ -96,6 +106,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             raise BenchError(f"--steps {args.steps}: need at least 2")
         if args.warmup is not None and args.warmup < 1:
             raise BenchError(f"--warmup {args.warmup}: need at least 1 (memory is measured on the last warm-up step)")
+        if args.seeds is not None:
+            if args.seed is not None:
+                raise BenchError(f"--seed {args.seed} and --seeds {args.seeds}: give one (--seeds runs every row once "
+                                 "per seed; --seed N runs once)")
+            parse_seeds(args.seeds)  # validates before the (slower) runs
         if args.out is not None:
             try:
                 import matplotlib  # noqa: F401
@@ -113,9 +128,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from pathlib import Path
 
-    from ..bench import parse_presets, resolve_device, run_compare
+    from ..bench import SeedsResult, parse_presets, resolve_device, run_compare, run_compare_seeds
     from ..bench._plots import write_plots
-    from ..bench._report import print_report, write_json
+    from ..bench._report import print_report, print_seeds_report, write_json
 
     device = resolve_device(args.device)
     presets = parse_presets(args.presets, device)  # validates before the (slower) workload build
@@ -126,6 +141,8 @@ def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
         f"mixprec compare: {args.workload} on {device}, presets {', '.join(presets)}"
         + ("" if args.baseline == "none" else f" + torch-amp baseline ({args.baseline})")
     )
+    if args.seeds is not None:
+        intro += f", once per seed ({args.seeds})"
     if device.type == "cpu":
         intro += ". CPU run: timings here do not show GPU speed-ups."
     _say(console, report_file, intro)
@@ -133,16 +150,27 @@ def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
     progress = _Progress(enabled=not args.no_progress)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        common: dict[str, Any] = dict(
+            baseline=args.baseline, steps=args.steps, warmup=args.warmup, device=device,
+            fp16_cpu="native" if args.native_fp16 else "emulate", peak_tflops_override=args.peak_tflops,
+            progress=progress, workload_options=options,
+        )
+        seeds: SeedsResult | None = None
         try:
-            result = run_compare(
-                args.workload, presets, baseline=args.baseline, steps=args.steps, warmup=args.warmup,
-                device=device, fp16_cpu="native" if args.native_fp16 else "emulate", seed=args.seed,
-                peak_tflops_override=args.peak_tflops, progress=progress, workload_options=options,
-            )
+            if args.seeds is not None:
+                seeds = run_compare_seeds(args.workload, presets, seeds=args.seeds, **common)
+                result = seeds.runs[0]
+            else:
+                result = run_compare(args.workload, presets, seed=0 if args.seed is None else args.seed, **common)
         finally:
             progress.close()
-    result.settings["command"] = "mixprec " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
-    print_report(result, report_file)
+    command = "mixprec " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
+    for run in seeds.runs if seeds is not None else [result]:
+        run.settings["command"] = command
+    if seeds is not None:
+        print_seeds_report(seeds, report_file)
+    else:
+        print_report(result, report_file)
     seen: set[str] = set()
     for w in caught:
         if issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning, FutureWarning)):
@@ -152,18 +180,18 @@ def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
             seen.add(msg)
             _say(console, report_file, f"warning: {msg}", dim=True)
     if args.json is not None:
-        write_json(result, args.json)
+        write_json(seeds if seeds is not None else result, args.json)
         if not json_to_stdout:
             _say(console, report_file, f"JSON written to {args.json}")
     if args.out is not None:
         out = Path(args.out)
-        paths = write_plots(result, out)
-        write_json(result, out / "compare.json")
+        paths = write_plots(result, out, seeds=seeds)
+        write_json(seeds if seeds is not None else result, out / "compare.json")
         _say(console, report_file, f"Plots and compare.json written to {out}/: {', '.join(p.name for p in paths)}")
     elif args.json is None:
         _say(console, report_file, "Add --out DIR for plots (loss curves, loss scale, memory, speed) and JSON.", dim=True)
     # Exit 1 when nothing could be measured (every row unavailable or failed).
-    return 0 if any(r.status == "ok" for r in result.rows) else 1
+    return 0 if any(r.status == "ok" for run in (seeds.runs if seeds else [result]) for r in run.rows) else 1
 
 
 def _console(file: Any) -> Any:
