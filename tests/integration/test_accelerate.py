@@ -26,17 +26,6 @@ STEPS = 5
 TOL = {"bf16-mixed": 0.0, "bf16-master": 0.0, "fp16-mixed": 0.0, "bf16-pure": 0.0}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _loop(preset, steps=STEPS, inf_step=None):
     """The Accelerate loop as its docs write it, with Trainer's optimizer and scheduler."""
     # TrainingArguments resets Accelerate's global state: before the accelerator

@@ -14,17 +14,6 @@ pytest.importorskip("accelerate")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _example(section: str) -> str:
     text = DOC.read_text()
     body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]

@@ -30,17 +30,6 @@ STEPS = 6
 TOL = {"bf16-mixed": 0.0, "bf16-master": 0.0, "fp16-mixed": 0.0, "bf16-pure": 0.0}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 class _Planted(transformers.TrainerCallback):
     """Plants an inf gradient in global step ``inf_step`` (0-based) and records what the Trainer did."""
 
