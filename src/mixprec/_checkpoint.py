@@ -402,7 +402,7 @@ def load(
         if saved != want:
             raise CheckpointError(
                 f"the checkpoint {file!r} was saved under policy {str(saved)!r} but {str(want)!r} was expected; convert "
-                f"it with mixprec.checkpoint.convert_state_dict(state, {want.name or str(want)!r}) (load without expected_policy "
+                f"it with mixprec.checkpoint.convert_state_dict(state, {want.label!r}) (load without expected_policy "
                 "first), or resume with the saved policy."
             )
     return dict(state)
@@ -564,7 +564,7 @@ def convert_state_dict(state_dict: Mapping[str, Any], policy: Policy | str) -> d
     for side, pol in (("saved", src), ("target", dst)):
         if pol.compensation != "none":
             raise ValueError(
-                f"cannot convert: the {side} policy {pol.name or str(pol)!r} uses compensated updates; export the weights "
+                f"cannot convert: the {side} policy {pol.label!r} uses compensated updates; export the weights "
                 "with mixprec.fp32_state_dict(state) and start the optimizer afresh."
             )
     out = dict(sd)

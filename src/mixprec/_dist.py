@@ -138,7 +138,7 @@ def check_fsdp_policy(policy: Any) -> None:
     """Raise ``ValueError`` for a policy FSDP2 cannot represent (half parameters without FP32 masters)."""
     if policy.param_dtype != torch.float32 and not policy.has_masters:
         raise ValueError(
-            f"policy {policy.name or str(policy)!r} stores parameters in half precision without FP32 masters, which "
+            f"policy {policy.label!r} stores parameters in half precision without FP32 masters, which "
             "FSDP2 cannot do: it keeps the sharded parameters in their original dtype and only casts the gathered "
             "copy. Use 'bf16-master' / 'fp16-master' (FSDP2's FP32 shards are the masters) or a '*-mixed' policy."
         )
@@ -183,7 +183,7 @@ def check_prepare_target(
         return False
     from torch.distributed.fsdp import FSDPModule
 
-    name = policy.name or str(policy)
+    name = policy.label
     check_fsdp_policy(policy)
     if grad_accumulation != "fp32":
         raise ValueError(

@@ -203,6 +203,11 @@ class Policy:
                 return preset
         return None
 
+    @property
+    def label(self) -> str:
+        """How messages name this policy: its preset name, otherwise its full string form."""
+        return self.name or str(self)
+
     def replace(self, **changes: Any) -> Policy:
         """Return a copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

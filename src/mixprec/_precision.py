@@ -287,7 +287,7 @@ class MixedPrecision:
             if rec is not None and rec.stage == "backward":
                 raise ValueError(
                     "a gradient of this model was read while it still carries the loss scale (policy "
-                    f"{prec.policy.name or str(prec.policy)!r}); call prec.unscale_(optimizer) first, or use "
+                    f"{prec.policy.label!r}); call prec.unscale_(optimizer) first, or use "
                     "prec.clip_grad_norm_(max_norm), which unscales for you (torch.amp's GradScaler asks the same: "
                     "scaler.unscale_(optimizer) before clipping)."
                 )
@@ -571,7 +571,7 @@ class MixedPrecision:
         if saved != self.policy:
             raise ValueError(
                 f"the checkpoint was saved under policy {str(saved)!r} but this run uses {str(self.policy)!r}; convert it "
-                f"explicitly with mixprec.checkpoint.convert_state_dict(state, {self.policy.name or str(self.policy)!r}) "
+                f"explicitly with mixprec.checkpoint.convert_state_dict(state, {self.policy.label!r}) "
                 "before loading, or prepare the run with the saved policy."
             )
         if len(sd["optimizers"]) != len(self.optimizers):

@@ -98,7 +98,7 @@ def check_prepare(
     half = sorted({dtype_name(p.dtype) for p in floating if p.dtype != torch.float32})
     if half and policy.param_dtype == torch.float32:
         raise ValueError(
-            f"the model has {'/'.join(half)} parameters but policy {policy.name or str(policy)!r} keeps "
+            f"the model has {'/'.join(half)} parameters but policy {policy.label!r} keeps "
             "parameters in FP32 (they are the masters); call model.float() before prepare(), or choose a policy "
             "with half-precision parameters such as 'bf16-master' or 'fp16-master'."
         )
@@ -207,7 +207,7 @@ def check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:
                 )
         elif type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
             raise TypeError(
-                f"policy {policy.name or str(policy)!r} updates half-precision parameters with compensated updates, which "
+                f"policy {policy.label!r} updates half-precision parameters with compensated updates, which "
                 f"needs mixprec.optim.AdamW or mixprec.optim.SGD (or a torch AdamW/Adam/SGD, converted for you); got "
                 f"{type(opt).__name__}. Use a master-weight policy such as 'bf16-master' for other optimizers."
             )

@@ -179,7 +179,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         return 2
     json_to_stdout = args.json == "-"
     out_file = sys.stderr if json_to_stdout else sys.stdout
-    print(f"{prog}: workload {w.name}, policy {pol.name or str(pol)}, device {dev}, {args.steps} monitored FP32 step(s)",
+    print(f"{prog}: workload {w.name}, policy {pol.label}, device {dev}, {args.steps} monitored FP32 step(s)",
           file=out_file)
     try:
         res = run_doctor(w, pol, steps=args.steps, every=args.every, device=dev, seed=args.seed,

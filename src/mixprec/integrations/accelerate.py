@@ -85,10 +85,6 @@ def as_mixed_precision(precision: MixedPrecision | Policy | str) -> MixedPrecisi
     )
 
 
-def _policy_name(prec: MixedPrecision) -> str:
-    return prec.policy.name or str(prec.policy)
-
-
 def check_accelerator(accelerator: Any, prec: MixedPrecision, *, where: str = "MixprecAccelerator") -> None:
     """Refuse an accelerator whose own mixed precision or distributed setup would bypass or double ``prec``.
 
@@ -103,7 +99,7 @@ def check_accelerator(accelerator: Any, prec: MixedPrecision, *, where: str = "M
         hint = f" ('{mixed}' corresponds to the mixprec policy '{preset}')" if preset else ""
         raise ValueError(
             f"{where}: Accelerate's mixed_precision={mixed!r}{source} together with the mixprec policy "
-            f"{_policy_name(prec)!r} would run two mixed-precision systems at once (torch.autocast and GradScaler on "
+            f"{prec.policy.label!r} would run two mixed-precision systems at once (torch.autocast and GradScaler on "
             "top of mixprec's casting, loss scaling and masters). Use mixed_precision='no' (the default) and choose "
             f"the precision with the mixprec policy only{hint}."
         )

@@ -87,7 +87,7 @@ def check_training_args(args: Any, prec: MixedPrecision) -> None:
     """
     if args is None:
         return
-    name = prec.policy.name or str(prec.policy)
+    name = prec.policy.label
     for flag, preset in (("fp16", "fp16-mixed"), ("bf16", "bf16-mixed")):
         if getattr(args, flag, False):
             raise ValueError(

@@ -339,7 +339,7 @@ def check(
     device_type = resolve_device_type(model)
     reasons: list[str] = []
     notes: list[str] = []
-    name = pol.name or str(pol)
+    name = pol.label
     half = [dtype_name(dt) for dt in {p.dtype for p in model.parameters() if p.is_floating_point()} if dt != torch.float32]
     if half:
         notes.append(f"the model has {'/'.join(sorted(half))} parameters: the FP32 reference uses their rounded values.")
@@ -526,7 +526,7 @@ def preflight(
     res = check(model, batch, policy, loss_fn, **check_kwargs)
     if res.verdict == "fail" and on_fail == "raise":
         raise NumericsError(
-            f"pre-flight check failed for policy {Policy.parse(policy).name or str(Policy.parse(policy))!r}:\n{res}\n"
+            f"pre-flight check failed for policy {Policy.parse(policy).label!r}:\n{res}\n"
             "mixprec does not switch precision for you: choose another policy (e.g. 'bf16-mixed' or 'fp32'), add FP32 "
             "islands, or pass on_fail='warn' to train anyway."
         )
