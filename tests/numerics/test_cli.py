@@ -189,3 +189,27 @@ def test_a_file_workload_imports_its_sibling_module(file_with_sibling: str, comm
     assert code == 0, err
     assert "no module named" not in (out + err).lower()
     assert sys.path == path_before  # the file's folder was on sys.path only while it loaded
+
+
+@pytest.mark.parametrize("command", ["check", "doctor"])
+def test_a_failing_run_is_one_stderr_line_and_exit_1_unless_debugging(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "failing_bench.py"
+    f.write_text(textwrap.dedent(USER_MODULE) + textwrap.dedent('''
+        def make_failing():
+            def loss(m, x):
+                raise RuntimeError("boom in the user's loss")
+            net, opt, data, _ = make()
+            return net, opt, data, loss
+        '''))
+    args = [command, f"{f}:make_failing", "--steps", "1", "--out", str(tmp_path / "o")] if command == "doctor" \
+        else [command, f"{f}:make_failing"]
+    monkeypatch.delenv("MIXPREC_DEBUG", raising=False)
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"mixprec {command}: error: the run failed: RuntimeError: boom in the user's loss "
+                       "(MIXPREC_DEBUG=1 shows the traceback)")
+    monkeypatch.setenv("MIXPREC_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="boom in the user's loss"):
+        main(args)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,11 +59,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     try:
         res = check(w.model.to(dev), batch, pol, w.loss_fn, seed=args.seed)
     except Exception as e:
-        if os.environ.get("MIXPREC_DEBUG"):
-            raise
-        print(f"{prog}: error: the run failed: {type(e).__name__}: {e} (MIXPREC_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
-        return 1
+        return _common.run_failed(prog, e)
     json_to_stdout = args.json == "-"
     res.print(file=sys.stderr if json_to_stdout else sys.stdout)
     if args.json is not None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 from typing import Any, NoReturn
 
 WORKLOAD_HELP = ("gpt, cnn, hf-gpt2, or MODULE:FUNCTION where FUNCTION(**options) returns a mixprec.bench.Workload "
@@ -110,6 +112,18 @@ def resolve_workload(args: argparse.Namespace, prog: str, default: str | None = 
                          f"(see {prog} --help)")
     args.workload = spec
     return spec
+
+
+def run_failed(prog: str, error: Exception) -> int:
+    """Report a failure of the user's run on one stderr line and return exit status 1.
+
+    With ``MIXPREC_DEBUG`` set the exception propagates instead (its traceback is shown).
+    """
+    if os.environ.get("MIXPREC_DEBUG"):
+        raise error
+    print(f"{prog}: error: the run failed: {type(error).__name__}: {error} (MIXPREC_DEBUG=1 shows the traceback)",
+          file=sys.stderr)
+    return 1
 
 
 def load(spec: str, opts: dict[str, Any]) -> Any:

@@ -11,7 +11,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -188,11 +187,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        if os.environ.get("MIXPREC_DEBUG"):
-            raise
-        print(f"{prog}: error: the run failed: {type(e).__name__}: {e} (MIXPREC_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
-        return 1
+        return _common.run_failed(prog, e)
     if res.check is not None:
         res.check.print(file=out_file)
         print(file=out_file)
