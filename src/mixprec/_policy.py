@@ -28,23 +28,31 @@ from torch import nn
 from ._dtypes import dtype_name, parse_dtype
 from ._errors import unknown_choice
 
-__all__ = ["ALIASES", "PRESETS", "BufferCast", "Compensation", "LossScaleKind", "Policy", "PresetName"]
+__all__ = ["ALIASES", "FP8_RECIPES", "PRESETS", "BufferCast", "Compensation", "Fp8Recipe", "LossScaleKind", "Policy", "PresetName"]
 
 LossScaleKind = Literal["none", "static", "dynamic"]
 Compensation = Literal["none", "kahan", "stochastic"]
 BufferCast = Literal["keep", "param"]
+Fp8Recipe = Literal["none", "tensorwise", "rowwise", "rowwise_gw_hp"]
+#: The FP8 recipes of ``f8=`` (torchao's float8 training recipes; ``rowwise_gw_hp`` is torchao's
+#: ``rowwise_with_gw_hp``: the weight-gradient GEMM stays in high precision).
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_gw_hp")
+_F8_LAYER_WORDS = ("auto", "all")
 PresetName = Literal[
-    "fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure"
+    "fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure",
+    "fp8-tensorwise", "fp8-rowwise",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_KEYS = ("p", "c", "o", "m", "ls", "i", "tf32", "comp", "b")
+_KEYS = ("p", "c", "o", "m", "ls", "i", "tf32", "comp", "b", "f8", "f8_layers")
 _KEY_HELP = (
     "p=param dtype, c=compute dtype, o=output dtype, m=master dtype or none, "
     "ls=none|static[:scale]|dynamic[:init_scale], i=FP32 islands joined by '+' (norm, a module "
     "class name, name:<glob on qualified module names>) or none, tf32=0|1, comp=none|kahan|stochastic, "
-    "b=keep|param (floating buffers keep their dtype, or take the param dtype)"
+    "b=keep|param (floating buffers keep their dtype, or take the param dtype), "
+    "f8=none|tensorwise|rowwise|rowwise_gw_hp (nn.Linear GEMMs in FP8 through torchao), "
+    "f8_layers=all|auto|<glob>+<glob>|none (which linears f8= converts)"
 )
 # A module class counts as a normalization layer when its name ends in "Norm" (LayerNorm,
 # GroupNorm, RMSNorm, LlamaRMSNorm, T5LayerNorm) or "Norm1d/2d/3d" (BatchNorm2d, InstanceNorm1d).
@@ -105,6 +113,8 @@ class Policy:
     tf32: bool = False
     compensation: Compensation = "none"
     buffers: BufferCast = "keep"
+    fp8: Fp8Recipe = "none"
+    fp8_layers: tuple[str, ...] = ("all",)
 
     def __post_init__(self) -> None:
         # Accept aliases and module classes, normalise, then validate as one unit so the
@@ -119,6 +129,9 @@ class Policy:
         if isinstance(islands, (str, type)):
             islands = (islands,)
         set_(self, "fp32_islands", tuple(i.__name__ if isinstance(i, type) else i for i in islands))
+        if isinstance(self.fp8_layers, str):
+            set_(self, "fp8_layers", (self.fp8_layers,))
+        set_(self, "fp8_layers", tuple(self.fp8_layers))
         if self.init_scale is not None:
             if isinstance(self.init_scale, bool) or not isinstance(self.init_scale, (int, float)):
                 raise TypeError(f"init_scale must be a number, got {self.init_scale!r}")
@@ -178,6 +191,32 @@ class Policy:
             )
         if len(set(self.fp32_islands)) != len(self.fp32_islands):
             raise ValueError(f"FP32 islands repeat an entry: {self.fp32_islands} {where}.")
+        self._validate_fp8(where)
+
+    def _validate_fp8(self, where: str) -> None:
+        if self.fp8 != "none" and self.fp8 not in FP8_RECIPES:
+            raise unknown_choice("FP8 recipe (f8=)", self.fp8, ("none", *FP8_RECIPES))
+        layers = self.fp8_layers
+        for entry in layers:
+            if not isinstance(entry, str) or not entry or (_BAD_GLOB_CHARS & set(entry)) or entry == "none":
+                raise ValueError(
+                    f"f8_layers entry {entry!r} is not understood {where}; use 'all', 'auto' or globs on qualified "
+                    "module names joined by '+' (e.g. 'f8_layers=blocks.*.mlp.*'), no commas, '=' or spaces; "
+                    "an empty tuple (f8_layers=none) converts no layer."
+                )
+        words = [e for e in layers if e in _F8_LAYER_WORDS]
+        if words and len(layers) > 1:
+            raise ValueError(f"f8_layers={'+'.join(layers)} {where}: '{words[0]}' stands alone; give it or globs, not both.")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"f8_layers repeats an entry: {layers} {where}.")
+        if self.fp8 == "none":
+            if layers != ("all",):
+                raise ValueError(f"f8_layers={'+'.join(layers) or 'none'} {where} but FP8 is off; add f8=tensorwise (or rowwise).")
+        elif self.compute_dtype != torch.bfloat16:
+            raise ValueError(
+                f"f8={self.fp8} {where} needs c=bf16: the GEMMs outside FP8 and torchao's high-precision side run in "
+                f"BF16; got c={dtype_name(self.compute_dtype)}. Use 'fp8-{self.fp8.split('_')[0]}' or add c=bf16."
+            )
 
     # ----- derived properties -------------------------------------------------------------
     @property
@@ -239,9 +278,11 @@ class Policy:
         master = "none" if self.master_dtype is None else dtype_name(self.master_dtype)
         # b= only when it is not the default, so the strings written before it existed still read the same.
         buffers = "" if self.buffers == "keep" else f",b={self.buffers}"
+        # f8= only when FP8 is on, for the same reason.
+        fp8 = "" if self.fp8 == "none" else f",f8={self.fp8},f8_layers={'+'.join(self.fp8_layers) or 'none'}"
         return (
             f"p={dtype_name(self.param_dtype)},c={dtype_name(self.compute_dtype)},o={dtype_name(self.output_dtype)},"
-            f"m={master},ls={ls},i={islands},tf32={int(self.tf32)},comp={self.compensation}{buffers}"
+            f"m={master},ls={ls},i={islands},tf32={int(self.tf32)},comp={self.compensation}{buffers}{fp8}"
         )
 
     def __str__(self) -> str:
@@ -259,7 +300,9 @@ class Policy:
             spec: ``"bf16-mixed"``, ``"16-mixed"``, ``"mixed_float16"``, a bare dtype name
                 (``"fp16"``, ``"f16"``, ``"half"``, ``"float16"`` mean ``fp16-mixed``;
                 ``"bf16"``, ``"bfloat16"`` mean ``bf16-mixed``; ``"f32"``, ``"float32"`` mean
-                ``fp32``), or ``"p=f32,c=f16,o=f32,ls=dynamic"``; a :class:`Policy` is returned as is.
+                ``fp32``), Apex's opt levels ``"O0"``..``"O3"`` (``fp32``, ``fp16-mixed``,
+                ``fp16-master``, ``fp16-pure``; ``"01"`` with a zero is answered "did you mean 'O1'?"),
+                or ``"p=f32,c=f16,o=f32,ls=dynamic"``; a :class:`Policy` is returned as is.
 
         Returns:
             The policy.
@@ -283,6 +326,11 @@ class Policy:
             return PRESETS[key]
         if key in ALIASES:
             return PRESETS[ALIASES[key]] if ALIASES[key] in PRESETS else cls._parse_grammar(ALIASES[key], spec)
+        if key in _ZERO_TYPOS:
+            raise ValueError(
+                f"unknown precision preset {spec!r}; did you mean {_ZERO_TYPOS[key]!r}? Apex's opt levels start with the "
+                "letter O, not the digit zero (O0=fp32, O1=fp16-mixed, O2=fp16-master, O3=fp16-pure)."
+            )
         if "=" not in text:
             raise unknown_choice(
                 "precision preset", spec, [*PRESETS, *ALIASES],
@@ -324,6 +372,8 @@ class Policy:
                 raise ValueError(f"policy {original!r}: loss scale {scale_txt!r} is not a number (e.g. ls=static:128).") from None
         i_txt = fields.get("i", "norm")
         islands = () if i_txt.lower() in ("none", "") else tuple(s for s in i_txt.split("+") if s)
+        f8_txt = fields.get("f8_layers", "all")
+        f8_layers = () if f8_txt.lower() in ("none", "") else tuple(s for s in f8_txt.split("+") if s)
         tf32_txt = fields.get("tf32", "0").lower()
         if tf32_txt not in ("0", "1", "true", "false", "on", "off"):
             raise ValueError(f"policy {original!r}: tf32={tf32_txt!r}; use tf32=0 or tf32=1.")
@@ -333,6 +383,7 @@ class Policy:
             init_scale=init_scale, fp32_islands=islands, tf32=tf32_txt in ("1", "true", "on"),
             compensation=cast(Compensation, fields.get("comp", "none").lower()),
             buffers=cast(BufferCast, fields.get("b", "keep").lower()),
+            fp8=cast(Fp8Recipe, fields.get("f8", "none").lower()), fp8_layers=f8_layers,
         )
 
 
@@ -348,6 +399,9 @@ PRESETS: dict[str, Policy] = {
     "bf16-master": Policy(_bf16, _bf16, _f32, master_dtype=_f32),
     "bf16-pure": Policy(_bf16, _bf16, _f32, compensation="kahan"),
     "fp16-pure": Policy(_f16, _f16, _f32, loss_scale="static", init_scale=1.0),
+    # bf16-mixed with every eligible nn.Linear in FP8 through torchao (docs/fp8.md).
+    "fp8-tensorwise": Policy(_f32, _bf16, _f32, fp8="tensorwise"),
+    "fp8-rowwise": Policy(_f32, _bf16, _f32, fp8="rowwise"),
 }
 
 #: Spellings other libraries use, mapped to a preset name or a grammar string.
@@ -366,4 +420,9 @@ ALIASES: dict[str, str] = {
     # (Keras's own "float16"/"bfloat16" policies are pure half; spell those fp16-pure / bf16-pure.)
     "fp16": "fp16-mixed", "f16": "fp16-mixed", "half": "fp16-mixed", "float16": "fp16-mixed",
     "bfloat16": "bf16-mixed", "f32": "fp32",
+    # Apex amp's opt levels (mixprec.apex): O0 FP32, O1 autocast, O2 FP16 model + FP32 masters, O3 pure FP16.
+    "o0": "fp32", "o1": "fp16-mixed", "o2": "fp16-master", "o3": "fp16-pure",
 }
+
+#: Apex opt levels typed with the digit zero instead of the letter O.
+_ZERO_TYPOS = {"00": "O0", "01": "O1", "02": "O2", "03": "O3"}
