@@ -19,6 +19,8 @@ EXPECTED = {
     "Policy", "MixedPrecision", "StepInfo", "autocast", "cast_module", "uncast_module", "cast_tree",
     "LossScaler", "NoOpScaler", "StaticScaler", "DynamicScaler", "GradScaler", "MasterWeightOptimizer",
     "all_finite", "NumericsError", "save", "load", "EMA",
+    # FP8 off for evaluation (docs/fp8.md)
+    "fp8_disabled",
     # the version and the public submodules
     "__version__", "checkpoint", "distributed", "numerics", "optim",
 }

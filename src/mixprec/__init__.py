@@ -27,6 +27,7 @@ from ._checkpoint import load, save
 from ._ema import EMA
 from ._errors import NumericsError
 from ._finite import all_finite
+from ._fp8 import fp8_disabled
 from ._grad_scaler import GradScaler
 from ._master import MasterWeightOptimizer
 from ._policy import Policy
@@ -53,6 +54,7 @@ __all__ = [
     "cast_tree",
     "checkpoint",
     "distributed",
+    "fp8_disabled",
     "load",
     "numerics",
     "optim",

@@ -19,6 +19,7 @@ from typing import Any
 from .._autocast import autocast
 from .._policy import Policy
 from ..numerics import NumericsMonitor, audit, check
+from ..numerics._fp8 import fp8_stats_table
 from ..numerics._report import jsonable
 from . import _common
 from ._common import WORKLOAD_HELP, ArgError, add_common, add_workload, resolve_workload
@@ -36,6 +37,9 @@ what it does:
      policy's loss scale, the loss-scale range, FP32 islands and a preset;
   4. a precision audit of the workload prepared under --policy (dtypes of parameters, masters,
      gradients, optimizer states, communication; silent downgrades flagged);
+  FP8 policies (f8=, fp8-tensorwise, fp8-rowwise) add the per-layer FP8 table: fp8_plan on the first
+     batch (per linear: amax, flushed values, SQNR of each GEMM in FP8 against BF16, FLOPs, FP8 or BF16
+     and why) and the E4M3/E5M2 saturation and underflow of each linear's GEMM operands over the steps;
   5. DIR/doctor-grad-hist.png (activation gradients in log2 bins with the FP16 and BF16 ranges, before and
      after the loss scale) and DIR/doctor.json.
 
@@ -44,6 +48,7 @@ examples:
   mixprec doctor -w cnn -p bf16-master --steps 20
   mixprec doctor -w my_model:make -o batch_size=8 --out diag/
   mixprec doctor cnn -p bf16-master               # the workload may also be positional, as in check
+  mixprec doctor gpt -p fp8-rowwise --no-plot     # with the per-layer FP8 table
 
 exit status: 0 done, 1 the pre-flight check failed (or the run failed), 2 bad arguments.
 """
@@ -72,6 +77,8 @@ class DoctorResult:
     check: Any
     audit: Any
     notes: list[str]
+    fp8_plan: Any = None
+    fp8_stats: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (schema ``mixprec.doctor/1``)."""
@@ -80,6 +87,9 @@ class DoctorResult:
             "steps": self.steps, "losses": jsonable(self.losses), "report": self.report.to_dict(),
             "check": self.check.to_dict() if self.check is not None else None,
             "audit": self.audit.to_dict() if self.audit is not None else None, "notes": self.notes,
+            "fp8_plan": self.fp8_plan.to_dict() if self.fp8_plan is not None else None,
+            "fp8_stats": (None if self.fp8_stats is None else
+                          {m: {o: st.to_dict() for o, st in ops.items()} for m, ops in self.fp8_stats.items()}),
         }
 
 
@@ -112,13 +122,19 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
     batches = _common.first_batches(w, max(steps, 1), dev)
 
     check_result = check(base, batches[0], pol, w.loss_fn, seed=seed) if run_check else None
+    plan = None
+    if pol.fp8 != "none":  # the per-layer FP8 table: measured on the first batch, as f8_layers=auto decides
+        from ..numerics import fp8_plan
+
+        plan = fp8_plan(base, batches[0], w.loss_fn, pol.fp8, policy=pol)
 
     # The monitored run is FP32, as in Micikevicius et al.: values that would flush or overflow
     # in FP16 are still visible, so the report can say what FP16 would do to them.
     model = copy.deepcopy(base)
     opt = w.optimizer_fn(model.parameters())
     losses: list[float] = []
-    mon = NumericsMonitor(model, every=every, optimizer=opt, max_elements=max_elements, policy=pol)
+    mon = NumericsMonitor(model, every=every, optimizer=opt, max_elements=max_elements, policy=pol,
+                          fp8=None if pol.fp8 == "none" else pol.fp8)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         with mon, autocast.fp32(dev.type):
@@ -131,6 +147,7 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
                 opt.zero_grad(set_to_none=True)
                 losses.append(float(loss.detach()))
     report = mon.report(loss_scale=_scale_for(pol, check_result), device=dev)
+    fp8_stats = mon.fp8_stats() if pol.fp8 != "none" else None
 
     audit_result = None
     try:
@@ -139,13 +156,15 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
         notes.append(f"audit skipped: mixprec.MixedPrecision is unavailable ({e})")
     else:
         prepared = copy.deepcopy(base)
-        prec = MixedPrecision(pol)
+        # f8_layers=auto: the plan measured above, so prepare need not measure again
+        prec = MixedPrecision(plan.policy(pol) if plan is not None and pol.fp8_layers == ("auto",) else pol)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             prepared, popt = prec.prepare(prepared, w.optimizer_fn(prepared.parameters()))
         audit_result = audit(prepared, popt, prec)
     return DoctorResult(workload=w.name, policy=str(pol), device=str(dev), steps=len(losses), losses=losses,
-                        report=report, check=check_result, audit=audit_result, notes=notes)
+                        report=report, check=check_result, audit=audit_result, notes=notes, fp8_plan=plan,
+                        fp8_stats=fp8_stats)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -192,6 +211,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         res.check.print(file=out_file)
         print(file=out_file)
     res.report.print(file=out_file)
+    if res.fp8_plan is not None:
+        print(file=out_file)
+        print(res.fp8_plan.table(), file=out_file)
+        if res.fp8_stats:
+            print(f"\nFP8 casts of each linear's GEMM operands over the {res.steps} monitored step(s) "
+                  f"({res.fp8_plan.recipe} scaling):", file=out_file)
+            print(fp8_stats_table(res.fp8_stats), file=out_file)
     if res.audit is not None:
         print(file=out_file)
         res.audit.print(file=out_file)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .._dtypes import dtype_name
+from .._fp8 import fp8_summary
 from .._master_grad import is_view
 from .._policy import Policy
 from ._report import format_table, jsonable, print_tables
@@ -200,6 +201,9 @@ def audit(model: nn.Module, optimizer: Any = None, policy: Any = None, *, scaler
         how = "autocast" if pol.is_mixed else "parameter dtype" if pol.param_dtype != torch.float32 else "FP32"
         rows.append(AuditRow("compute", "forward/backward", c, note=f"{how}; TF32 {'on' if pol.tf32 else 'off'}",
                              status="ok"))
+    fp8 = fp8_summary(inner, pol)  # mixprec._fp8: the linears whose GEMMs run in FP8 (f8= policies)
+    if fp8 is not None:
+        rows.append(AuditRow("compute", fp8[0], fp8[1], status=fp8[2], note=fp8[3]))
 
     # ----- parameters and normalization layers -----
     norm_ids: set[int] = set()

@@ -26,7 +26,9 @@ from .._autocast import autocast, resolve_device_type
 from .._casting import cast_module, is_prepared, uncast_module
 from .._dtypes import device_supports, dtype_name
 from .._errors import NumericsError
+from .._fp8 import revert_linears
 from .._policy import Policy
+from ._fp8 import apply_fp8
 from ._report import format_table, jsonable, print_tables
 from ._tracer import TraceResult, trace_nonfinite
 from ._tree import floating_tensors
@@ -191,7 +193,7 @@ class CheckResult:
 
 # ----- helpers ----------------------------------------------------------------------------------------------
 def _fp32_base(model: nn.Module, keep_dropout: bool = True) -> nn.Module:
-    base = copy.deepcopy(model)
+    base = revert_linears(copy.deepcopy(model))  # FP8 linears (f8= policies) back to nn.Linear
     if is_prepared(base):
         uncast_module(base)
     base.zero_grad(set_to_none=True)
@@ -377,7 +379,7 @@ def check(
         scale = 1.0
     else:
         scale = pol.init_scale if pol.init_scale is not None else (1.0 if pol.loss_scale == "static" else 2.0**16)
-    pol_model = cast_module(_fp32_base(model, dropout), pol)
+    pol_model = cast_module(apply_fp8(_fp32_base(model, dropout), pol, batch, loss_fn), pol)  # apply_fp8: f8= policies
     backoffs = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # e.g. autocast's "fp16 on CPU" notices

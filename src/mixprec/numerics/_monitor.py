@@ -12,7 +12,11 @@ Hooks (installed by :meth:`NumericsMonitor.attach`, removed by :meth:`detach`):
   floating outputs to a :class:`~mixprec.numerics.Log2Histogram` and registers a tensor hook on
   each output that records the gradient flowing back into it (the activation gradient);
 * a tensor hook on each parameter records its gradient as autograd produces it (before
-  accumulation, so in the dtype backward computes in).
+  accumulation, so in the dtype backward computes in);
+* on each FP8 linear (a model prepared under an ``f8=`` policy), and on every eligible
+  ``nn.Linear`` when ``fp8=<recipe>`` is given, the GEMM operands (input, weight, output
+  gradient) are counted as the recipe casts them to E4M3/E5M2: saturated, flushed, subnormal,
+  SQNR (:meth:`NumericsMonitor.fp8_stats`, :meth:`NumericsMonitor.fp8_table`).
 
 On steps that are not sampled every hook returns after one attribute check. Gradients are
 divided by the loss scale in use (read from ``loss_scale``) so the histograms hold true,
@@ -33,15 +37,14 @@ from torch.utils.hooks import RemovableHandle
 
 from .._casting import island_modules
 from .._dtypes import device_supports
-from .._policy import Policy
+from .._fp8 import eligible_reason, is_fp8_linear, linear_weight
+from .._policy import FP8_RECIPES, Policy
+from ._fp8 import Fp8CastStats, _Cast, _recipe_casts, _stats_from_counts, cast_counts, fp8_stats_table
 from ._report import ModuleNumerics, NumericsReport, ParamNumerics, build_report
 from ._stats import Log2Histogram
 from ._tree import floating_tensors
 
 __all__ = ["NumericsMonitor"]
-
-# Every preset keeps normalization layers in FP32 (i=norm); the report needs to know which those are.
-_NORM_POLICY = Policy(fp32_islands=("norm",))
 
 # Every preset keeps normalization layers in FP32 (i=norm); the report needs to know which those are.
 _NORM_POLICY = Policy(fp32_islands=("norm",))
@@ -74,6 +77,23 @@ class _ParamRecord:
     fp32_island: bool = False
 
 
+@dataclasses.dataclass
+class _Fp8Record:
+    name: str
+    recipe: str
+    casts: dict[str, _Cast]  # operand -> how the recipe casts it (input, weight, grad_output)
+    counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # operand -> cast_counts, summed
+
+    def add(self, operand: str, counts: torch.Tensor) -> None:
+        old = self.counts.get(operand)
+        if old is None:
+            self.counts[operand] = counts
+        else:
+            new = old + counts
+            new[0] = torch.maximum(old[0], counts[0])  # amax
+            self.counts[operand] = new
+
+
 def _short(dt: torch.dtype) -> str:
     return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}.get(
         dt, str(dt).removeprefix("torch."))
@@ -100,6 +120,9 @@ class NumericsMonitor:
         overflow_margin: A module is "at risk" in FP16 when its largest activation times this
             factor reaches the FP16 maximum (16: four binades of headroom).
         manual_steps: Count steps only by :meth:`step` calls (see there).
+        fp8: Also count the GEMM operands of every eligible plain ``nn.Linear`` as this FP8
+            recipe (``tensorwise``, ``rowwise``, ``rowwise_gw_hp``) would cast them: what FP8
+            would do to a model that trains in BF16. FP8 linears are always counted, under their own recipe.
         policy: The policy (a :class:`~mixprec.Policy` or its string) whose FP32 islands
             (``island_modules(model, policy)``) keep their parameters in FP32: their updates are
             measured but left out of the BF16/FP16 stagnation figures and finding, which are about
@@ -131,6 +154,7 @@ class NumericsMonitor:
         overflow_margin: float = 16.0,
         manual_steps: bool = False,
         policy: Policy | str | None = None,
+        fp8: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"NumericsMonitor watches an nn.Module, got {type(model).__name__}")
@@ -138,6 +162,8 @@ class NumericsMonitor:
             raise ValueError(f"every={every!r}: sample one step in every N, N a positive integer (e.g. every=100).")
         if max_elements is not None and max_elements < 1:
             raise ValueError(f"max_elements={max_elements!r} must be a positive integer or None.")
+        if fp8 is not None and fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8={fp8!r}: use one of {', '.join(FP8_RECIPES)}, or None (only FP8 linears are counted).")
         if not overflow_margin >= 1:
             raise ValueError(f"overflow_margin={overflow_margin!r} must be >= 1 (16 = four binades of headroom).")
         self.model = model
@@ -167,6 +193,13 @@ class NumericsMonitor:
         island_policy = _NORM_POLICY if policy is None else Policy.parse(policy)
         island_ids = {id(p) for _, m in island_modules(model, island_policy) for p in m.parameters()}
         self._island_params = {n for n, p in model.named_parameters() if id(p) in island_ids}
+        self._fp8: dict[str, _Fp8Record] = {}
+        self._fp8_targets: list[tuple[str, nn.Module, str]] = []
+        for n, m in model.named_modules():
+            if is_fp8_linear(m):
+                self._fp8_targets.append((n, m, str(m.mixprec_recipe)))
+            elif fp8 is not None and n and eligible_reason(m, n, island_policy) is None:
+                self._fp8_targets.append((n, m, fp8))
 
     # ----- selection and attachment ------------------------------------------------------------
     @staticmethod
@@ -200,6 +233,11 @@ class NumericsMonitor:
             rec = self._modules.setdefault(
                 name, _ModuleRecord(name, type(module).__name__, _NORM_POLICY.is_fp32_island(module, name)))
             self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, rec)))
+        for name, module, recipe in self._fp8_targets:
+            casts = _recipe_casts(recipe)
+            rec8 = self._fp8.setdefault(name, _Fp8Record(name, recipe, {
+                "input": casts["output"][0], "weight": casts["output"][1], "grad_output": casts["grad_input"][0]}))
+            self._handles.append(module.register_forward_hook(functools.partial(self._on_fp8_forward, rec8)))
         if self.track_params:
             owner: dict[int, str] = {}
             for mname, module in self.model.named_modules():
@@ -236,6 +274,8 @@ class NumericsMonitor:
         if self._handles:
             self.detach()
             self.attach()
+        for r in self._fp8.values():
+            r.counts.clear()
         self._sampled_steps = 0
         self._snapshot = None
 
@@ -376,6 +416,63 @@ class NumericsMonitor:
         rec.grad.add_(grad, scale=self._scale_for_step(), max_elements=self.max_elements)
         rec.grad_dtypes.add(_short(grad.dtype))
         return
+
+    def _on_fp8_forward(self, rec: _Fp8Record, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._active or not args or not isinstance(args[0], torch.Tensor):
+            return
+        self._mark_recorded()
+        x = args[0].detach()
+        if torch.is_autocast_enabled(x.device.type):  # the FP8 linear casts its input to the autocast dtype first
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        w = linear_weight(module).detach()  # (out, in), as nn.Linear holds it
+        rec.add("input", self._fp8_counts(x.reshape(-1, w.shape[1]), rec.casts["input"]))
+        rec.add("weight", self._fp8_counts(w, rec.casts["weight"]))
+        if isinstance(output, torch.Tensor) and output.requires_grad and torch.is_grad_enabled():
+            output.register_hook(functools.partial(self._on_fp8_grad, rec))
+
+    def _on_fp8_grad(self, rec: _Fp8Record, grad: torch.Tensor) -> None:
+        if grad is None or not self._active:
+            return
+        counts = self._fp8_counts(grad.reshape(-1, grad.shape[-1]), rec.casts["grad_output"])
+        scale = self._scale_for_step()
+        if scale is not None:  # dynamic FP8 scaling is blind to the loss scale; the amax and SQNR sums are not
+            counts = counts.clone()
+            s = scale.double() if isinstance(scale, torch.Tensor) else float(scale)
+            counts[0] = counts[0] / s
+            counts[6:] = counts[6:] / (s * s)
+        rec.add("grad_output", counts)
+
+    @staticmethod
+    def _fp8_counts(t: torch.Tensor, cast: _Cast) -> torch.Tensor:
+        return cast_counts(t, cast.dtype, cast.granularity, cast.dim, cast.pow2)
+
+    def fp8_stats(self) -> dict[str, dict[str, Fp8CastStats]]:
+        """Per FP8 linear (and, with ``fp8=``, per eligible linear): its GEMM operands cast as its recipe casts them.
+
+        Returns:
+            ``{module name: {"input" | "weight" | "grad_output": Fp8CastStats}}`` over every
+            sampled step (counts summed, amax the maximum, SQNR of the summed signal and error;
+            gradients unscaled). ``input`` and ``weight`` as the forward GEMM casts them (E4M3),
+            ``grad_output`` as the grad-input GEMM does (E5M2 tensorwise, E4M3 rowwise). Modules
+            that did not run are left out. Host sync: one per module.
+        """
+        out: dict[str, dict[str, Fp8CastStats]] = {}
+        for name, r in self._fp8.items():
+            if not r.counts:
+                continue
+            ops = list(r.counts)
+            rows = torch.stack([r.counts[o] for o in ops]).tolist()
+            out[name] = {
+                o: _stats_from_counts(r.casts[o].dtype, f"{r.recipe}: {r.casts[o].granularity}", c) for o, c in zip(ops, rows)
+            }
+        return out
+
+    def fp8_table(self) -> str:
+        """:meth:`fp8_stats` as a table: per module and operand, format, amax, saturated, flushed, subnormal, SQNR."""
+        stats = self.fp8_stats()
+        if not stats:
+            return "FP8: no FP8 linear ran in a sampled step (prepare under an f8= policy, or NumericsMonitor(..., fp8='tensorwise'))."
+        return fp8_stats_table(stats)
 
     # ----- update (stagnation) measurement -------------------------------------------------------------
     def _optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:

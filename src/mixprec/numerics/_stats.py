@@ -24,7 +24,9 @@ import torch
 
 from .._dtypes import dtype_name, limits, parse_dtype
 
-__all__ = ["Log2Histogram", "TensorStats", "Thresholds", "tensor_stats", "thresholds"]
+__all__ = ["Log2Histogram", "TensorStats", "Thresholds", "fp8_scale", "tensor_stats", "thresholds"]
+
+_EPS = 1e-12  # torchao's floor on amax before an FP8 scale is taken
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,9 @@ class TensorStats:
         n_subnormal: Elements that would become subnormal in ``dtype`` (not counting flushes).
         n_overflow: Finite elements that would overflow ``dtype`` (become inf, or saturate for f8e4m3).
         n_nonfinite: Elements that are inf or NaN already.
+        scaling: ``"none"`` (the values as they are), or the FP8 scaling the counts were taken
+            under (``"tensorwise"``, ``"rowwise"``, ``"scale=<s>"``): then every count and
+            ``absmax``/``min_nonzero`` describe the *scaled* values, as the FP8 cast sees them.
     """
 
     dtype: str
@@ -131,6 +136,7 @@ class TensorStats:
     n_subnormal: int
     n_overflow: int
     n_nonfinite: int
+    scaling: str = "none"
 
     def _frac(self, n: int) -> float:
         return n / self.numel if self.numel else 0.0
@@ -176,15 +182,18 @@ class TensorStats:
         return d
 
     def __str__(self) -> str:
+        scaled = "" if self.scaling == "none" else f" ({self.scaling} scaling)"
         return (
-            f"{self.source_dtype}[{self.numel}] in {self.dtype}: absmax {self.absmax:.3g}, min nonzero "
+            f"{self.source_dtype}[{self.numel}] in {self.dtype}{scaled}: absmax {self.absmax:.3g}, min nonzero "
             f"{self.min_nonzero:.3g}, zero {self.frac_zero:.2%}, underflow {self.frac_underflow:.2%}, "
             f"subnormal {self.frac_subnormal:.2%}, overflow {self.frac_overflow:.2%}, inf/nan {self.frac_nonfinite:.2%}"
         )
 
 
 @torch.no_grad()
-def tensor_stats(t: torch.Tensor, dtype: str | torch.dtype = "f16") -> TensorStats:
+def tensor_stats(
+    t: torch.Tensor, dtype: str | torch.dtype = "f16", scaling: str | float | None = None, dim: int = -1
+) -> TensorStats:
     """Measure where ``t``'s values would land in the floating format ``dtype``.
 
     Algorithm: one ``abs`` in FP32 (FP64 for FP64 input), then masked counts against the
@@ -196,6 +205,12 @@ def tensor_stats(t: torch.Tensor, dtype: str | torch.dtype = "f16") -> TensorSta
     Args:
         t: Any floating tensor (an integer tensor is measured as float).
         dtype: ``"f16"``, ``"bf16"``, ``"f8e4m3"``, ``"f8e5m2"`` (or ``"f32"``, a ``torch.dtype``, an alias).
+        scaling: For FP8 formats, count the values as an FP8 training recipe casts them:
+            ``"tensorwise"`` or ``"rowwise"`` (torchao's dynamic scale, along ``dim`` for rowwise;
+            :func:`mixprec.numerics.fp8_scale`) or a fixed scale (a number). ``None``: unscaled.
+            Under dynamic scaling nothing overflows (the largest value lands on the format's
+            maximum, 448 for E4M3, 57344 for E5M2); what is lost underflows.
+        dim: The dimension a rowwise scale runs along (the GEMM's reduction dimension).
 
     Returns:
         :class:`TensorStats`.
@@ -212,13 +227,18 @@ def tensor_stats(t: torch.Tensor, dtype: str | torch.dtype = "f16") -> TensorSta
     th = thresholds(dtype)
     x = t.detach()
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    label = "none"
+    zero_before = None
+    if scaling is not None:
+        zero_before = x.reshape(-1) == 0  # a value the scale multiplies down to 0 was not zero: it underflowed
+        x, label = _fp8_scaled(x.to(work), dtype, scaling, dim)
     a = x.reshape(-1).to(work).abs()
     numel = a.numel()
     if numel == 0:
-        return TensorStats(th.dtype, _src_name(t.dtype), 0, 0.0, math.inf, 0, 0, 0, 0, 0)
+        return TensorStats(th.dtype, _src_name(t.dtype), 0, 0.0, math.inf, 0, 0, 0, 0, 0, label)
     nan = torch.isnan(a)
     finite = torch.isfinite(a)
-    zero = a == 0
+    zero = a == 0 if zero_before is None else zero_before
     underflow = (a <= th.flush) & ~zero
     subnormal = (a > th.flush) & (a < th.normal)
     over = (a > th.overflow) | (a == th.overflow) if th.overflow_at_tie else a > th.overflow
@@ -233,8 +253,69 @@ def tensor_stats(t: torch.Tensor, dtype: str | torch.dtype = "f16") -> TensorSta
     return TensorStats(
         dtype=th.dtype, source_dtype=_src_name(t.dtype), numel=numel, absmax=packed[0], min_nonzero=packed[1],
         n_zero=int(packed[2]), n_underflow=int(packed[3]), n_subnormal=int(packed[4]),
-        n_overflow=int(packed[5]), n_nonfinite=int(packed[6]),
+        n_overflow=int(packed[5]), n_nonfinite=int(packed[6]), scaling=label,
     )
+
+
+def _check_f8(dtype: str | torch.dtype) -> torch.dtype:
+    dt = parse_dtype(dtype)
+    if dt not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"FP8 scaling is for f8e4m3 or f8e5m2, got {dtype_name(dt)}.")
+    return dt
+
+
+@torch.no_grad()
+def fp8_scale(
+    t: torch.Tensor, dtype: str | torch.dtype = "f8e4m3", scaling: str = "tensorwise", dim: int = -1, pow2: bool | None = None
+) -> torch.Tensor:
+    """The dynamic scale torchao's recipe multiplies ``t`` by before casting to FP8.
+
+    ``scale = fp8_max / max(amax, 1e-12)`` (in float64, rounded to float32), with ``amax`` over the tensor (``tensorwise``) or
+    along ``dim`` (``rowwise``, one scale per slice, shaped to broadcast), rounded down to a
+    power of two when ``pow2`` (default: on for rowwise, as torchao's rowwise recipes).
+
+    Args:
+        t: The high-precision operand.
+        dtype: ``f8e4m3`` (max 448) or ``f8e5m2`` (max 57344).
+        scaling: ``tensorwise`` or ``rowwise``.
+        dim: The dimension a rowwise amax runs along (the GEMM's reduction dimension).
+        pow2: Round the scale down to a power of two.
+
+    Returns:
+        An FP32 tensor: 0-d (tensorwise) or ``t``'s shape with ``dim`` of size 1. No host sync.
+
+    Raises:
+        ValueError: an unknown scaling or a non-FP8 dtype.
+    """
+    dt = _check_f8(dtype)
+    if scaling not in ("tensorwise", "rowwise"):
+        raise ValueError(f"FP8 scaling {scaling!r} is not known; use 'tensorwise' or 'rowwise'.")
+    a = t.detach().float().abs()
+    amax = a.amax() if scaling == "tensorwise" else a.amax(dim=dim, keepdim=True)
+    # In float64, then rounded to float32, exactly as torchao (its amax_to_scale), so the scales agree bit for bit.
+    scale = (torch.finfo(dt).max / amax.double().clamp(min=_EPS)).float()
+    if pow2 if pow2 is not None else scaling == "rowwise":
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def _fp8_scaled(x: torch.Tensor, dtype: str | torch.dtype, scaling: str | float, dim: int) -> tuple[torch.Tensor, str]:
+    """``x`` times the FP8 scale of ``scaling`` (non-finite values kept as they are), and the scaling's label."""
+    dt = parse_dtype(dtype)
+    if dt not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(
+            f"tensor_stats(scaling={scaling!r}) is for FP8 formats (f8e4m3, f8e5m2), got dtype={dtype_name(dt)}; "
+            "drop scaling= for other formats."
+        )
+    if isinstance(scaling, (int, float)) and not isinstance(scaling, bool):
+        if not (scaling > 0 and math.isfinite(scaling)):
+            raise ValueError(f"a fixed FP8 scale must be positive and finite, got scaling={scaling!r}")
+        return x * float(scaling), f"scale={float(scaling):g}"
+    if scaling not in ("tensorwise", "rowwise"):
+        raise ValueError(f"scaling={scaling!r}; use 'tensorwise', 'rowwise', a positive number, or None.")
+    # The dynamic scale ignores inf/NaN as the amax would not (torchao's scale becomes 0 then).
+    scale = fp8_scale(torch.where(torch.isfinite(x), x, 0.0), dt, scaling, dim)
+    return x * scale.to(x.dtype), scaling
 
 
 def _src_name(dt: torch.dtype) -> str:

@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._autocast import autocast, resolve_device_type
 from .._casting import cast_module, is_prepared
+from .._fp8 import fp8_modules
 from .._policy import Policy
 from ._report import jsonable
 from ._stats import TensorStats, tensor_stats, thresholds
@@ -151,7 +152,11 @@ class TraceResult:
             if r.precision_is_cause:
                 ex = f", largest value {r.absmax:.4g}" + (f" > the {'/'.join(r.exceeds)} maximum" if r.exceeds else "")
                 parts.append(f"Re-run in FP32: finite{ex}: precision is the cause.")
-                if self.module:
+                if self.module and self.module_type == "MixprecFloat8Linear":
+                    parts.append(f"{self.module!r} runs its GEMMs in FP8 (f8=): leave it out with f8_layers=auto "
+                                 f"(mixprec.numerics.fp8_plan measures each layer) or globs that skip it, or make it an "
+                                 f"FP32 island (i=norm+name:{self.module}).")
+                elif self.module:
                     fix = "lower the loss scale" if self.phase == "backward" and self.loss_scale > 1 else \
                         "rescale the computation"
                     parts.append(f"Keep it in FP32 (policy island i=norm+name:{self.module}), use bf16, or {fix}.")
@@ -347,6 +352,8 @@ def _fp32_copy(module: nn.Module) -> nn.Module:
             if isinstance(d, dict):
                 d.clear()
     m.zero_grad(set_to_none=True)
+    for _, sub in fp8_modules(m):  # an FP8 linear re-runs as a plain FP32 linear (F.linear, FP8 off)
+        sub.mixprec_fp8_enabled = False  # type: ignore[assignment]
     return m.float()
 
 
@@ -391,7 +398,8 @@ def _rerun(ev: _Event, tracer: _Tracer, device_type: str) -> FP32Rerun:
     finite = not _nonfinite(results)
     absmax = max(float(torch.where(torch.isnan(t), 0.0, t.abs()).max()) if t.numel() else 0.0 for t in results)
     exceeds = [d for d in ("f16", "bf16") if absmax > thresholds(d).max]
-    return FP32Rerun(finite, absmax, exceeds, finite, f"{name or 'the model'} copied to FP32, autocast off, same "
+    fp8 = ", FP8 off" if fp8_modules(module) else ""
+    return FP32Rerun(finite, absmax, exceeds, finite, f"{name or 'the model'} copied to FP32, autocast off{fp8}, same "
                      + ("inputs" if ev.phase == "forward" else "inputs and output gradient"))
 
 
@@ -462,6 +470,9 @@ def trace_nonfinite(
     if work is not model:
         work.zero_grad(set_to_none=True)
     if pol is not None:
+        from ._fp8 import apply_fp8  # f8= policies: the chosen linears in FP8, as prepare() converts them
+
+        apply_fp8(work, pol, batch, loss_fn)
         cast_module(work, pol)
     if stats_dtype is None:
         stats_dtype = pol.compute_dtype if pol is not None and pol.compute_dtype != torch.float32 else "f16"
