@@ -17,13 +17,25 @@ Rows (same parameter shapes, same AdamW settings, interleaved A B A B ..., order
 * ``bf16-master/versions``: the same with ``weight_edits="versions"`` (version counters only).
 * ``fused`` variants (``--fused``): ``fused=True`` AdamW on both sides (skips on the device).
 
-The ratio printed is the median over rounds of (row / torch) measured within the same round.
-Goal (issue 4): ``fp16-mixed`` <= 1.0 on CPU.
+Compensated rows (``--compensated``; issue 14.2), the optimizer step alone (``opt.step``), against
+``adamw-foreach`` (torch's foreach AdamW on FP32 parameters, no scaler):
+
+* ``pure-kahan-eager``: ``mixprec.optim.AdamW`` on BF16 parameters, Kahan, FP32 states,
+  ``fused=False`` (the eager foreach reference), ``found_inf`` passed (the on-device skip).
+* ``pure-kahan-fused``: the same with ``fused=True`` (the ``torch.compile``d step).
+* ``pure-sr-bf16-fused``: stochastic rounding with BF16 states, ``fused=True``.
+* ``bf16-pure-fused``: ``MixedPrecision("bf16-pure").step(opt)`` around ``pure-kahan-fused``
+  (the whole step: check + fused update + bookkeeping).
+  First-step compile times are printed separately (``compile_seconds``), not in the medians.
+
+The ratio printed is the median over rounds of (row / baseline) measured within the same round.
+Goals: ``fp16-mixed`` <= 1.0 (issue 4); ``pure-kahan-fused`` <= 1.2 on CPU (issue 14).
 
 Usage::
 
     python benchmarks/step_overhead.py                     # CPU, ~1 min
     python benchmarks/step_overhead.py --params 16 --rounds 30 --json out.json
+    python benchmarks/step_overhead.py --compensated       # + the fused rows (~1-2 min of compiling first)
 """
 
 from __future__ import annotations
@@ -94,12 +106,52 @@ class MixprecLoop:
         self.prec.step(self.opt)
 
 
+class OptimizerLoop:
+    """``opt.step()`` alone: torch's foreach AdamW on FP32 (``kind="torch"``), or mixprec's compensated AdamW on BF16."""
+
+    def __init__(self, kind: str, n: float, device: torch.device, fused: bool = False, prec: bool = False) -> None:
+        import mixprec.optim as mo
+
+        self.model = make_model(n, device)
+        self.prec = None
+        self.found_inf = torch.zeros((), device=device)
+        if kind == "torch":
+            self.opt: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+            return
+        comp, sdt = {"kahan": ("kahan", torch.float32), "sr-bf16": ("stochastic", torch.bfloat16)}[kind]
+        if prec:
+            self.prec = mixprec.MixedPrecision("bf16-pure")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.model, self.opt = self.prec.prepare(self.model, torch.optim.AdamW(self.model.parameters(), lr=1e-4))
+            assert isinstance(self.opt, mo.LowPrecisionOptimizer) and self.opt.compensation == comp
+            self.opt.fused = fused
+        else:
+            self.model.to(torch.bfloat16)
+            self.opt = mo.AdamW(self.model.parameters(), lr=1e-4, compensation=comp, state_dtype=sdt, fused=fused)
+
+    def backward(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        if self.prec is not None:
+            self.prec.backward(cheap_loss(self.model))
+        else:
+            cheap_loss(self.model).backward()
+
+    def step(self) -> None:
+        if self.prec is not None:
+            self.prec.step(self.opt)
+        elif isinstance(self.opt, torch.optim.AdamW):
+            self.opt.step()
+        else:
+            self.opt.step(found_inf=self.found_inf)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_step(loop: TorchLoop | MixprecLoop, device: torch.device, reps: int) -> float:
+def time_step(loop: TorchLoop | MixprecLoop | OptimizerLoop, device: torch.device, reps: int) -> float:
     """Median seconds of ``loop.step()`` over ``reps`` steps, each after an untimed backward."""
     times = []
     for _ in range(reps):
@@ -118,37 +170,68 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=5, help="timed steps per row per round")
     ap.add_argument("--fused", action="store_true", help="fused AdamW on every row")
+    ap.add_argument("--compensated", action="store_true", help="add the compensated (bf16-pure) eager and fused rows")
+    ap.add_argument("--only-compensated", action="store_true", help="only the compensated rows and their baseline")
+    ap.add_argument("--rows", default="", help="comma-separated row names to keep (default: all selected)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    rows: dict[str, Callable[[], TorchLoop | MixprecLoop]] = {
-        "torch": lambda: TorchLoop(args.params, device, args.fused),
-        "fp16-mixed": lambda: MixprecLoop("fp16-mixed", args.params, device, args.fused),
-        "bf16-master": lambda: MixprecLoop("bf16-master", args.params, device, args.fused),
-        "bf16-master/versions": lambda: MixprecLoop("bf16-master", args.params, device, args.fused, "versions"),
-    }
+    rows: dict[str, Callable[[], TorchLoop | MixprecLoop | OptimizerLoop]] = {}
+    baseline: dict[str, str] = {}
+    if not args.only_compensated:
+        rows.update({
+            "torch": lambda: TorchLoop(args.params, device, args.fused),
+            "fp16-mixed": lambda: MixprecLoop("fp16-mixed", args.params, device, args.fused),
+            "bf16-master": lambda: MixprecLoop("bf16-master", args.params, device, args.fused),
+            "bf16-master/versions": lambda: MixprecLoop("bf16-master", args.params, device, args.fused, "versions"),
+        })
+        baseline.update(dict.fromkeys(rows, "torch"))
+    if args.compensated or args.only_compensated:
+        comp_rows: dict[str, Callable[[], OptimizerLoop]] = {
+            "adamw-foreach": lambda: OptimizerLoop("torch", args.params, device),
+            "pure-kahan-eager": lambda: OptimizerLoop("kahan", args.params, device, fused=False),
+            "pure-kahan-fused": lambda: OptimizerLoop("kahan", args.params, device, fused=True),
+            "pure-sr-bf16-fused": lambda: OptimizerLoop("sr-bf16", args.params, device, fused=True),
+            "bf16-pure-fused": lambda: OptimizerLoop("kahan", args.params, device, fused=True, prec=True),
+        }
+        rows.update(comp_rows)
+        baseline.update(dict.fromkeys(comp_rows, "adamw-foreach"))
+    if args.rows:
+        keep = set(args.rows.split(","))
+        unknown = keep - set(rows)
+        if unknown:
+            ap.error(f"--rows: unknown {sorted(unknown)}; choose from {sorted(rows)}")
+        rows = {k: v for k, v in rows.items() if k in keep or k in {baseline[n] for n in keep}}
     loops = {name: make() for name, make in rows.items()}
-    for loop in loops.values():  # warm-up: allocate optimizer state
+    compile_s: dict[str, float] = {}
+    for name, loop in loops.items():  # warm-up: allocate optimizer state (and compile the fused steps)
+        t0 = time.perf_counter()
         time_step(loop, device, 2)
+        if isinstance(loop, OptimizerLoop) and getattr(loop.opt, "fused", False):
+            compile_s[name] = float(getattr(loop.opt, "compile_seconds", 0.0))
+            print(f"# {name}: first steps {time.perf_counter() - t0:.1f} s, compile_seconds "
+                  f"{compile_s[name]:.1f} s", flush=True)
     per_round: dict[str, list[float]] = {name: [] for name in loops}
     names = list(loops)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             per_round[name].append(time_step(loops[name], device, args.reps))
-    n = sum(p.numel() for p in loops["torch"].model.parameters())
+    n = sum(p.numel() for p in next(iter(loops.values())).model.parameters())
     print(f"# torch {torch.__version__}, {device}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads; {n / 1e6:.2f}M params in 24 tensors; "
           f"AdamW {'fused' if args.fused else 'foreach'}; {args.rounds} rounds x {args.reps} steps, interleaved")
-    print(f"{'row':21s} {'median ms':>10s} {'ratio vs torch':>15s} {'ratio p10-p90':>15s}")
+    print(f"{'row':21s} {'median ms':>10s} {'ratio':>8s} {'ratio p10-p90':>15s}  baseline")
     result = {}
     for name in names:
-        ratios = sorted(a / b for a, b in zip(per_round[name], per_round["torch"]))
+        base = baseline[name]
+        ratios = sorted(a / b for a, b in zip(per_round[name], per_round[base]))
         med = statistics.median(per_round[name]) * 1e3
         p10, p90 = ratios[len(ratios) // 10], ratios[(len(ratios) * 9) // 10 - (1 if len(ratios) % 10 == 0 else 0)]
-        result[name] = {"median_ms": med, "ratio": statistics.median(ratios), "ratio_p10": p10, "ratio_p90": p90}
-        print(f"{name:21s} {med:10.2f} {statistics.median(ratios):15.3f} {p10:7.3f}-{p90:<7.3f}")
+        result[name] = {"median_ms": med, "ratio": statistics.median(ratios), "ratio_p10": p10, "ratio_p90": p90,
+                        "baseline": base, "compile_seconds": compile_s.get(name)}
+        print(f"{name:21s} {med:10.2f} {statistics.median(ratios):8.3f} {p10:7.3f}-{p90:<7.3f}  {base}")
     if args.json:
         env = {"torch": torch.__version__, "device": str(device), "python": sys.version.split()[0],
                "threads": torch.get_num_threads(), "params": n, "args": vars(args)}

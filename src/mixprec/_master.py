@@ -27,6 +27,8 @@ GradAccumulation = Literal["fp32", "compute"]
 WeightEdits = Literal["values", "versions"]
 _STATE_VERSION = 1
 _WARNED_UNFROZEN = False
+#: Wrapped optimizers the fused master-weight step implements (mixprec.optim's FP32 arithmetic).
+_FUSABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -75,14 +77,27 @@ class MasterWeightOptimizer(Optimizer):
             from before the model was cast, so the masters start exact rather than rounded.
         weight_edits: ``"values"`` (default) or ``"versions"``: how edits of the model's half
             weights are found, see :meth:`sync_edits_`.
+        fused: The fused master-weight step (``torch.compile``): for a wrapped
+            ``torch.optim.AdamW``, ``Adam`` or ``SGD``, steps 3-4 (unscale by a handed-in
+            ``grad_scale``, the update of masters and states, the skip on ``found_inf``, and the
+            copy back into the model) run as one compiled kernel per (device, dtype) bucket,
+            skipping on the device (no host sync whatever the wrapped optimizer). The
+            arithmetic is ``mixprec.optim``'s FP32 AdamW/SGD on the wrapped optimizer's own
+            groups and state (same keys; equal to torch's update to FP32 rounding, not bit for
+            bit: torch's CPU kernels fuse multiply-adds). ``True``: on (``ValueError`` for another
+            optimizer class); ``False``: the wrapped optimizer's own ``step`` (the eager
+            reference); ``None`` (default): on where :meth:`mixprec.optim.AdamW.fused_enabled`
+            says it pays off (CUDA/XPU with Triton, not CPU; see ``docs/optim.md``).
+            ``compile_seconds`` reports the first-step compile time.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped.
-        ValueError: unknown ``grad_accumulation`` or ``weight_edits``.
+        ValueError: unknown ``grad_accumulation`` or ``weight_edits``; ``fused=True`` for an
+            optimizer other than torch's AdamW, Adam or SGD.
 
     Host syncs: none in ``step`` when the wrapped optimizer declares
-    ``_step_supports_amp_scaling``; one (``found_inf`` read) otherwise, and only when a
-    ``found_inf`` was handed in.
+    ``_step_supports_amp_scaling`` or the fused step runs; one (``found_inf`` read) otherwise,
+    and only when a ``found_inf`` was handed in.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -102,7 +117,15 @@ class MasterWeightOptimizer(Optimizer):
         grad_accumulation: GradAccumulation = "fp32",
         initial_masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
         weight_edits: WeightEdits = "values",
+        fused: bool | None = None,
     ) -> None:
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")
+        if fused and type(optimizer) not in _FUSABLE:
+            raise ValueError(
+                f"fused=True: the fused master-weight step covers torch.optim.AdamW, Adam and SGD, got "
+                f"{type(optimizer).__module__}.{type(optimizer).__qualname__}; use fused=False (its own step)."
+            )
         if isinstance(optimizer, MasterWeightOptimizer):
             raise TypeError("this optimizer is already a MasterWeightOptimizer; wrap the plain torch optimizer once.")
         if not isinstance(optimizer, Optimizer):
@@ -122,6 +145,8 @@ class MasterWeightOptimizer(Optimizer):
         self.master_dtype = parse_dtype(master_dtype)
         self.grad_accumulation: GradAccumulation = grad_accumulation
         self.weight_edits: WeightEdits = weight_edits
+        self.fused: bool | None = fused
+        self._shadow: Any = None  # the mixprec.optim view of the wrapped optimizer that runs the fused step
         self._versions: list[tuple[int, int]] = []  # (version, data_ptr) of each half param after the last copy
         self._initial = dict(initial_masters or {})
         # Parallel lists: model parameter i has master i (the same tensor for FP32 params and for
@@ -420,15 +445,21 @@ class MasterWeightOptimizer(Optimizer):
         self.sync_edits_()
         self.master_grads()
         args = (closure,) if closure is not None else ()
-        with self._inner_guard.inside():  # the wrapped optimizer's step, below its refuse-guard
-            if found_inf is None and grad_scale is None:
-                result = self.optimizer.step(*args)
-            else:
-                if found_inf is None:
-                    device = grad_scale.device if grad_scale is not None else self._masters[0].device
-                    found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                result = step_with_result(self.optimizer, found_inf, grad_scale, args, {})[1]
-        self.copy_to_model_()
+        shadow = self._fused_shadow()
+        if shadow is not None:
+            # One compiled kernel per bucket: update, skip on found_inf, copy back (into the mirrors).
+            result = shadow.step(*args, grad_scale=grad_scale, found_inf=found_inf)
+            self._record_versions()
+        else:
+            with self._inner_guard.inside():  # the wrapped optimizer's step, below its refuse-guard
+                if found_inf is None and grad_scale is None:
+                    result = self.optimizer.step(*args)
+                else:
+                    if found_inf is None:
+                        device = grad_scale.device if grad_scale is not None else self._masters[0].device
+                        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+                    result = step_with_result(self.optimizer, found_inf, grad_scale, args, {})[1]
+            self.copy_to_model_()
         if self.grad_accumulation == "compute":
             # The FP32 gradient buffers were transient: drop them so only the half gradients'
             # 2 bytes per parameter persist between steps (16 B/param with AdamW, not 20).
@@ -437,6 +468,38 @@ class MasterWeightOptimizer(Optimizer):
                 if isinstance(p.grad, MasterGradView):
                     p.grad = None
         return result
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling the fused step so far (0.0 when it never ran)."""
+        return float(self._shadow.compile_seconds) if self._shadow is not None else 0.0
+
+    def _fused_shadow(self) -> Any:
+        """The ``mixprec.optim`` optimizer that runs the fused step on the wrapped one's groups and state, or None.
+
+        Built once (lazily: ``mixprec.optim`` sits above this module); it shares the wrapped
+        optimizer's ``param_groups`` and ``state`` objects, so LR schedulers, checkpoints and a
+        later eager step see one state. Half model parameters are registered as mirrors of their
+        masters: the compiled step writes the rounded master into them.
+        """
+        if self.fused is False or type(self.optimizer) not in _FUSABLE:
+            return None
+        if self._shadow is None:
+            from .optim import from_torch
+
+            shadow = from_torch(self.optimizer, compensation="none", fused=True if self.fused else None)
+            shadow.state = self.optimizer.state  # shared: torch's AdamW/SGD state keys are mixprec's
+            self._shadow = shadow
+        shadow = self._shadow
+        devices = {m.device for m in self._masters if m.grad is not None}
+        if not devices or not all(shadow.fused_enabled(d) for d in devices):
+            return None
+        shadow._mirrors = {id(m): p for p, m in self._half_pairs()}
+        for m in self._masters:  # torch keeps CUDA steps on the CPU unless capturable; the fused step reads them on the device
+            st = self.optimizer.state.get(m)
+            if st and isinstance(st.get("step"), torch.Tensor) and st["step"].device != m.device:
+                st["step"] = st["step"].to(m.device)
+        return shadow
 
     # ----- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -110,3 +110,51 @@ def test_kahan_add_keeps_updates_far_below_half_an_ulp(dtype):
     assert (total - 1.02).abs().max().item() < 5e-4
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     assert (p.float() - 1.02).abs().max().item() <= ulp / 2
+
+
+# ----- counter-based random bits (the optimizers' source of randomness) -----------------------------------
+def test_counter_bits_are_a_pure_function_of_seed_step_stream_and_position():
+    from mixprec.optim._rounding import counter_bits_for
+
+    whole = counter_bits_for(3, 5, 7, 1000)
+    assert torch.equal(whole, counter_bits_for(3, 5, 7, 1000))  # no hidden state
+    assert torch.equal(whole[600:], counter_bits_for(3, 5, 7, 400, offset=600))  # a shard gets its positions' bits
+    assert whole.dtype == torch.int64 and int(whole.min()) >= 0 and int(whole.max()) < 2**32
+    for other in (counter_bits_for(4, 5, 7, 1000), counter_bits_for(3, 6, 7, 1000), counter_bits_for(3, 5, 8, 1000)):
+        assert (other == whole).float().mean() < 0.01  # seed, step and stream each change the bits
+    # Roughly uniform and decorrelated between neighbouring positions (100k draws: 5-sigma bounds).
+    u = counter_bits_for(0, 1, 2, N).double() / 2**32
+    assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / N) ** 0.5
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 5 / N**0.5
+    assert abs((u[u.argsort()] - torch.linspace(0, 1, N, dtype=torch.float64)).abs().max().item()) < 0.01  # KS
+
+
+@pytest.mark.parametrize("x,dtype", CASES)
+def test_rounding_with_counter_bits_is_unbiased_on_the_two_neighbours(x, dtype):
+    from mixprec.optim._rounding import counter_bits_for
+
+    bits = counter_bits_for(11, 1, 0, N)
+    r = stochastic_round(torch.full((N,), x), dtype, bits=bits)
+    lo, hi = _neighbours(x, dtype)
+    vals = r.float()
+    assert bool(((vals == lo) | (vals == hi)).all())
+    p = (x - lo) / (hi - lo)
+    assert abs((vals == hi).double().mean().item() - p) < 5 * (p * (1 - p) / N) ** 0.5 + 1e-9
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_rounding_with_counter_bits_keeps_specials_and_lands_on_neighbours(dtype):
+    from mixprec.optim._rounding import counter_bits_for
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4000, generator=g) * s for s in (1e-30, 1e-6, 1e-3, 1.0, 1e3)]
+                  + [torch.tensor([0.0, -0.0, 1.0, -2.0, math.inf, -math.inf, 2.0**-126, 2.0**-14])])
+    r = stochastic_round(x, dtype, bits=counter_bits_for(0, 0, 0, x.numel())).float()
+    near = x.to(dtype)
+    up = torch.nextafter(near, torch.full_like(near, math.inf)).float()
+    down = torch.nextafter(near, torch.full_like(near, -math.inf)).float()
+    lo = torch.where(near.float() <= x, near.float(), down)
+    hi = torch.where(near.float() >= x, near.float(), up)
+    assert bool(((r == lo) | (r == hi)).all())
+    nan = stochastic_round(torch.tensor([math.nan]), dtype, bits=torch.zeros(1, dtype=torch.int64))
+    assert bool(torch.isnan(nan).all())

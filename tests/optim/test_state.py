@@ -35,7 +35,7 @@ def test_resume_is_bit_identical(kind, comp, sdt, device):
                    found_inf=torch.tensor(float(step == 6), device=device))
         if step == 3:
             ckpt = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
-    # A fresh run, different construction seed (the checkpoint's generator state must win).
+    # A fresh run, different construction seed (the checkpoint's seed must win).
     model2, opt2 = _build(kind, comp, sdt, device, seed=123)
     model2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
@@ -50,8 +50,8 @@ def test_state_dict_contents():
     train_step(model, opt, 0)
     sd = opt.state_dict()
     meta = sd["mixprec"]
-    assert meta["version"] == 1 and meta["compensation"] == "stochastic" and meta["state_dtype"] == "bf16"
-    assert meta["seed"] == 0 and set(meta["generators"]) == {"cpu"}
+    assert meta["version"] == 2 and meta["compensation"] == "stochastic" and meta["state_dtype"] == "bf16"
+    assert meta["seed"] == 0 and "generators" not in meta  # counter-based bits: the seed is all there is
     st = sd["state"][0]
     assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
     assert st["exp_avg"].dtype == torch.bfloat16 and st["step"].dtype == torch.float32 and st["step"].dim() == 0
@@ -60,6 +60,31 @@ def test_state_dict_contents():
     st = opt.state_dict()["state"][0]
     assert set(st) == {"step", "exp_avg", "exp_avg_sq", "kahan_comp"}
     assert st["kahan_comp"].dtype == torch.bfloat16 and st["exp_avg"].dtype == torch.float32
+
+
+def test_a_version_1_state_dict_with_generator_states_loads():
+    """mixprec before counter-based bits saved per-device generator states (version 1): they load, seed kept."""
+    model, opt = _build("adamw", "stochastic", torch.bfloat16, seed=42)
+    for step in range(3):
+        train_step(model, opt, step)
+    sd = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    old = copy.deepcopy(sd["opt"])
+    old["mixprec"]["version"] = 1
+    old["mixprec"]["generators"] = {"cpu": torch.Generator().manual_seed(42).get_state()}
+    model2, opt2 = _build("adamw", "stochastic", torch.bfloat16, seed=7)
+    model2.load_state_dict(sd["model"])
+    opt2.load_state_dict(old)
+    assert opt2.seed == 42 and "generators" not in opt2.state_dict()["mixprec"]
+    # It continues exactly like a resume from the version-2 state (same seed, same step counters).
+    model3, opt3 = _build("adamw", "stochastic", torch.bfloat16, seed=0)
+    model3.load_state_dict(sd["model"])
+    opt3.load_state_dict(sd["opt"])
+    for step in range(3, 5):
+        train_step(model2, opt2, step)
+        train_step(model3, opt3, step)
+    assert_bit_identical(snapshot(opt2), snapshot(opt3))
+    with pytest.raises(ValueError, match=re.escape("reads versions (1, 2)")):
+        opt2.load_state_dict({**old, "mixprec": {**old["mixprec"], "version": 3}})
 
 
 def test_loading_keeps_this_optimizers_dtypes():

@@ -55,12 +55,19 @@ class AdamW(LowPrecisionOptimizer):
             ``exp_avg_sq`` (and ``max_exp_avg_sq``). BF16 states are stored with stochastic
             rounding, since round-to-nearest would freeze ``exp_avg_sq`` (its per-step change at
             ``beta2=0.999`` is below half a BF16 ulp). FP64 parameters keep FP64 states.
-        seed: Seeds the per-device generators for stochastic rounding (default
-            ``torch.initial_seed()``, so ``torch.manual_seed`` makes runs reproducible).
-        generator: Use this generator for its device instead of a seeded one.
-        chunk_numel: Elements per chunk of the multi-tensor step (default 2**24). The step's
+        seed: The run's seed for stochastic rounding (default ``torch.initial_seed()``, so
+            ``torch.manual_seed`` makes runs reproducible). The random bits are a counter-based
+            hash of (seed, step, buffer, global element position): DDP replicas with one seed
+            round identically, ``DTensor`` shards like the unsharded tensor (``docs/optim.md``).
+        generator: Deprecated: only its ``initial_seed()`` is used, as ``seed``.
+        chunk_numel: Elements per chunk of the eager multi-tensor step (default 2**24). The step's
             temporaries are about 40-48 bytes per chunk element (~0.7 GiB by default); smaller
             chunks use less memory and more host time.
+        fused: ``True``: each (group, device, dtype) bucket steps through one ``torch.compile``d
+            function, equal to the eager step bit for bit (first-step compile time in
+            ``compile_seconds``, cached process-wide per structure); ``False``: the eager
+            foreach step; ``None`` (default): fused on CUDA/XPU with Triton, eager on CPU (the
+            rule and measurements: ``docs/optim.md``, :meth:`fused_enabled`).
 
     Raises:
         ValueError: an invalid hyper-parameter, compensation or state dtype; an unsupported
@@ -94,6 +101,7 @@ class AdamW(LowPrecisionOptimizer):
         seed: int | None = None,
         generator: torch.Generator | None = None,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool | None = None,
     ) -> None:
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._DECOUPLED_DEFAULT
@@ -107,7 +115,7 @@ class AdamW(LowPrecisionOptimizer):
             "decoupled_weight_decay": decoupled_weight_decay,
         }
         super().__init__(params, defaults, compensation=compensation, state_dtype=state_dtype, seed=seed,
-                         generator=generator, chunk_numel=chunk_numel)
+                         generator=generator, chunk_numel=chunk_numel, fused=fused)
 
     def _state_keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
         return self._ALL_STATE_KEYS if group["amsgrad"] else self._ALL_STATE_KEYS[:2]
@@ -127,14 +135,27 @@ class AdamW(LowPrecisionOptimizer):
         group.setdefault("maximize", False)
         group.setdefault("amsgrad", False)
 
+    def _step_scalars(
+        self, group: Mapping[str, Any], steps_old: Tensor, steps_new: Tensor, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
+        f64 = torch.float64 if steps_new.device.type != "mps" else torch.float32
+        if isinstance(lr, Tensor):
+            lr = lr.to(device=steps_new.device, dtype=f64)
+        # Bias corrections in FP64 (as torch computes them in Python), one per segment.
+        t = steps_new.to(f64)
+        step_size = lr / (1 - torch.pow(beta1, t))
+        bc2_sqrt = (1 - torch.pow(beta2, t)).sqrt_()
+        return {"step_size": step_size.to(dtype), "bc2_sqrt": bc2_sqrt.to(dtype)}
+
     def _update(
         self,
         group: Mapping[str, Any],
         w: Tensor,
         grad: Tensor,
         states: dict[str, Tensor],
-        steps_old: Tensor,
-        steps_new: Tensor,
+        scalars: Mapping[str, Tensor],
         expand: Callable[[Tensor], Tensor],
     ) -> tuple[Tensor, dict[str, Tensor]]:
         lr = group["lr"]
@@ -142,26 +163,26 @@ class AdamW(LowPrecisionOptimizer):
         eps, wd = group["eps"], group["weight_decay"]
         if isinstance(lr, Tensor):
             lr = lr.to(device=w.device, dtype=torch.float64 if w.device.type != "mps" else torch.float32)
+        # Only single-rounding ops (+ - * / sqrt), no lerp/addcmul/alpha=: ATen's CPU kernels fuse
+        # those into FMAs and Inductor (fp-contract off) does not, so the compiled step (fused=True)
+        # equals this eager one bit for bit only when no op has a fused form.
         g = grad.neg() if group["maximize"] else grad
         decoupled = group["decoupled_weight_decay"]
         if wd != 0 and not decoupled:
-            g = g.add(w, alpha=wd)
-        w_new = w.mul(1 - lr * wd) if wd != 0 and decoupled else w
-        m = states["exp_avg"].lerp(g, 1 - beta1)
-        v = states["exp_avg_sq"].mul(beta2).addcmul_(g, g, value=1 - beta2)
+            g = g + w * wd
+        w_new = w * (1 - lr * wd) if wd != 0 and decoupled else w
+        m_old = states["exp_avg"]
+        m = m_old + (g - m_old) * (1 - beta1)  # torch's lerp(m, g, 1 - beta1), unfused
+        v = states["exp_avg_sq"] * beta2 + g * g * (1 - beta2)
         new = {"exp_avg": m, "exp_avg_sq": v}
-        # Bias corrections in FP64 (as torch computes them in Python), one per segment.
-        t = steps_new.to(torch.float64 if w.device.type != "mps" else torch.float32)
-        step_size = lr / (1 - torch.pow(beta1, t))
-        bc2_sqrt = (1 - torch.pow(beta2, t)).sqrt_()
         if group["amsgrad"]:
             v_hat = torch.maximum(states["max_exp_avg_sq"], v)
             new["max_exp_avg_sq"] = v_hat
         else:
             v_hat = v
-        denom = v_hat.sqrt().div_(expand(bc2_sqrt.to(w.dtype))).add_(eps)
+        denom = v_hat.sqrt() / expand(scalars["bc2_sqrt"]) + eps
         # torch: param.addcdiv_(exp_avg, denom, value=-step_size) == w - (step_size * m) / denom
-        w_new = w_new - expand(step_size.to(w.dtype)).mul(m).div_(denom)
+        w_new = w_new - expand(scalars["step_size"]) * m / denom
         return w_new, new
 
 
@@ -195,7 +216,9 @@ class Adam(AdamW):
         seed: int | None = None,
         generator: torch.Generator | None = None,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool | None = None,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=decoupled_weight_decay, compensation=compensation,
-                         state_dtype=state_dtype, seed=seed, generator=generator, chunk_numel=chunk_numel)
+                         state_dtype=state_dtype, seed=seed, generator=generator, chunk_numel=chunk_numel,
+                         fused=fused)

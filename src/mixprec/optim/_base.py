@@ -38,15 +38,29 @@ Speed (H100, torch 2.11, 124M parameters in 148 tensors, median step): torch fus
 1.8 ms, torch foreach AdamW FP32 4.4 ms; this AdamW with FP32 parameters 8.6 ms, BF16 + Kahan +
 FP32 states 13.9 ms (16.8 ms with ``found_inf``), BF16 + Kahan + BF16 states 18.7 ms, BF16 +
 stochastic + BF16 states 16.5 ms (17.8 ms with ``found_inf``). The unfused elementwise chain
-(~250 bytes of memory traffic per element) is the cost; a fused kernel is the next step.
+(~250 bytes of memory traffic per element) is the cost.
+
+The fused step (``fused=True``; default on CUDA/XPU with Triton): each bucket runs one
+``torch.compile``d function (:meth:`LowPrecisionOptimizer._build_fused`): the same ``_update``
+arithmetic and commit on each parameter's local tensor, one kernel per parameter, equal to the
+eager step bit for bit. Per-parameter scalars (``_step_scalars``) and the random keys are
+computed outside the graph; compiled functions are cached process-wide by bucket structure.
+CPU measurements and the default rule: ``docs/optim.md``.
+
+``DTensor`` parameters (FSDP2): the step runs on local shards (``_local_tensor``); states and
+compensation buffers are ``DTensor``s with the parameter's placements; random bits use each
+element's global position (``Shard(0)``), so a sharded run equals the unsharded one bit for bit.
 """
 
 from __future__ import annotations
 
+import time
+import types
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from copy import deepcopy
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, Literal, NamedTuple, cast, get_args
 
 import torch
@@ -55,7 +69,7 @@ from torch.optim import Optimizer
 
 from .._dtypes import dtype_name, parse_dtype
 from .._errors import unknown_choice
-from ._rounding import stochastic_round
+from ._rounding import counter_bits, step_keys, stochastic_round, stream_key
 
 __all__ = ["Compensation", "LowPrecisionOptimizer"]
 
@@ -63,10 +77,21 @@ Compensation = Literal["kahan", "stochastic", "none"]
 _HALF = (torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1 held generator states (dropped on load: see load_state_dict)
+#: Stream id of a buffer: ``16 * (parameter's position in the optimizer) + slot``.
+_SLOT_PARAM, _SLOT_COMP, _SLOT_STATE0 = 0, 1, 2
+_STREAMS_PER_PARAM = 16
 #: Default chunk: 16 Mi elements keeps the GPU busy (host work per chunk is fixed) while bounding
 #: the step's temporaries (~0.7 GiB for AdamW) however large the model or a single parameter is.
 DEFAULT_CHUNK_NUMEL = 1 << 24
+#: Group entries that are not compiled into a fused step (``lr`` is a tensor input).
+_DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
+#: Compiled steps are shared by every optimizer in the process, keyed by bucket structure.
+_FUSED_CACHE: dict[Any, Callable[..., None]] = {}
+_FUSED_CACHE_SIZE = 64
+#: Structures one optimizer may compile before it falls back to the eager step.
+_MAX_COMPILES = 32
 _COMP_KEY = "kahan_comp"
 _STEP_KEY = "step"
 
@@ -75,6 +100,19 @@ class _Segment(NamedTuple):
     param: int  # position in the bucket's parameter list
     start: int  # element range of the flattened parameter
     stop: int
+
+
+class _Bucket(NamedTuple):
+    """One (device, dtype) bucket of a param group, as local tensors (a ``DTensor``'s shard)."""
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    comps: list[Tensor]  # Kahan compensation buffers; empty without Kahan
+    states: dict[str, list[Tensor]]  # per-element states by key, parallel to params
+    steps: list[Tensor]  # 0-d FP32 step counters
+    ids: list[int]  # position of each parameter in the optimizer (its random streams)
+    offsets: list[int]  # global flat position of each local tensor's first element
+    mirrors: list[Tensor | None]  # receives the committed value in its own dtype (see _mirrors)
 
 
 class _DeviceCtx(NamedTuple):
@@ -104,6 +142,7 @@ class LowPrecisionOptimizer(Optimizer):
         seed: int | None = None,
         generator: torch.Generator | None = None,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool | None = None,
     ) -> None:
         if compensation not in get_args(Compensation):
             raise unknown_choice("compensation", compensation, get_args(Compensation),
@@ -122,17 +161,39 @@ class LowPrecisionOptimizer(Optimizer):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")
+        if generator is not None:
+            if seed is not None:
+                raise ValueError(f"pass seed={seed!r} or generator=, not both; generator= is deprecated: the random "
+                                 "bits of stochastic rounding are a function of seed, step and element position.")
+            warnings.warn(
+                "generator= is deprecated and only supplies the seed (generator.initial_seed()): stochastic rounding "
+                "now draws counter-based bits from (seed, step, tensor, element position), not from a generator's "
+                "stream. Pass seed=int instead.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            seed = generator.initial_seed()
         self.compensation: Compensation = compensation
         self.state_dtype: torch.dtype = sdt
         self.chunk_numel: int = chunk_numel
         if seed is None:
             # torch.initial_seed() does not consume random numbers, and follows torch.manual_seed().
-            seed = generator.initial_seed() if generator is not None else torch.initial_seed()
+            seed = torch.initial_seed()
         self.seed: int = int(seed)
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._pending_generator_states: dict[str, Tensor] = {}
-        if generator is not None:
-            self._generators[_normalize_device(generator.device)] = generator
+        #: ``fused`` as passed (``None``: decided per device, see :meth:`fused_enabled`).
+        self.fused: bool | None = fused
+        #: Seconds spent compiling fused steps so far (first step of each structure); 0.0 when eager.
+        self.compile_seconds: float = 0.0
+        self._fused_fns: dict[Any, Callable[..., None]] = {}
+        self._fused_off: str | None = None  # why fused=None fell back to eager
+        self._key_cache: dict[Any, tuple[Tensor, ...]] = {}
+        self._offsets: dict[int, int] = {}  # id(param) -> global position of its first element
+        self._lr_tensors: dict[Any, Tensor] = {}
+        #: id(param) -> a tensor that receives the committed value in its own dtype (the model's
+        #: half weight of an FP32 master: MasterWeightOptimizer's fused step copies back in-graph).
+        self._mirrors: dict[int, Tensor] = {}
         super().__init__(params, defaults)
 
     # ----- hooks for subclasses ------------------------------------------------------------------
@@ -155,20 +216,33 @@ class LowPrecisionOptimizer(Optimizer):
         if not group["weight_decay"] >= 0.0:
             raise ValueError(f"invalid weight_decay={group['weight_decay']!r}; use weight_decay >= 0.")
 
+    def _step_scalars(
+        self, group: Mapping[str, Any], steps_old: Tensor, steps_new: Tensor, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
+        """Per-parameter quantities of the update (bias corrections, ...), one value per segment.
+
+        ``steps_old``/``steps_new`` hold one FP32 step count per segment (on the device); each
+        returned tensor has their shape, in ``dtype`` (the compute dtype). Computed once per
+        chunk (eager) or per bucket (fused, outside the compiled graph: Inductor would
+        otherwise recompute them for every vector of elements).
+        """
+        return {}
+
     def _update(
         self,
         group: Mapping[str, Any],
         w: Tensor,
         grad: Tensor,
         states: dict[str, Tensor],
-        steps_old: Tensor,
-        steps_new: Tensor,
+        scalars: Mapping[str, Tensor],
         expand: Callable[[Tensor], Tensor],
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The update on flat compute-dtype buffers, all inputs read-only. Returns ``(w_new, states_new)``.
 
-        ``steps_old``/``steps_new`` hold one step count per segment (FP32, on the device);
-        ``expand(v)`` turns such a per-segment vector into something broadcastable to ``w``.
+        ``scalars`` is :meth:`_step_scalars`'s result; ``expand(v)`` turns such a per-segment
+        tensor into something broadcastable to ``w``. Elementwise, single-rounding ops only
+        (no ``lerp``/``addcmul``/``alpha=``), so the compiled step equals the eager one bit for
+        bit; and no instance attributes (compiled steps are shared between instances).
         """
         raise NotImplementedError
 
@@ -202,17 +276,45 @@ class LowPrecisionOptimizer(Optimizer):
         base = super().__repr__()
         return f"{base[:-1]}mixprec: compensation={self.compensation}, state_dtype={dtype_name(self.state_dtype)}\n)"
 
-    def __getstate__(self) -> dict[str, Any]:  # pickling / deepcopy: generators travel as their states
+    def __getstate__(self) -> dict[str, Any]:  # pickling / deepcopy: compiled steps are rebuilt on demand
         state = super().__getstate__()
         state.update(
             compensation=self.compensation,
             state_dtype=self.state_dtype,
             chunk_numel=self.chunk_numel,
             seed=self.seed,
-            _pending_generator_states={**self._pending_generator_states, **self._generator_states()},
-            _generators={},
+            fused=self.fused,
+            compile_seconds=self.compile_seconds,
+            _fused_fns={},
+            _fused_off=self._fused_off,
+            _key_cache={},
+            _offsets={},
+            _lr_tensors={},
+            _mirrors={},
         )
         return state
+
+    # ----- stochastic rounding: counter-based random bits ----------------------------------------------
+    def _set_global_offsets(self, offsets: Mapping[Tensor, int]) -> None:
+        """Internal hook: the global position of each given parameter's first local element.
+
+        A parameter that is a shard of a larger tensor (an FSDP2 ``DTensor``'s local part, a
+        slice) rounds with the random bits of the positions it holds in the whole tensor, so
+        sharded and unsharded runs round identically. ``offsets`` maps parameters to the flat
+        index (row-major, in the whole tensor) of the shard's first element; the shard's
+        elements must be consecutive there (true for dim-0 sharding). Unlisted parameters keep
+        their offset (0 by default).
+        """
+        for p, off in offsets.items():
+            if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+                raise ValueError(f"global offset {off!r} for a parameter of shape {tuple(p.shape)}; use an int >= 0.")
+            self._offsets[id(p)] = off
+        self._key_cache.clear()
+        self._fused_fns.clear()
+
+    def _streams(self) -> dict[int, int]:
+        """``id(param) -> position`` over all groups: the parameter's part of its random stream ids."""
+        return {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
 
     # ----- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -250,7 +352,8 @@ class LowPrecisionOptimizer(Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         ctxs: dict[torch.device, _DeviceCtx] = {}
-        for group in self.param_groups:
+        streams = self._streams()
+        for gi, group in enumerate(self.param_groups):
             buckets: dict[tuple[torch.device, torch.dtype, torch.dtype], list[Tensor]] = defaultdict(list)
             for p in group["params"]:
                 g = p.grad
@@ -262,21 +365,255 @@ class LowPrecisionOptimizer(Optimizer):
             for (device, _, _), params in buckets.items():
                 if device not in ctxs:
                     ctxs[device] = _device_ctx(device, grad_scale, found_inf)
-                self._step_bucket(group, params, ctxs[device])
+                for p in params:
+                    self._init_state(p, group)
+                b = self._bucket(group, params, streams)
+                if self.fused_enabled(device) and self._step_bucket_fused(gi, group, b, ctxs[device]):
+                    continue
+                self._step_bucket(group, b, ctxs[device])
         return loss
 
-    def _step_bucket(self, group: dict[str, Any], params: list[Tensor], ctx: _DeviceCtx) -> None:
-        for p in params:
-            self._init_state(p, group)
-        steps = [self.state[p][_STEP_KEY] for p in params]
-        grads = [cast(Tensor, p.grad).reshape(-1) for p in params]
-        for segs in self._chunks(params):
-            self._step_chunk(group, params, grads, steps, segs, ctx)
+    def _bucket(self, group: Mapping[str, Any], params: list[Tensor], streams: Mapping[int, int]) -> _Bucket:
+        """The local tensors of a bucket (a ``DTensor``'s shard; the tensor itself otherwise)."""
+        sts = [self.state[p] for p in params]
+        keys = self._state_keys(group)
+        return _Bucket(
+            [_local(p) for p in params],
+            [_local(cast(Tensor, p.grad)) for p in params],
+            [_local(s[_COMP_KEY]) for s in sts] if self._uses_kahan(params[0]) else [],
+            {k: [_local(s[k]) for s in sts] for k in keys},
+            [s[_STEP_KEY] for s in sts],
+            [streams[id(p)] for p in params],
+            [self._offset(p) for p in params],
+            [self._mirrors.get(id(p)) for p in params],
+        )
+
+    def _offset(self, p: Tensor) -> int:
+        """The global flat position of ``p``'s first local element (cached; see :meth:`_set_global_offsets`)."""
+        off = self._offsets.get(id(p))
+        if off is None:
+            off = 0
+            if _is_dtensor(p):
+                from .._dist import global_flat_offset
+
+                off = global_flat_offset(p)
+            self._offsets[id(p)] = off
+        return off
+
+    def _step_bucket(self, group: dict[str, Any], b: _Bucket, ctx: _DeviceCtx) -> None:
+        grads = [g.reshape(-1) for g in b.grads]
+        for segs in self._chunks(b.params):
+            self._step_chunk(group, b, grads, segs, ctx)
+        self._count_steps(b, ctx)
+        pairs = [(m, p) for m, p in zip(b.mirrors, b.params) if m is not None]
+        if pairs:
+            torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+
+    # ----- the fused (compiled) step ------------------------------------------------------------------
+    def fused_enabled(self, device: torch.device | str) -> bool:
+        """Whether steps on ``device`` run compiled (``torch.compile``, Inductor).
+
+        ``fused=True``: always (a compile error raises). ``fused=False``: never. ``fused=None``
+        (default): on CUDA and XPU when Triton is available; off on CPU and other devices. The
+        rule and the measurements behind it are in ``docs/optim.md``: on a GPU the eager step is
+        a chain of ~30 memory-bound kernels and the compiled one a few (the 124M-parameter eager
+        Kahan step was 7.7x torch's fused AdamW); on a CPU the compiled step is faster too, but
+        its first step costs ~10-30 s of C++ compilation per bucket structure, which dominates
+        short runs and test suites, so it is opt-in there. Also off (with a warning naming the
+        cause) after a compile failure under ``fused=None``, and after more than
+        ``_MAX_COMPILES`` structures (e.g. a scheduler changing ``betas`` every step).
+        """
+        if self._fused_off is not None:
+            return False
+        if self.fused is not None:
+            return self.fused
+        dev = torch.device(device)
+        if dev.type not in ("cuda", "xpu"):
+            return False
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # pragma: no cover - very old torch
+            return False
+        return bool(has_triton())
+
+    def _step_bucket_fused(self, gi: int, group: dict[str, Any], b: _Bucket, ctx: _DeviceCtx) -> bool:
+        """Step one bucket with its compiled function (built on first use, shared process-wide).
+
+        Returns ``False`` (the caller steps eagerly) when compiling failed under ``fused=None``
+        or too many structures were compiled.
+        """
+        p0 = b.params[0]
+        device = p0.device
+        keys = tuple(b.states)
+        hp = {k: v for k, v in group.items() if k not in _DYNAMIC_GROUP_KEYS}
+        lr = group["lr"]
+        lr_t: Tensor
+        if isinstance(lr, Tensor):
+            lr_t = lr.detach().to(device=device, dtype=torch.float64).reshape(())
+        else:
+            lr_key = (gi, device)
+            lr_cached = self._lr_tensors.get(lr_key)
+            if lr_cached is None:
+                lr_cached = self._lr_tensors[lr_key] = torch.zeros((), dtype=torch.float64, device=device)
+            lr_t = lr_cached.fill_(float(lr))  # a kernel with a host scalar: no sync, no recompile when the LR changes
+        spec: tuple[Any, ...] = (
+            type(self), self.compensation, self.state_dtype,
+            tuple((tuple(p.shape), tuple(p.stride()), p.dtype, type(p), tuple(g.shape), tuple(g.stride()), g.dtype,
+                   None if m is None else (m.dtype, tuple(m.stride())))
+                  for p, g, m in zip(b.params, b.grads, b.mirrors)),
+            keys, repr(sorted(hp.items(), key=lambda kv: kv[0])),
+            ctx.scale is not None, ctx.skip is not None, device,
+        )
+        acc = torch.promote_types(p0.dtype, torch.float32)
+        # Per-parameter scalars and random keys outside the graph (a few tiny kernels per bucket):
+        # inside, Inductor would recompute them (pow, the key hash) for every vector of elements.
+        steps_old = torch.stack(b.steps)
+        steps_new = steps_old + (ctx.keep if ctx.keep is not None else 1.0)
+        scalars = self._step_scalars(group, steps_old, steps_new, acc)
+        scalar_keys = tuple(sorted(scalars))
+        rand_keys, offsets = self._fused_keys(b, keys, device)
+        ka, kb = step_keys((rand_keys[..., 0], rand_keys[..., 1]), steps_old[:, None])
+        spec = (*spec, scalar_keys)
+        args = (b.params, b.grads, b.comps, [b.states[k] for k in keys], [scalars[k] for k in scalar_keys], lr_t,
+                ctx.scale, ctx.skip, ka, kb, offsets, b.mirrors)
+        fn = self._fused_fns.get(spec)
+        if fn is not None:
+            fn(*args)
+            self._count_steps(b, ctx)
+            return True
+        fn = _FUSED_CACHE.get(spec)
+        compiled_here = fn is None
+        if fn is None:
+            if len(self._fused_fns) >= _MAX_COMPILES:
+                self._fused_off = (f"{_MAX_COMPILES} step structures compiled already (hyper-parameters other than lr "
+                                   "are compiled in: is a scheduler changing them every step?)")
+                warnings.warn(f"{type(self).__name__}: using the eager step from now on: {self._fused_off}. Pass "
+                              "fused=False to silence this.", RuntimeWarning, stacklevel=4)
+                return False
+            fn = self._build_fused(hp, b, keys, scalar_keys, len(_FUSED_CACHE))
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        except Exception as e:  # compile errors surface at the first call (backend, dynamo, C++ toolchain)
+            if not compiled_here:
+                raise
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if self.fused:
+                raise RuntimeError(
+                    f"{type(self).__name__}(fused=True): torch.compile of the fused step failed ({why}). Use "
+                    "fused=False for the eager step, or fix the compiler setup (a C++ compiler on CPU, Triton on GPU)."
+                ) from e
+            self._fused_off = why
+            warnings.warn(
+                f"{type(self).__name__}: the fused (torch.compile) step failed to build, using the eager step from "
+                f"now on ({why}). Pass fused=False to silence this.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return False
+        if compiled_here:
+            self.compile_seconds += time.perf_counter() - t0
+            _FUSED_CACHE[spec] = fn
+            while len(_FUSED_CACHE) > _FUSED_CACHE_SIZE:
+                _FUSED_CACHE.pop(next(iter(_FUSED_CACHE)))
+        self._fused_fns[spec] = fn
+        self._count_steps(b, ctx)
+        return True
+
+    @staticmethod
+    def _count_steps(b: _Bucket, ctx: _DeviceCtx) -> None:
         if ctx.keep is None:
-            torch._foreach_add_(steps, 1.0)
+            torch._foreach_add_(b.steps, 1.0)
         else:
             # The list-of-tensors overload stays on the device (the single-tensor one reads it on the host).
-            torch._foreach_add_(steps, [ctx.keep] * len(steps))
+            torch._foreach_add_(b.steps, [ctx.keep] * len(b.steps))
+
+    def _fused_keys(self, b: _Bucket, keys: tuple[str, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+        """The bucket's stream keys (int64 ``(n, 2 + len(keys), 2)``) and offsets (int64 ``(n,)``), cached."""
+        slots = (_SLOT_PARAM, _SLOT_COMP, *(self._state_slot(k) for k in keys))
+        cache_key = ("fused", device, tuple(b.ids), tuple(b.offsets), slots)
+        cached = self._key_cache.get(cache_key)
+        if cached is None:
+            if len(self._key_cache) > 4096:
+                self._key_cache.clear()
+            table = [[list(stream_key(self.seed, i * _STREAMS_PER_PARAM + s)) for s in slots] for i in b.ids]
+            kt = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
+            ot = torch.tensor(b.offsets, dtype=torch.int64).to(device, non_blocking=True)
+            cached = self._key_cache[cache_key] = (kt, ot)
+        return cached[0], cached[1]
+
+    def _build_fused(
+        self, hp: dict[str, Any], b: _Bucket, keys: tuple[str, ...], scalar_keys: tuple[str, ...], n: int
+    ) -> Callable[..., None]:
+        """A ``torch.compile``d step for one bucket structure (static shapes, hyper-parameters but ``lr`` baked in).
+
+        The per-parameter scalars (from the step counts), the LR, ``grad_scale``, ``found_inf``,
+        the random keys (mixed with the step counts) and the global offsets are tensor inputs, so neither a new step, a scheduler's LR, another
+        seed nor another optimizer with the same structure needs a new graph: compiled steps
+        are cached process-wide by structure. Each structure gets its own code object so that
+        dynamo's per-code cache (and its recompile limit) is per structure. The arithmetic is
+        the eager step's (the subclass's ``_update``, called on an uninitialised instance:
+        ``_update`` must not read instance attributes).
+        """
+        p0 = b.params[0]
+        pdt = p0.dtype
+        acc = torch.promote_types(pdt, torch.float32)
+        half = pdt in _HALF
+        kahan = bool(b.comps)
+        stochastic = half and self.compensation == "stochastic"
+        sdt = self._state_dtype_for(p0)
+        cls = type(self)
+        update = cls.__new__(cls)._update
+        scalar = _scalar_expand
+        slot_of = {k: 2 + j for j, k in enumerate(keys)}  # column in the key table (0: param, 1: comp)
+
+        def fused_step(
+            ps: list[Tensor], gs: list[Tensor], comps: list[Tensor], states: list[list[Tensor]],
+            scalars: list[Tensor], lr: Tensor, scale: Tensor | None, skip: Tensor | None,
+            ka: Tensor, kb: Tensor, offsets: Tensor, mirrors: list[Tensor | None],
+        ) -> None:
+            group = dict(hp)
+            group["lr"] = lr
+            for i, p in enumerate(ps):
+                g = gs[i].to(acc)
+                if scale is not None:
+                    g = g / scale
+                w = p.to(acc)
+                if kahan:
+                    w = w + comps[i].to(acc)
+                s_old = {k: states[j][i] for j, k in enumerate(keys)}
+                w_new, s_new = update(group, w, g, {k: v.to(acc) for k, v in s_old.items()},
+                                      {k: scalars[j][i] for j, k in enumerate(scalar_keys)}, scalar)
+                index = (torch.arange(p.numel(), dtype=torch.int64, device=p.device) + offsets[i]).view(p.shape)
+
+                def rand(col: int, i: int = i, index: Tensor = index) -> Tensor:
+                    return counter_bits(ka[i, col], kb[i, col], index)
+
+                new: list[tuple[Tensor, Tensor]] = []
+                if half:
+                    p_new = stochastic_round(w_new, pdt, bits=rand(0)) if stochastic else w_new.to(pdt)
+                    new.append((p, p_new))
+                    if kahan:
+                        new.append((comps[i], stochastic_round(w_new - p_new.to(acc), pdt, bits=rand(1))))
+                else:
+                    new.append((p, w_new.to(pdt)))
+                for k in keys:
+                    v = s_new[k]
+                    v = stochastic_round(v, sdt, bits=rand(slot_of[k])) if sdt in _HALF else v.to(sdt)
+                    new.append((s_old[k], v))
+                for dst, value in new:
+                    dst.copy_(torch.where(skip, dst, value) if skip is not None else value)
+                mirror = mirrors[i]
+                if mirror is not None:  # the copy back into the model's half weight, in the same kernel
+                    mirror.copy_(p.to(mirror.dtype))
+
+        code = fused_step.__code__.replace(co_name=f"_mixprec_fused_step_{n}")
+        fn = types.FunctionType(code, fused_step.__globals__, code.co_name, fused_step.__defaults__,
+                                fused_step.__closure__)
+        # emulate_precision_casts: keep every rounding to the half dtype (Inductor elides a
+        # half->FP32 round trip by default, which would make the Kahan remainder w - round(w) zero).
+        return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True,
+                                                       options={"emulate_precision_casts": True}))
 
     def _chunks(self, params: list[Tensor]) -> list[list[_Segment]]:
         limit = self.chunk_numel
@@ -303,17 +640,16 @@ class LowPrecisionOptimizer(Optimizer):
     def _step_chunk(
         self,
         group: dict[str, Any],
-        params: list[Tensor],
+        b: _Bucket,
         grads: list[Tensor],
-        steps: list[Tensor],
         segs: list[_Segment],
         ctx: _DeviceCtx,
     ) -> None:
-        p0 = params[segs[0].param]
+        p0 = b.params[segs[0].param]
         device, pdt = p0.device, p0.dtype
         acc = torch.promote_types(pdt, torch.float32)
-        kahan = pdt in _HALF and self.compensation == "kahan"
-        ps = [params[s.param] for s in segs]
+        kahan = bool(b.comps)
+        ps = [b.params[s.param] for s in segs]
         sizes = [s.stop - s.start for s in segs]
 
         # One flat view per tensor serves both the gather (source) and the scatter (destination);
@@ -332,28 +668,31 @@ class LowPrecisionOptimizer(Optimizer):
         w = p_old.to(acc)
         c_old = None
         if kahan:
-            c_old = gather(_COMP_KEY, [self.state[p][_COMP_KEY] for p in ps])
+            c_old = gather(_COMP_KEY, [b.comps[s.param] for s in segs])
             w = w + c_old.to(acc)
-        keys = self._state_keys(group)
-        s_old = {k: gather(k, [self.state[p][k] for p in ps]) for k in keys}
+        keys = tuple(b.states)
+        s_old = {k: gather(k, [b.states[k][s.param] for s in segs]) for k in keys}
         s_acc = {k: v.to(acc) for k, v in s_old.items()}
-        steps_old = torch.stack([steps[s.param] for s in segs])
+        steps_old = torch.stack([b.steps[s.param] for s in segs])
         steps_new = steps_old + (ctx.keep if ctx.keep is not None else 1.0)
 
-        w_new, s_new = self._update(group, w, grad, s_acc, steps_old, steps_new, self._expander(sizes))
+        expand = self._expander(sizes)
+        scalars = self._step_scalars(group, steps_old, steps_new, acc)
+        w_new, s_new = self._update(group, w, grad, s_acc, scalars, expand)
         del grad, w, s_acc
+        rand = self._chunk_bits(b, segs, sizes, steps_old, expand, device)
 
         new: dict[str | None, Tensor] = {}
         if pdt in _HALF:
             if self.compensation == "stochastic":
-                new[None] = stochastic_round(w_new, pdt, generator=self._generator(device))
+                new[None] = stochastic_round(w_new, pdt, bits=rand(_SLOT_PARAM))
             else:
                 new[None] = w_new.to(pdt)
             if kahan:
                 # The remainder w - p is exact in FP32; stochastic rounding stores it unbiased. Round-to-
                 # nearest would drop every update below half an ulp of the *buffer* (~2**-18 of the
                 # weight once the buffer is large), and SGD with shrinking updates stalls (tested).
-                new[_COMP_KEY] = stochastic_round(w_new - new[None].to(acc), pdt, generator=self._generator(device))
+                new[_COMP_KEY] = stochastic_round(w_new - new[None].to(acc), pdt, bits=rand(_SLOT_COMP))
         else:
             new[None] = w_new.to(pdt)
         del w_new
@@ -362,7 +701,7 @@ class LowPrecisionOptimizer(Optimizer):
             if sdt in _HALF:
                 # Round-to-nearest would freeze exp_avg_sq: with beta2 = 0.999 its per-step change is
                 # 0.1 % of its value, below half a BF16 ulp (0.39 %). Stochastic rounding keeps it unbiased.
-                new[k] = stochastic_round(s_new[k], sdt, generator=self._generator(device))
+                new[k] = stochastic_round(s_new[k], sdt, bits=rand(self._state_slot(k)))
             else:
                 new[k] = s_new[k].to(sdt)
         del s_new
@@ -372,12 +711,53 @@ class LowPrecisionOptimizer(Optimizer):
             value = new[key]
             if ctx.skip is not None:
                 old = olds[key]
-                assert old is not None
-                value = torch.where(ctx.skip, old, value)
+                if old is not None:
+                    value = torch.where(ctx.skip, old, value)
             pieces = value.split(sizes) if len(segs) > 1 else (value,)
             dsts = [v if v is not None else t for v, t in zip(views, tensors)]
             srcs = [x if v is not None else x.view(t.shape) for x, v, t in zip(pieces, views, tensors)]
             torch._foreach_copy_(dsts, srcs)
+
+    def _state_slot(self, key: str) -> int:
+        return _SLOT_STATE0 + self._ALL_STATE_KEYS.index(key)
+
+    def _chunk_bits(
+        self,
+        b: _Bucket,
+        segs: list[_Segment],
+        sizes: list[int],
+        steps_old: Tensor,
+        expand: Callable[[Tensor], Tensor],
+        device: torch.device,
+    ) -> Callable[[int], Tensor]:
+        """``rand(slot)``: the chunk's 32 random bits per element for one buffer kind (lazy).
+
+        Element ``j`` of segment ``s`` gets ``counter_bits`` of (seed, the parameter's step
+        count before this step, stream ``16 * position + slot``, global index ``offset +
+        s.start + j``): the same bits as the fused step and as any other chunking.
+        """
+        index: list[Tensor] = []
+
+        def rand(slot: int) -> Tensor:
+            streams = tuple(b.ids[s.param] * _STREAMS_PER_PARAM + slot for s in segs)
+            bases = tuple(b.offsets[s.param] + s.start - c for s, c in zip(segs, accumulate([0, *sizes[:-1]])))
+            cache_key = (device, streams, bases)
+            cached = self._key_cache.get(cache_key)
+            if cached is None:
+                if len(self._key_cache) > 4096:
+                    self._key_cache.clear()
+                keys = [stream_key(self.seed, st) for st in streams]
+                ka0, kb0, base = (torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
+                                  for v in ([k[0] for k in keys], [k[1] for k in keys], list(bases)))
+                cached = self._key_cache[cache_key] = (ka0, kb0, base)
+            ka0, kb0, base = cached
+            if not index:
+                total = sum(sizes)
+                index.append(torch.arange(total, dtype=torch.int64, device=device) + expand(base))
+            ka, kb = step_keys((ka0, kb0), steps_old)
+            return counter_bits(expand(ka), expand(kb), index[0])
+
+        return rand
 
     @staticmethod
     def _expander(sizes: list[int]) -> Callable[[Tensor], Tensor]:
@@ -404,9 +784,9 @@ class LowPrecisionOptimizer(Optimizer):
             st[_STEP_KEY] = torch.zeros((), dtype=torch.float32, device=p.device)
         for k in self._state_keys(group):
             if k not in st:
-                st[k] = torch.zeros(p.shape, dtype=self._state_dtype_for(p), device=p.device)
+                st[k] = _zeros_like(p, self._state_dtype_for(p))
         if self._uses_kahan(p) and _COMP_KEY not in st:
-            st[_COMP_KEY] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            st[_COMP_KEY] = _zeros_like(p, p.dtype)
 
     def _import_state(self, p: Tensor, group: Mapping[str, Any], value: Mapping[str, Any], copy: bool) -> dict[str, Any]:
         """One parameter's state from a checkpoint or a torch optimizer, in this optimizer's dtypes."""
@@ -421,39 +801,25 @@ class LowPrecisionOptimizer(Optimizer):
             elif k == _COMP_KEY:
                 if not self._uses_kahan(p):
                     continue  # resolved by the compensation check in load_state_dict
-                out[k] = _as_state_tensor(v, p, p.dtype, copy)
+                out[k] = _as_state_tensor(v, p, p.dtype, copy, self._offset(p))
             elif k in keys or k in self._ALL_STATE_KEYS:
-                out[k] = _as_state_tensor(v, p, self._state_dtype_for(p), copy)
+                out[k] = _as_state_tensor(v, p, self._state_dtype_for(p), copy, self._offset(p))
             else:
                 out[k] = deepcopy(v) if copy else v
         if _STEP_KEY not in out and any(k in out for k in keys):
             out[_STEP_KEY] = torch.ones((), dtype=torch.float32, device=p.device)  # buffers exist: not the first step
         return out
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        device = _normalize_device(device)
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            pending = self._pending_generator_states.pop(str(device), None)
-            if pending is not None:
-                gen.set_state(pending)
-            else:
-                gen.manual_seed(self.seed)
-            self._generators[device] = gen
-        return gen
-
-    def _generator_states(self) -> dict[str, Tensor]:
-        return {str(d): g.get_state() for d, g in self._generators.items()}
-
     def state_dict(self) -> dict[str, Any]:
         """The ``torch.optim`` state dict plus a ``"mixprec"`` entry.
 
         Per-parameter ``state`` holds ``step`` (0-d FP32), the moments in ``state_dtype`` and,
         for ``compensation="kahan"`` on FP16/BF16 parameters, ``kahan_comp`` (parameter dtype).
-        ``"mixprec"`` holds ``version``, ``compensation``, ``state_dtype`` (name), ``seed`` and
-        ``generators`` (``{device: generator state}``), so that a resumed run continues bit for bit,
-        stochastic rounding included. Tensors are the live state (as in torch); save or copy it.
+        ``"mixprec"`` holds ``version`` (2), ``compensation``, ``state_dtype`` (name) and ``seed``.
+        The random bits of stochastic rounding are a function of the seed, the step counters and
+        the element positions, so these entries resume a run bit for bit, stochastic rounding
+        included (version 1 also held per-device generator states). Tensors are the live state
+        (as in torch); save or copy it.
         """
         sd = super().state_dict()
         sd["mixprec"] = {
@@ -461,7 +827,6 @@ class LowPrecisionOptimizer(Optimizer):
             "compensation": self.compensation,
             "state_dtype": dtype_name(self.state_dtype),
             "seed": self.seed,
-            "generators": {**self._pending_generator_states, **self._generator_states()},
         }
         return sd
 
@@ -474,6 +839,11 @@ class LowPrecisionOptimizer(Optimizer):
         To move FP32 weights into this run without losing what the cast drops, use
         :meth:`load_full_precision_params_`.
 
+        A version-1 state dict (mixprec before counter-based stochastic rounding) loads: its
+        seed is kept and its generator states are dropped, so stochastic rounding continues with
+        the counter-based bits of that seed (the steps after resuming round differently from
+        what the old version would have done; everything else resumes exactly).
+
         Raises:
             ValueError: different group or parameter counts; a mixprec checkpoint whose
                 ``compensation`` differs from this optimizer's (resuming would silently drop or
@@ -485,9 +855,9 @@ class LowPrecisionOptimizer(Optimizer):
                 state_dict = result
         meta = state_dict.get("mixprec")
         if meta is not None:
-            if meta.get("version") != _STATE_VERSION:
+            if meta.get("version") not in _READABLE_VERSIONS:
                 raise ValueError(f"mixprec optimizer state version {meta.get('version')!r}; this mixprec reads "
-                                 f"version {_STATE_VERSION} (upgrade mixprec?).")
+                                 f"versions {_READABLE_VERSIONS} (upgrade mixprec?).")
             if meta.get("compensation") != self.compensation:
                 raise ValueError(
                     f"the checkpoint was written with compensation={meta.get('compensation')!r}, this optimizer uses "
@@ -521,11 +891,11 @@ class LowPrecisionOptimizer(Optimizer):
             else:
                 state[k] = v
         self.__setstate__({"state": state, "param_groups": new_groups})
-        self._generators = {}
-        self._pending_generator_states = {}
-        if meta is not None:
-            self.seed = int(meta.get("seed", self.seed))
-            self._pending_generator_states = {str(d): s.clone() for d, s in meta.get("generators", {}).items()}
+        self._key_cache.clear()
+        if meta is not None and int(meta.get("seed", self.seed)) != self.seed:
+            self.seed = int(meta["seed"])
+            self._key_cache.clear()
+            self._fused_fns.clear()  # the seed's stream keys are constants of the compiled steps
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -571,11 +941,12 @@ class LowPrecisionOptimizer(Optimizer):
         for p, v in values.items():
             group = owner[id(p)]
             self._init_state(p, group)
-            v = v.detach().to(p.device)
-            p.copy_(v)
+            lp = _local(p)
+            lv = _local_value(v.detach(), p, self._offset(p)).to(lp.device)
+            lp.copy_(lv)
             if self._uses_kahan(p):
-                acc = torch.promote_types(v.dtype, torch.float32)
-                self.state[p][_COMP_KEY].copy_(v.to(acc) - p.to(acc))
+                acc = torch.promote_types(lv.dtype, torch.float32)
+                _local(self.state[p][_COMP_KEY]).copy_(lv.to(acc) - lp.to(acc))
 
     @torch.no_grad()
     def full_precision_params(self) -> dict[Tensor, Tensor]:
@@ -600,7 +971,7 @@ class LowPrecisionOptimizer(Optimizer):
         """Bytes held per category over all parameters of all groups (persistent model state).
 
         Returns:
-            ``numel`` (parameter elements), ``params``, ``grads`` (existing ``.grad`` tensors),
+            ``numel`` (parameter elements this process holds: a ``DTensor``'s local shard), ``params``, ``grads`` (existing ``.grad`` tensors),
             ``compensation`` (``kahan_comp``), ``states`` (moments and other per-element
             buffers), ``scalars`` (0-d step counters) and ``total`` (all but ``numel``).
             ``(params + grads + compensation + states) / numel`` is the bytes-per-parameter
@@ -610,7 +981,7 @@ class LowPrecisionOptimizer(Optimizer):
         out = dict.fromkeys(("numel", "params", "grads", "compensation", "states", "scalars"), 0)
         for g in self.param_groups:
             for p in g["params"]:
-                out["numel"] += p.numel()
+                out["numel"] += _local(p).numel()
                 out["params"] += _nbytes(p)
                 if p.grad is not None:
                     out["grads"] += _nbytes(p.grad)
@@ -629,16 +1000,50 @@ class LowPrecisionOptimizer(Optimizer):
 
 # ----- helpers ------------------------------------------------------------------------------------------------
 def _nbytes(t: Tensor) -> int:
+    t = _local(t)  # a DTensor counts what this rank holds
     return t.numel() * t.element_size()
 
 
-def _normalize_device(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type != "cpu" and device.index is None:
-        mod = getattr(torch, device.type, None)
-        if mod is not None and hasattr(mod, "current_device"):
-            device = torch.device(device.type, mod.current_device())
-    return device
+def _is_dtensor(t: Tensor) -> bool:
+    return callable(getattr(t, "to_local", None)) and hasattr(t, "placements")
+
+
+def _local(t: Tensor) -> Tensor:
+    """A ``DTensor``'s local shard (the tensor itself: in-place writes reach the DTensor), else ``t``."""
+    if not _is_dtensor(t):
+        return t
+    # _local_tensor, not to_local(): with grad mode on, to_local() returns a new autograd view each call.
+    local = getattr(t, "_local_tensor", None)
+    return cast(Tensor, local if isinstance(local, Tensor) else cast(Any, t).to_local())
+
+
+def _zeros_like(p: Tensor, dtype: torch.dtype) -> Tensor:
+    """Zeros of ``p``'s shape in ``dtype``; for a ``DTensor`` a ``DTensor`` of the same spec (sharded like ``p``)."""
+    if not _is_dtensor(p):
+        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+    from torch.distributed.tensor import DTensor
+
+    d = cast(Any, p)
+    local = torch.zeros(_local(p).shape, dtype=dtype, device=_local(p).device)
+    return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _local_value(v: Tensor, p: Tensor, offset: int) -> Tensor:
+    """The part of ``v`` (a value for parameter ``p``) that ``p``'s local shard holds.
+
+    ``v`` a ``DTensor``: its local shard. ``v`` a plain tensor of ``p``'s global shape while
+    ``p`` is a ``DTensor``: the elements ``offset ..`` of its flattened form (dim-0 shards).
+    """
+    if _is_dtensor(v):
+        return _local(v)
+    lp = _local(p)
+    if _is_dtensor(p) and tuple(v.shape) != tuple(lp.shape):
+        return v.reshape(-1)[offset:offset + lp.numel()].view(lp.shape)
+    return v
+
+
+def _scalar_expand(v: Tensor) -> Tensor:
+    return v.reshape(())
 
 
 def _cat(views: list[Tensor]) -> Tensor:
@@ -652,10 +1057,17 @@ def _flat_view(t: Tensor, s: _Segment) -> Tensor | None:
     return t.view(-1)[s.start:s.stop]  # only contiguous tensors are cut into slices
 
 
-def _as_state_tensor(v: Any, p: Tensor, dtype: torch.dtype, copy: bool) -> Tensor:
-    t = torch.as_tensor(v)
+def _as_state_tensor(v: Any, p: Tensor, dtype: torch.dtype, copy: bool, offset: int = 0) -> Tensor:
+    t = v if isinstance(v, Tensor) else torch.as_tensor(v)
     if tuple(t.shape) != tuple(p.shape):
         raise ValueError(f"optimizer state of shape {tuple(t.shape)} for a parameter of shape {tuple(p.shape)}.")
+    if _is_dtensor(p):  # a DTensor state sharded like its parameter (from DCP, or a full tensor sliced)
+        lp = _local(p)
+        local = _local_value(t, p, offset).to(device=lp.device, dtype=dtype).clone(
+            memory_format=torch.contiguous_format)
+        out = _zeros_like(p, dtype)
+        _local(out).copy_(local)
+        return out
     out = t.to(device=p.device, dtype=dtype, memory_format=torch.contiguous_format)
     if copy and out is t:
         out = out.clone(memory_format=torch.contiguous_format)

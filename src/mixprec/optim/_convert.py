@@ -28,6 +28,7 @@ def from_torch(
     seed: int | None = None,
     generator: torch.Generator | None = None,
     chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+    fused: bool | None = None,
 ) -> LowPrecisionOptimizer:
     """Convert a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` into the mixprec optimizer of the same algorithm.
 
@@ -49,7 +50,8 @@ def from_torch(
             the algorithm and are refused).
         compensation: ``"kahan"`` (default), ``"stochastic"`` or ``"none"``.
         state_dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
-        seed, generator, chunk_numel: As the mixprec optimizers' constructors.
+        seed, generator, chunk_numel, fused: As the mixprec optimizers' constructors (the torch
+            group's own ``fused`` flag is ignored: it names torch's CUDA kernel, not this step).
 
     Returns:
         The new optimizer.
@@ -91,7 +93,7 @@ def from_torch(
             ng["decoupled_weight_decay"] = True
         groups.append(ng)
     new = cls(groups, compensation=compensation, state_dtype=state_dtype, seed=seed, generator=generator,
-              chunk_numel=chunk_numel)
+              chunk_numel=chunk_numel, fused=fused)
     # Share the group dicts so schedulers bound to the torch optimizer keep working.
     for g, ng in zip(optimizer.param_groups, new.param_groups):
         for k, v in ng.items():

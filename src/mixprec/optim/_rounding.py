@@ -12,6 +12,15 @@ lost (Gupta et al. 2015; Zamirai et al., "Revisiting BFloat16 Training"; llm.c).
 * FP16 is not a truncation of FP32: both neighbours are found with ``torch.nextafter`` and the
   upper one is taken when ``u < (x - lo) / (hi - lo)`` with ``u`` uniform in [0, 1).
 
+Random bits: :func:`counter_bits` makes 32 random bits per element as a pure function of
+``(seed, step, stream, element index)``: a counter-based hash (three rounds of xorshift-multiply
+on 32-bit values, the key injected twice), computed with int64 tensor ops that never overflow
+(every product is below 2**59), so eager, ``torch.compile`` (Inductor C++/Triton) and every
+device give the same bits. ``stochastic_round(..., bits=...)`` rounds with them: BF16 takes the
+upper 16 bits as the noise, FP16 the upper 24 as ``u``. mixprec's optimizers use it so that DDP
+replicas, resumed runs and shards of a tensor (given their global element offset) round
+identically without sharing generator state.
+
 A compensated pair ``(hi, lo)`` in a half dtype stores ``hi + lo`` with about twice the
 mantissa bits: ``hi = round(w)``, ``lo = round(w - hi)``; :func:`kahan_add_` adds an update to
 such a pair with the arithmetic in FP32.
@@ -19,17 +28,86 @@ such a pair with the arithmetic in FP32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from .._dtypes import parse_dtype
 
-__all__ = ["compensated_split", "kahan_add_", "stochastic_round"]
+__all__ = ["compensated_split", "counter_bits", "kahan_add_", "stochastic_round"]
 
 _HALF = (torch.bfloat16, torch.float16)
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # odd, below 2**27: a 32-bit value times it stays below 2**59 in int64
 
 
-def stochastic_round(x: Tensor, dtype: torch.dtype | str, *, generator: torch.Generator | None = None) -> Tensor:
+def _round32(x: Any) -> Any:
+    """One xorshift-multiply round on values in [0, 2**32) (Python ints or int64 tensors alike)."""
+    return (((x >> 16) ^ x) * _MUL) & _M32
+
+
+def _fin32(x: Any) -> Any:
+    return (x >> 16) ^ x
+
+
+def stream_key(seed: int, stream: int) -> tuple[int, int]:
+    """The two 32-bit keys of a random stream, from the run seed and the stream id (host ints)."""
+    a = _fin32(_round32(_round32((seed & _M32) ^ 0x243F6A88)))
+    a = _fin32(_round32(_round32(a ^ ((seed >> 32) & _M32))))
+    a = _fin32(_round32(_round32(a ^ (stream & _M32))))
+    a = _fin32(_round32(_round32(a ^ ((stream >> 32) & _M32))))
+    b = _fin32(_round32(_round32(a ^ 0x85A308D3)))
+    return a, b
+
+
+def step_keys(key: tuple[int, int] | tuple[Tensor, Tensor], step: Tensor) -> tuple[Tensor, Tensor]:
+    """Mix a step count (a tensor of whole numbers, any dtype, e.g. the FP32 step counter) into a stream's keys.
+
+    ``key`` holds Python ints or int64 tensors broadcastable to ``step``; the result is int64
+    tensors of ``step``'s shape, on its device (no host sync).
+    """
+    t = step.to(torch.int64) & _M32
+    ka, kb = key
+    return _fin32(_round32(_round32(t ^ ka))), _fin32(_round32(_round32(t ^ kb)))
+
+
+def counter_bits(ka: Tensor, kb: Tensor, index: Tensor) -> Tensor:
+    """32 random bits per element (int64 in [0, 2**32)), a pure function of the keys and ``index``.
+
+    Args:
+        ka, kb: int64 keys from :func:`step_keys`, broadcastable to ``index``.
+        index: int64 global element positions (non-negative).
+
+    Returns:
+        int64 tensor of ``index``'s broadcast shape.
+    """
+    x = _round32((index & _M32) ^ ka)
+    x = _round32(x ^ kb ^ (index >> 32))
+    return _fin32(_round32(x))
+
+
+def counter_bits_for(seed: int, step: int | Tensor, stream: int, numel: int, *, offset: int = 0,
+                     device: torch.device | str | None = None) -> Tensor:
+    """The random bits of elements ``offset .. offset + numel - 1`` of a stream at a step (int64, 1-D).
+
+    A shard that holds elements ``offset ..`` of a tensor gets exactly the bits of those
+    positions of the whole tensor.
+
+    Example:
+        >>> whole = counter_bits_for(0, 3, 7, 10)
+        >>> torch.equal(whole[4:], counter_bits_for(0, 3, 7, 6, offset=4))
+        True
+    """
+    step_t = torch.as_tensor(step, device=device)
+    ka, kb = step_keys(stream_key(seed, stream), step_t)
+    idx = torch.arange(offset, offset + numel, dtype=torch.int64, device=step_t.device)
+    return counter_bits(ka, kb, idx)
+
+
+def stochastic_round(
+    x: Tensor, dtype: torch.dtype | str, *, generator: torch.Generator | None = None, bits: Tensor | None = None
+) -> Tensor:
     """Round ``x`` to ``dtype`` stochastically: unbiased, onto one of the two neighbouring values.
 
     Args:
@@ -39,11 +117,15 @@ def stochastic_round(x: Tensor, dtype: torch.dtype | str, *, generator: torch.Ge
             ``torch.float32`` returns ``x`` in FP32 unchanged.
         generator: Source of the random bits; it must live on ``x``'s device. ``None`` uses
             torch's default generator for that device.
+        bits: Instead of a generator: 32 random bits per element (int64 in [0, 2**32) of
+            ``x``'s shape, e.g. from :func:`counter_bits`); the result is then a pure function
+            of ``x`` and ``bits``.
 
     Returns:
         A new tensor of ``dtype`` and ``x``'s shape. Values already representable are returned
-        exactly; ``inf``, ``-inf`` and NaN are kept. An FP32 value above the largest finite
-        BF16/FP16 value may round to ``inf``, with the probability given by its distance.
+        exactly; ``inf``, ``-inf`` and NaN are kept. With ``generator``, an FP32 value above the
+        largest finite BF16/FP16 value may round to ``inf``, with the probability given by its
+        distance; with ``bits`` it rounds to nearest there.
 
     Raises:
         ValueError: ``dtype`` is not bfloat16, float16 or float32.
@@ -62,6 +144,10 @@ def stochastic_round(x: Tensor, dtype: torch.dtype | str, *, generator: torch.Ge
         x = x.float()
     if dtype == torch.float32:
         return x
+    if bits is not None and generator is not None:
+        raise ValueError("stochastic_round: pass either generator= or bits=, not both.")
+    if bits is not None:
+        return _sr_counter(x, dtype, bits)
     if dtype == torch.bfloat16:
         return _sr_bf16(x, generator)
     if dtype == torch.float16:
@@ -71,11 +157,11 @@ def stochastic_round(x: Tensor, dtype: torch.dtype | str, *, generator: torch.Ge
 
 def _sr_bf16(x: Tensor, generator: torch.Generator | None) -> Tensor:
     x = x.contiguous()
-    bits = x.view(torch.int32)
-    noise = torch.empty_like(bits).random_(0, 1 << 16, generator=generator)
+    pattern = x.view(torch.int32)
+    noise = torch.empty_like(pattern).random_(0, 1 << 16, generator=generator)
     # int32 addition wraps only for NaN bit patterns whose mantissa is nearly all ones; the
     # where() below puts every NaN back so a NaN never turns into a number.
-    rounded = (bits + noise).bitwise_and_(-65536).view(torch.float32)
+    rounded = (pattern + noise).bitwise_and_(-65536).view(torch.float32)
     return torch.where(torch.isnan(x), x, rounded).to(torch.bfloat16)
 
 
@@ -89,6 +175,37 @@ def _sr_nextafter(x: Tensor, dtype: torch.dtype, generator: torch.Generator | No
     prob = diff / (other.float() - near32)
     u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
     return torch.where(u < prob, other, near)
+
+
+#: (mantissa bits, smallest normal, subnormal spacing) of the half formats.
+_FORMATS = {torch.bfloat16: (7, 2.0**-126, 2.0**-133), torch.float16: (10, 2.0**-14, 2.0**-24)}
+
+
+def _sr_counter(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
+    """Stochastic rounding with given random bits, in floating-point arithmetic only.
+
+    ``near = round(x)``; the neighbour on ``x``'s side is found without bit casts (Inductor
+    lowers a bit cast to a scalar loop, several times slower than the rest of a fused step on
+    CPU) and with one conversion: for a normal ``near`` with ``m`` mantissa bits,
+    ``round(near ± |near| * 0.6 * 2**-m)`` is the next value in that direction (the offset is
+    0.6 to 1.2 ulps, so round-to-nearest lands on the neighbour in every binade, also at a
+    power of two where the spacing below is half); below the smallest normal the spacing is
+    fixed. ``x`` takes the neighbour when ``u * |other - near| < |x - near|``, with ``u`` the
+    upper 24 of the 32 bits over 2**24: the product is exact (the spacing is a power of two), so
+    the probability is exactly ``|x - near| / spacing`` to 24 bits, without a division. inf and
+    NaN are kept (the comparison is False there); values beyond the largest finite value round
+    to nearest.
+    """
+    mant, tiny, sub = _FORMATS[dtype]
+    near = x.to(dtype)
+    n32 = near.float()
+    diff = x - n32  # exact: |diff| <= half an ulp of the target dtype
+    a = n32.abs()
+    step = torch.where(a < tiny, sub, a * (0.6 * 2.0**-mant))
+    other = (n32 + torch.where(diff >= 0, step, -step)).to(dtype)
+    span = (other.float() - n32).abs()
+    u = (bits >> 8).to(torch.float32) * 2.0**-24  # the upper 24 bits: exact in FP32, in [0, 1)
+    return torch.where(u * span < diff.abs(), other, near)
 
 
 def compensated_split(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

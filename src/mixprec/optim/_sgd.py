@@ -44,7 +44,7 @@ class SGD(LowPrecisionOptimizer):
         weight_decay: L2 penalty added to the gradient (as torch's SGD).
         nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         maximize: Maximize the objective.
-        compensation, state_dtype, seed, generator, chunk_numel: As :class:`mixprec.optim.AdamW`.
+        compensation, state_dtype, seed, generator, chunk_numel, fused: As :class:`mixprec.optim.AdamW`.
 
     Raises:
         ValueError: an invalid hyper-parameter, compensation or state dtype.
@@ -73,6 +73,7 @@ class SGD(LowPrecisionOptimizer):
         seed: int | None = None,
         generator: torch.Generator | None = None,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -83,7 +84,7 @@ class SGD(LowPrecisionOptimizer):
             "maximize": maximize,
         }
         super().__init__(params, defaults, compensation=compensation, state_dtype=state_dtype, seed=seed,
-                         generator=generator, chunk_numel=chunk_numel)
+                         generator=generator, chunk_numel=chunk_numel, fused=fused)
 
     def _state_keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
         return self._ALL_STATE_KEYS if group["momentum"] != 0 else ()
@@ -99,36 +100,40 @@ class SGD(LowPrecisionOptimizer):
                 f"dampening={group['dampening']!r})."
             )
 
+    def _step_scalars(
+        self, group: Mapping[str, Any], steps_old: Tensor, steps_new: Tensor, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
+        if group["momentum"] == 0 or group["dampening"] == 0:
+            return {}
+        # First step: torch's buffer is a clone of g (no dampening); later ones take (1 - dampening) * g.
+        return {"coef": torch.where(steps_old == 0, 1.0, 1.0 - group["dampening"]).to(dtype)}
+
     def _update(
         self,
         group: Mapping[str, Any],
         w: Tensor,
         grad: Tensor,
         states: dict[str, Tensor],
-        steps_old: Tensor,
-        steps_new: Tensor,
+        scalars: Mapping[str, Tensor],
         expand: Callable[[Tensor], Tensor],
     ) -> tuple[Tensor, dict[str, Tensor]]:
         lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
         wd = group["weight_decay"]
         if isinstance(lr, Tensor):
             lr = lr.to(device=w.device, dtype=w.dtype)
+        # Single-rounding ops only (see AdamW._update: eager and compiled steps agree bit for bit).
         g = grad.neg() if group["maximize"] else grad
         if wd != 0:
-            g = g.add(w, alpha=wd)
+            g = g + w * wd
         new: dict[str, Tensor] = {}
         if momentum != 0:
             buf = states["momentum_buffer"]
             if dampening == 0:
                 # First step: buf is 0, so momentum * 0 + g == g, torch's clone of g.
-                buf = buf.mul(momentum).add_(g)
+                buf = buf * momentum + g
             else:
-                coef = torch.where(steps_old == 0, 1.0, 1.0 - dampening).to(w.dtype)
-                buf = buf.mul(momentum).add_(g * expand(coef))
+                buf = buf * momentum + g * expand(scalars["coef"])
             new["momentum_buffer"] = buf
-            g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
-        if isinstance(lr, Tensor):
-            w_new = w - lr * g
-        else:
-            w_new = w.add(g, alpha=-lr)
+            g = g + buf * momentum if group["nesterov"] else buf
+        w_new = w - g * lr
         return w_new, new

@@ -1,0 +1,97 @@
+"""The fused (``torch.compile``d) master-weight step against the wrapped torch optimizer's own step.
+
+Asserted, for a wrapped ``torch.optim.AdamW`` and ``SGD`` (momentum) on a BF16 model with FP32
+masters, over steps with a loss scale handed in as ``grad_scale`` and one skipped step
+(``found_inf``): the masters and states track the eager reference (torch's foreach step) to FP32
+rounding (the compiled step computes without torch's fused multiply-adds, so not bit for bit); the
+model weights are exactly the rounded masters (the copy back is in the compiled kernel); the skipped
+step leaves masters, states, step counters and the model bit-identical; the state stays torch's
+(an eager step can follow a fused one). Two compiled graphs for the file (one per optimizer).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec import MasterWeightOptimizer
+
+SHAPES = [(8, 4), (8,)]
+STEPS = 5
+SKIP_STEP = 2
+
+
+def _model_params() -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in SHAPES]
+
+
+def _make(kind: str, fused: bool) -> MasterWeightOptimizer:
+    params = _model_params()
+    inner = (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True) if kind == "adamw"
+             else torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=True))
+    return MasterWeightOptimizer(inner, fused=fused)
+
+
+def _step(opt: MasterWeightOptimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for m in opt.masters:
+        m.grad = torch.randn(m.shape, generator=g) * 4.0  # loss-scaled by 4
+    opt.grad_scale = torch.tensor(4.0)  # as torch.amp.GradScaler hands them over
+    opt.found_inf = torch.tensor(float(step == SKIP_STEP))
+    opt.step()
+    del opt.grad_scale, opt.found_inf
+
+
+def _state(opt: MasterWeightOptimizer) -> list[torch.Tensor]:
+    out = [m.detach().clone() for m in opt.masters] + [p.detach().clone() for p in opt.model_params]
+    for m in opt.masters:
+        out += [v.detach().clone() for _, v in sorted(opt.state[m].items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_fused_master_step_tracks_the_eager_step_and_skips_on_the_device(kind):
+    runs = []
+    for fused in (False, True):
+        opt = _make(kind, fused)
+        for step in range(STEPS):
+            before = _state(opt) if step == SKIP_STEP else None
+            _step(opt, step)
+            if before is not None:
+                after = _state(opt)
+                assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+        for p, m in zip(opt.model_params, opt.masters):
+            assert torch.equal(p.detach(), m.to(torch.bfloat16))  # copied back, in the compiled kernel
+        assert (opt._shadow is not None and bool(opt._shadow._fused_fns)) is fused
+        runs.append(opt)
+    eager, fused_opt = runs
+    for me, mf in zip(eager.masters, fused_opt.masters):
+        # FP32 rounding of a few steps of O(1e-2) updates: a handful of ulps of |w| ~ 1.
+        torch.testing.assert_close(mf, me, rtol=0, atol=2e-6)
+    assert not torch.equal(eager.masters[0], _model_params()[0].float())  # the runs moved
+    for me, mf in zip(eager.masters, fused_opt.masters):
+        se, sf = eager.state[me], fused_opt.state[mf]
+        for k in se:
+            if k == "step":
+                assert se[k].item() == sf[k].item() == STEPS - 1  # the skipped step did not count
+            else:
+                torch.testing.assert_close(sf[k], se[k], rtol=1e-5, atol=1e-7)
+    # The state is torch's: an eager step (the wrapped optimizer's own) can follow.
+    fused_opt.fused = False
+    before = fused_opt.masters[0].clone()
+    _step(fused_opt, STEPS)
+    assert not torch.equal(before, fused_opt.masters[0])
+    if kind == "adamw":
+        assert fused_opt.state[fused_opt.masters[0]]["step"].item() == STEPS
+    assert fused_opt.compile_seconds >= 0.0
+
+
+def test_fused_true_needs_a_supported_optimizer():
+    params = _model_params()
+    with pytest.raises(ValueError, match="fused master-weight step covers"):
+        MasterWeightOptimizer(torch.optim.RMSprop(params, lr=0.1), fused=True)
+    with pytest.raises(TypeError, match="fused must be True, False or None"):
+        MasterWeightOptimizer(torch.optim.SGD(params, lr=0.1), fused=1)  # type: ignore[arg-type]
+    opt = MasterWeightOptimizer(torch.optim.SGD(_model_params(), lr=0.1))
+    assert opt.fused is None and opt._fused_shadow() is None  # default: eager on CPU (docs/optim.md)
