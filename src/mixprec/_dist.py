@@ -12,6 +12,9 @@ names; that is their public home.
 * :func:`is_distributed`, :func:`resolve_group`: the group questions both ask.
 * :func:`check_prepare_target` (with :func:`is_fsdp2`, :func:`check_fsdp_policy`,
   :func:`fsdp_param_dtype`): what ``prepare`` checks of a DDP-wrapped or FSDP2-sharded model.
+* :func:`cast_fsdp_shards`: ``prepare`` casts FSDP2's DTensor shards (``bf16-pure``: BF16 shards,
+  no FP32 copy); :func:`agree_optimizers_` (with :func:`global_flat_offset`): one stochastic-rounding
+  seed on every rank and the global position of each shard, for ``mixprec.optim``.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from torch import Tensor, nn
 
 __all__ = [
     "agree_found_inf_",
+    "agree_optimizers_",
+    "cast_fsdp_shards",
     "check_fsdp_policy",
     "check_prepare_target",
     "fsdp_param_dtype",
+    "global_flat_offset",
     "is_distributed",
     "is_fsdp2",
     "local_grad",
@@ -135,13 +141,23 @@ def is_fsdp2(model: nn.Module) -> bool:
 
 
 def check_fsdp_policy(policy: Any) -> None:
-    """Raise ``ValueError`` for a policy FSDP2 cannot represent (half parameters without FP32 masters)."""
-    if policy.param_dtype != torch.float32 and not policy.has_masters:
+    """Raise ``ValueError`` for a policy FSDP2 cannot represent: masters in another dtype than FP32.
+
+    Every other policy maps onto FSDP2: ``*-master`` (FSDP2's FP32 shards are the masters),
+    ``*-mixed``/``fp32`` (FP32 shards, autocast computes) and half parameters without masters
+    (``bf16-pure``, ``bf16-true``, ``fp16-pure``: the shards themselves are BF16/FP16, see
+    :func:`cast_fsdp_shards`).
+    """
+    if policy.has_masters and policy.master_dtype != torch.float32:
         raise ValueError(
-            f"policy {policy.label!r} stores parameters in half precision without FP32 masters, which "
-            "FSDP2 cannot do: it keeps the sharded parameters in their original dtype and only casts the gathered "
-            "copy. Use 'bf16-master' / 'fp16-master' (FSDP2's FP32 shards are the masters) or a '*-mixed' policy."
+            f"policy {policy.label!r} keeps {policy.master_dtype} masters, which FSDP2 cannot do: under FSDP2 the "
+            "sharded FP32 parameters are the masters. Use m=f32 (as 'bf16-master' / 'fp16-master' do)."
         )
+
+
+def _fsdp_half_params(policy: Any) -> bool:
+    """Whether FSDP2 shards of ``policy`` hold half-precision parameters (no masters, BF16/FP16 params)."""
+    return not policy.has_masters and policy.param_dtype != torch.float32
 
 
 def fsdp_param_dtype(module: Any) -> tuple[bool, torch.dtype | None]:
@@ -185,14 +201,19 @@ def check_prepare_target(
 
     name = policy.label
     check_fsdp_policy(policy)
-    if grad_accumulation != "fp32":
+    _check_not_started(model, policy)
+    half = _fsdp_half_params(policy)
+    if policy.has_masters and grad_accumulation != "fp32":
         raise ValueError(
             f"grad_accumulation={grad_accumulation!r} with FSDP2: FSDP2 accumulates gradients in its FP32 sharded "
             "parameters' dtype, so compute-dtype accumulation is not available; use the default 'fp32'."
         )
-    islands = {id(m) for _, m in island_modules(model, policy)} if policy.has_masters else set()
+    separate = policy.has_masters or half  # islands must be FSDP groups of their own (FP32 next to half)
+    islands = {id(m) for _, m in island_modules(model, policy)} if separate else set()
     named = dict(model.named_modules())
     want = policy.compute_dtype if policy.has_masters else None
+    # Half parameters without masters: the shards are cast to the param dtype, so FSDP2 gathers them
+    # as they are; param_dtype=None or the param dtype itself (FSDP2 then casts nothing) both fit.
     for qname, mod in named.items():
         if not isinstance(mod, FSDPModule):
             continue
@@ -201,14 +222,22 @@ def check_prepare_target(
             continue
         pdt = None if pdt == torch.float32 else pdt
         expect = None if id(mod) in islands else want
+        if half and id(mod) not in islands and pdt == policy.param_dtype:
+            pdt = None
         if pdt != expect:
+            if expect is not None:
+                need = str(expect)
+            elif half and id(mod) not in islands:
+                need = f"its {policy.param_dtype} shards as they are (param_dtype=None)"
+            else:
+                need = "FP32 (autocast computes in " + str(policy.compute_dtype) + ")"
             raise ValueError(
-                f"FSDP2 module {qname or '<root>'!r} gathers parameters in {pdt or 'their FP32 dtype'} but policy "
-                f"{name!r} needs {expect or 'FP32 (autocast computes in ' + str(policy.compute_dtype) + ')'} there; "
+                f"FSDP2 module {qname or '<root>'!r} gathers parameters in {pdt or 'their shards dtype'} but policy "
+                f"{name!r} needs {need} there; "
                 "shard with mixprec.distributed.fully_shard(model, policy) or "
                 "mp_policy=mixprec.distributed.fsdp_mixed_precision(policy)."
             )
-    if policy.has_masters:
+    if separate:
         # An island whose parameters sit in a half-precision FSDP group would compute in half.
         for qname, mod in island_modules(model, policy):
             if isinstance(mod, FSDPModule) or not any(True for _ in mod.parameters(recurse=False)):
@@ -219,8 +248,175 @@ def check_prepare_target(
                 if isinstance(owner, FSDPModule):
                     raise ValueError(
                         f"FP32 island {qname!r} is not sharded on its own, so FSDP2 would gather its parameters in "
-                        f"{policy.compute_dtype} with its parent; shard it first (mixprec.distributed.fully_shard does) "
+                        f"{policy.compute_dtype} with its parent (and FSDP2 needs one parameter dtype per group); shard it first (mixprec.distributed.fully_shard does) "
                         "or drop it from the policy's fp32_islands."
                     )
     return True
 
+
+
+# ----- FSDP2 shards in half precision, and optimizers that agree across ranks -------------------------
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    """Every ``FSDPParam`` (FSDP2's record of one sharded parameter) of ``model``'s FSDP2 modules (private API)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list[Any] = []
+    seen: set[int] = set()
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        state = mod._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group per state
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            if id(group) in seen:
+                continue
+            seen.add(id(group))
+            out.extend(group.fsdp_params)
+    return out
+
+
+def _check_not_started(model: nn.Module, policy: Any) -> None:
+    """Half shards are cast by ``prepare``: refuse an FSDP2 model that already ran a forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not _fsdp_half_params(policy):
+        return
+    # FSDP2 sizes its gather buffers at the first forward (lazy init), in the shards' dtype then; the
+    # root may even keep its parameters unsharded (plain tensors) after that forward.
+    started = [q for q, m in model.named_modules()
+               if isinstance(m, FSDPModule) and getattr(m._get_fsdp_state(), "_is_root", None) is not None]
+    if started:
+        raise ValueError(
+            f"the FSDP2 model already ran a forward (module {started[0] or '<root>'!r} is initialised), so FSDP2 sized "
+            f"its buffers for the shards' dtype then; policy {policy.label!r} casts the shards to {policy.param_dtype}. "
+            "Call prec.prepare(model, optimizer) right after fully_shard and building the optimizer, before any forward."
+        )
+
+
+@torch.no_grad()
+def cast_fsdp_shards(
+    model: nn.Module, policy: Any,
+    island_modules: Callable[[nn.Module, Any], Iterable[tuple[str, nn.Module]]],
+) -> int:
+    """Cast the FSDP2 shards of ``model`` in place to the dtypes ``policy`` stores parameters in.
+
+    FSDP2 keeps each parameter's local shard as a ``DTensor`` and all-gathers from a flat copy
+    of it; ``param.data = ...`` would change the DTensor's dtype but not its local tensor. So
+    each parameter is swapped (``torch.utils.swap_tensors``: the ``nn.Parameter`` object, which
+    optimizers hold, keeps its identity) with a cast copy, and FSDP2 re-reads its shards
+    (``FSDPParam.reset_sharded_param``, what FSDP2 itself does after ``module.to(dtype)``).
+
+    Targets: FP32 islands and ``*-master``/``*-mixed``/``fp32`` parameters FP32 (FSDP2's FP32
+    shards are the masters); other parameters of a half-parameter policy without masters
+    (``bf16-pure``, ``bf16-true``, ``fp16-pure``) the policy's ``param_dtype``. The memory of
+    the old shards is freed once nothing else holds them.
+
+    Args:
+        model: A model sharded with FSDP2 (``fully_shard``), before its first forward.
+        policy: The run's :class:`mixprec.Policy`.
+        island_modules: ``mixprec._casting.island_modules`` (this leaf imports nothing from mixprec).
+
+    Returns:
+        The number of parameters cast.
+
+    Raises:
+        ValueError: a half-parameter policy and the model already ran a forward (FSDP2 sized
+            its gather buffers for the old dtype); nothing is changed then.
+    """
+    from torch.distributed.tensor import DTensor
+
+    half = _fsdp_half_params(policy)
+    _check_not_started(model, policy)
+    island_ids = {id(p) for _, m in island_modules(model, policy) for p in m.parameters()}
+    todo: list[tuple[Tensor, torch.dtype]] = []
+    for p in model.parameters():
+        if not isinstance(p, DTensor) or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            continue
+        target = policy.param_dtype if (half and id(p) not in island_ids) else torch.float32
+        if p.dtype != target:
+            todo.append((p, target))
+    if not todo:
+        return 0
+    for t, target in todo:
+        # The nn.Parameter object (held by the optimizer) keeps its identity; its contents become the cast DTensor.
+        torch.utils.swap_tensors(t, nn.Parameter(t.detach().to(target), requires_grad=t.requires_grad))
+    for fsdp_param in _fsdp_params(model):
+        fsdp_param.reset_sharded_param()  # re-read (and re-pad) the local shard, as after module.to(dtype)
+    return len(todo)
+
+
+def global_flat_offset(t: Tensor) -> int:
+    """The row-major index, in the whole tensor, of the first element a ``DTensor`` shard holds (0 otherwise).
+
+    Args:
+        t: A parameter: a plain tensor (offset 0) or a ``DTensor``.
+
+    Returns:
+        The flat offset of the local shard's first element.
+
+    Raises:
+        ValueError: a shard whose elements are not consecutive in the whole tensor (e.g.
+            ``Shard(1)`` of a matrix); counter-based stochastic rounding needs consecutive ones.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(t.shape)
+    local, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    diff = [i for i, (a, b) in enumerate(zip(local, shape)) if a != b]
+    if diff and (any(local[i] != 1 for i in range(diff[0])) or len(diff) > 1):
+        raise ValueError(
+            f"a DTensor parameter of shape {shape} with placements {tuple(t.placements)} holds a local block "
+            f"{tuple(local)} whose elements are not consecutive in the whole tensor; mixprec's compensated optimizers "
+            "need dim-0 sharding (FSDP2's default Shard(0); drop a custom shard_placement_fn)."
+        )
+    flat, stride = 0, 1
+    for size, off in zip(reversed(shape), reversed(tuple(offset))):
+        flat += off * stride
+        stride *= size
+    return flat
+
+
+def agree_optimizers_(optimizers: Iterable[Any], group: Any = None) -> None:
+    """Make mixprec's compensated optimizers round identically on every rank (collective; once, at setup).
+
+    Stochastic rounding draws counter-based random bits from (seed, step, buffer, each element's
+    global position). This sets every rank's seed to the first rank's (a broadcast; a rank's
+    default seed is its own ``torch.initial_seed()``) and tells each optimizer the global
+    position of its ``DTensor`` shards (:func:`global_flat_offset`), so DDP replicas round
+    identically, FSDP2 shards round like the same elements of an unsharded run, and neither
+    depends on the ranks' generator states. Other optimizers are left alone. A no-op when not
+    distributed.
+
+    Args:
+        optimizers: The prepared optimizers.
+        group: The process group (``None``: world).
+
+    Raises:
+        ValueError: see :func:`global_flat_offset`.
+    """
+    opts = [o for o in optimizers if callable(getattr(o, "_set_global_offsets", None)) and hasattr(o, "seed")]
+    if not opts:
+        return
+    for o in opts:
+        offsets = {p: global_flat_offset(p) for g in o.param_groups for p in g["params"]}
+        o._set_global_offsets({p: off for p, off in offsets.items() if off})
+    if not is_distributed(group):
+        return
+    dist = torch.distributed
+    seeds: list[Any] = [[int(o.seed) for o in opts]]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(seeds, src=src, group=group)
+    for o, seed in zip(opts, seeds[0]):
+        if int(seed) != int(o.seed):
+            o.seed = int(seed)
+            for cache in ("_key_cache", "_fused_fns"):  # keyed by the seed's stream keys
+                c = getattr(o, cache, None)
+                if c is not None:
+                    c.clear()

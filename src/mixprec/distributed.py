@@ -10,7 +10,12 @@
   with ``grad_accumulation="fp32"`` it accumulates the *reduced* gradient into the FP32 masters.
 * FSDP2 (:func:`fully_shard`, :func:`fsdp_mixed_precision`): shard first, then build the
   optimizer and ``prepare``. FSDP2 keeps FP32 sharded parameters itself, so they are the masters
-  of ``*-master`` policies; ``prepare`` then installs hooks but neither casts nor wraps.
+  of ``*-master`` policies; ``prepare`` then installs hooks but neither casts nor wraps. Under
+  half-parameter policies without masters (``bf16-pure``, ``bf16-true``, ``fp16-pure``)
+  ``prepare`` casts the shards themselves to BF16/FP16 (no FP32 copy on any rank; FP32 islands
+  are sharded on their own) and converts the optimizer to ``mixprec.optim`` as in one process,
+  its states sharded like the parameters and its stochastic rounding a function of the seed,
+  the step and each element's global position (one seed on every rank).
 
 See docs/distributed.md for the launch commands and the table of supported combinations.
 """
@@ -223,6 +228,10 @@ def wrap_ddp(
           FP32 result to the masters: accumulation and reduction both stay in FP32;
         * broadcasts the FP32 masters from the group's first rank (DDP broadcasts only the
           model's half-precision parameters);
+        * compensated optimizers (``bf16-pure``): every rank takes the first rank's seed for
+          stochastic rounding (its bits are a function of seed, step and element position, so
+          replicas round identically without sharing generator states) and its per-element
+          states (Kahan buffers);
         * the scaler agrees ``found_inf`` over ``process_group`` (it is set on the scaler when
           the scaler has none).
 
@@ -240,7 +249,7 @@ def wrap_ddp(
         ValueError: ``prec`` not prepared, or prepared for another model; a model already wrapped;
             torch.distributed not initialised; an unknown ``reduce_dtype``; an FSDP2 model.
 
-    Host syncs: none per step; a broadcast of the masters once, here.
+    Host syncs: none per step; a broadcast of the masters (and compensated states, seeds) once, here.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -295,10 +304,36 @@ def wrap_ddp(
                 if p is not m:
                     torch.distributed.broadcast(m, src=src, group=process_group)
             o.copy_to_model_()
+    _agree_compensated(prec.optimizers, process_group)
     scaler = prec.scaler
     if process_group is not None and getattr(scaler, "process_group", "absent") is None:
         scaler.process_group = process_group  # type: ignore[attr-defined]  # not in the LossScaler protocol; presence checked above
     return ddp
+
+
+def _agree_compensated(optimizers: Iterable[Any], process_group: Any) -> None:
+    """DDP replicas of a compensated run (``bf16-pure``): one seed, and the first rank's buffers.
+
+    Stochastic rounding's bits are a function of (seed, step, buffer, element position); the
+    seed is agreed (:func:`mixprec._dist.agree_optimizers_`) so replicas round identically
+    whatever their generator states. The per-element states (the Kahan buffers seeded by
+    ``prepare`` from each rank's FP32 weights, the moments) are broadcast from the first rank,
+    as DDP broadcasts the parameters.
+    """
+    from ._dist import agree_optimizers_
+
+    opts = [o for o in optimizers if callable(getattr(o, "_set_global_offsets", None))]
+    if not opts:
+        return
+    agree_optimizers_(opts, process_group)
+    src = torch.distributed.get_global_rank(process_group, 0) if process_group is not None else 0
+    with torch.no_grad():
+        for o in opts:
+            for g in o.param_groups:
+                for p in g["params"]:
+                    for v in o.state.get(p, {}).values():
+                        if isinstance(v, Tensor) and v.dim() > 0:
+                            torch.distributed.broadcast(v, src=src, group=process_group)
 
 
 # ----- FSDP2 ----------------------------------------------------------------------------------------
@@ -312,8 +347,11 @@ def fsdp_mixed_precision(
     * ``*-master``: ``param_dtype`` = the compute dtype (FSDP2 gathers half-precision parameters
       and keeps the FP32 shards: those are the masters), ``output_dtype`` on the root only.
       FP32 islands (``island=True``) keep ``param_dtype=None``.
-    * Half parameters without masters (``bf16-pure``, ``fp16-pure``, ``bf16-true``): not
-      supported, FSDP2 would hold FP32 shards, i.e. masters the policy says not to keep.
+    * Half parameters without masters (``bf16-pure``, ``bf16-true``, ``fp16-pure``):
+      ``param_dtype=None``: the shards themselves are BF16/FP16 (``prepare`` casts them) and
+      FSDP2 gathers them as they are; islands stay FP32 shards; ``output_dtype`` on the root.
+      Gradients are reduce-scattered in ``reduce_dtype`` (FP32 by default) and stored in the
+      shards' dtype.
 
     Args:
         policy: A :class:`mixprec.Policy` or preset.
@@ -325,7 +363,7 @@ def fsdp_mixed_precision(
         A ``MixedPrecisionPolicy``.
 
     Raises:
-        ValueError: a half-parameter policy without masters; an unknown ``reduce_dtype``.
+        ValueError: masters in another dtype than FP32; an unknown ``reduce_dtype``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -338,7 +376,7 @@ def fsdp_mixed_precision(
     return MixedPrecisionPolicy(
         param_dtype=policy.compute_dtype if half_params else None,
         reduce_dtype=rdtype,
-        output_dtype=policy.output_dtype if (root and policy.has_masters) else None,
+        output_dtype=policy.output_dtype if (root and policy.param_dtype != torch.float32) else None,
         cast_forward_inputs=True,
     )
 
@@ -353,11 +391,17 @@ def fully_shard(
 ) -> nn.Module:
     """Apply FSDP2's ``fully_shard`` bottom-up with the mapped mixed-precision policies.
 
-    Order: for ``*-master`` policies every FP32 island (normalization layers by default) with
-    parameters is sharded on its own with ``param_dtype=None`` so it keeps computing in FP32;
-    then each of ``modules`` (e.g. transformer blocks); then the root, with ``output_dtype``.
-    Call it on the FP32 model *before* building the optimizer (FSDP2 replaces the parameters
-    by DTensors) and before ``prec.prepare(model, optimizer)``.
+    Order: for policies with half-precision parameters (``*-master``, ``bf16-pure``,
+    ``bf16-true``, ``fp16-pure``) every FP32 island (normalization layers by default) with
+    parameters is sharded on its own with ``param_dtype=None`` so it keeps FP32 shards and
+    computes in FP32; then each of ``modules`` (e.g. transformer blocks); then the root, with
+    ``output_dtype``. Call it on the FP32 model *before* building the optimizer (FSDP2 replaces
+    the parameters by DTensors) and before ``prec.prepare(model, optimizer)``.
+
+    ``*-master``: the FP32 shards are the masters. Half parameters without masters: ``prepare``
+    casts the shards to BF16/FP16 in place (seeding Kahan compensation with what the cast
+    drops), so no rank keeps an FP32 copy of those weights; until then the shards are FP32
+    (``4 / world_size`` bytes per parameter per rank).
 
     Args:
         model: The FP32 model.
@@ -379,7 +423,10 @@ def fully_shard(
 
     policy = Policy.parse(policy)
     _check_fsdp_policy(policy)
-    if policy.has_masters:
+    from ._fp8 import convert_for_policy
+
+    convert_for_policy(model, policy)  # f8= policies: FP8 linears before FSDP2 takes their parameters (torchao's order)
+    if policy.param_dtype != torch.float32:
         isl = fsdp_mixed_precision(policy, reduce_dtype=reduce_dtype, island=True)
         for _, mod in island_modules(model, policy):
             if mod is not model and any(True for _ in mod.parameters()):

@@ -151,6 +151,18 @@ def init(rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
 
 
+def finish() -> None:
+    """Tear the process group down at the end of a worker (after its JSON is written).
+
+    Without it gloo's threads can abort the process at interpreter exit ("terminate called
+    without an active exception", SIGABRT), which fails the spawn although every scenario ran.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def max_diff(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(max(abs(x - y) for x, y in zip(a[k], b[k])) for k in a)

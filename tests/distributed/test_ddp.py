@@ -99,6 +99,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     except ValueError as e:
         results["prepare_ddp_error"] = str(e)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    c.finish()
 
 
 @pytest.fixture(scope="module")

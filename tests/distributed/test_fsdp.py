@@ -54,8 +54,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     results: dict[str, Any] = {p: _run(p, rank, c.WORLD) for p in POLICIES}
 
-    def half_params_no_masters() -> None:
-        fully_shard(c.make_model(), "bf16-pure")
+    def pure_island_not_sharded() -> None:  # bf16-pure: the FP32 LayerNorm needs an FSDP2 group of its own
+        m = torch_fully_shard(c.make_model(), mp_policy=fsdp_mixed_precision("bf16-pure", root=True))
+        MixedPrecision("bf16-pure").prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
 
     def wrong_fsdp_policy() -> None:  # FSDP2 computes in bf16 but the run says fp16-master
         m = torch_fully_shard(c.make_model(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -69,9 +70,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         m = fully_shard(c.make_model(), "bf16-master")
         MixedPrecision("bf16-master", grad_accumulation="compute").prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
 
-    for fn in (half_params_no_masters, wrong_fsdp_policy, island_not_sharded, compute_accumulation):
+    def pure_forward_before_prepare() -> None:  # FSDP2 sized its gather buffers for FP32 shards
+        m = fully_shard(c.make_model(), "bf16-pure")
+        m(torch.randn(2, 6))
+        MixedPrecision("bf16-pure").prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
+
+    for fn in (pure_island_not_sharded, pure_forward_before_prepare, wrong_fsdp_policy, island_not_sharded, compute_accumulation):
         results[fn.__name__] = _error(fn)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    c.finish()
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +108,8 @@ def test_fsdp2_matches_single_process(ranks: list[dict[str, Any]], policy: str) 
 @pytest.mark.parametrize(
     ("case", "needle"),
     [
-        ("half_params_no_masters", "stores parameters in half precision without FP32 masters"),
+        ("pure_island_not_sharded", "FP32 island '1' is not sharded on its own"),
+        ("pure_forward_before_prepare", "the FSDP2 model already ran a forward"),
         ("wrong_fsdp_policy", "gathers parameters in torch.bfloat16 but policy 'fp16-master' needs torch.float16"),
         ("island_not_sharded", "FP32 island '1' is not sharded on its own"),
         ("compute_accumulation", "grad_accumulation='compute' with FSDP2"),
