@@ -11,6 +11,7 @@ dtype (unless the policy says ``b=param``), and installs hooks so that
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -97,36 +98,83 @@ def _device_types(module: nn.Module) -> set[str]:
     return types or {"cpu"}
 
 
-class _IslandHooks:
-    """Forward pre/post hooks that run one module in FP32 with autocast off.
+class _ForwardPatch:
+    """The handle of an island's wrapped ``forward``: ``remove()`` puts the previous one back.
 
-    The pre-hook enters ``torch.autocast(enabled=False)`` and casts floating inputs to FP32;
-    the post-hook (registered with ``always_call=True`` so it also runs when forward raises)
-    exits the autocast context and casts floating outputs to the compute dtype. A stack keeps
-    re-entrant calls (a module called twice in one forward, or recursion) balanced.
+    Like ``RemovableHandle`` for hooks, so :func:`uncast_module` undoes hooks and wrapped
+    forwards alike. Picklable (no closures), so ``torch.save(model)`` and ``copy.deepcopy``
+    of a prepared model work.
     """
 
-    def __init__(self, compute_dtype: torch.dtype, device_types: set[str]) -> None:
-        self.compute_dtype = compute_dtype
-        self.device_types = sorted(device_types)
-        self.stack: list[list[Any]] = []
-        self._to_fp32 = _caster(torch.float32)
-        self._to_compute = _caster(compute_dtype)
+    def __init__(self, module: nn.Module, previous: Any) -> None:
+        self.module = module
+        self.previous = previous  # an instance-level forward set before us, or None (the class's)
 
-    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        contexts = [torch.autocast(device_type=d, enabled=False) for d in self.device_types]
-        for c in contexts:
-            c.__enter__()
-        self.stack.append(contexts)
-        return tree_map(self._to_fp32, args), tree_map(self._to_fp32, kwargs)
+    def remove(self) -> None:
+        if self.previous is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.previous
 
-    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        contexts = self.stack.pop() if self.stack else []
-        for c in reversed(contexts):
-            c.__exit__(None, None, None)
-        if self.compute_dtype == torch.float32 or output is None:
-            return output
-        return tree_map(self._to_compute, output)
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _to_dtype(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
+    return t.to(dtype) if t.dtype != dtype and t.dtype in _CASTABLE else t
+
+
+def _without_autocast(device_types: tuple[str, ...], fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Call ``fn(*args, **kwargs)`` with autocast disabled on every device type in ``device_types``."""
+    if not device_types:
+        return fn(*args, **kwargs)
+    # A `with` block, not __enter__/__exit__ calls: dynamo traces it (no graph break).
+    with torch.autocast(device_type=device_types[0], enabled=False):
+        return _without_autocast(device_types[1:], fn, args, kwargs)
+
+
+def _island_forward(
+    module: nn.Module, previous: Any, compute_dtype: torch.dtype, device_types: tuple[str, ...], *args: Any, **kwargs: Any
+) -> Any:
+    """An FP32 island's ``forward``: FP32 inputs, autocast off inside, outputs in the compute dtype.
+
+    Installed as the module's instance ``forward`` (a ``functools.partial`` of this function),
+    not as forward hooks: hooks would have to enter and leave the autocast context in two
+    calls, which dynamo cannot trace (one graph break per island under ``torch.compile``),
+    while a ``with`` block inside one function compiles into the graph. Hooks the user
+    registers on the island still run around it, as they would around any ``forward``.
+    """
+    fn = previous if previous is not None else functools.partial(type(module).forward, module)
+    out = _without_autocast(device_types, fn, tree_map(_to_fp32, args), tree_map(_to_fp32, kwargs))
+    if out is None:
+        return out
+    return tree_map(functools.partial(_to_dtype, compute_dtype), out)
+
+
+def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Root forward pre-hook: floating inputs to the half parameter dtype."""
+    cast = functools.partial(_to_dtype, dtype)
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def _cast_outputs(dtype: torch.dtype, module: nn.Module, args: Any, output: Any) -> Any:
+    """Root forward hook: floating outputs to the policy's output dtype."""
+    if type(output) is torch.Tensor and (output.dtype == dtype or not output.is_floating_point()):
+        return None  # the common case, without the tree walk (None: the output is kept)
+    return tree_map(functools.partial(_to_dtype, dtype), output)
+
+
+def _compile_target(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), or ``model`` itself.
+
+    Casting and hooks go on the inner module: its forward is what the compiled wrapper runs,
+    so they are traced into the graph, and names have no ``_orig_mod.`` prefix.
+    """
+    inner = model
+    while isinstance(inner, torch._dynamo.eval_frame.OptimizedModule):
+        inner = inner._orig_mod
+    return inner
 
 
 def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
@@ -185,7 +233,8 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
             f"this model was already prepared for policy {getattr(model, _POLICY_ATTR)!r}; preparing it again "
             f"for {str(policy)!r} would stack hooks. Build a fresh model, or call mixprec.uncast_module(model) first."
         )
-    islands = dict(island_modules(model, policy))
+    root = _compile_target(model)
+    islands = dict(island_modules(root, policy))
     target = policy.param_dtype
     with torch.no_grad():
         for module in islands.values():
@@ -201,27 +250,21 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
         if policy.buffers == "param":
             _cast_buffers(model, target, skip=island_tensor_ids)
 
-    handles: list[RemovableHandle] = []
-    devices = _device_types(model)
+    handles: list[RemovableHandle | _ForwardPatch] = []
+    devices = tuple(sorted(_device_types(model)))
     if policy.compute_dtype != torch.float32:
         for module in islands.values():
-            hooks = _IslandHooks(policy.compute_dtype, devices)
-            handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
+            previous = module.__dict__.get("forward")
+            handles.append(_ForwardPatch(module, previous))
+            module.forward = functools.partial(_island_forward, module, previous, policy.compute_dtype, devices)
 
-    to_output = _caster(policy.output_dtype)
-    if policy.param_dtype != torch.float32 and model not in islands.values():
-        to_input = _caster(policy.param_dtype)
-
-        def _root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-            return tree_map(to_input, args), tree_map(to_input, kwargs)
-
-        handles.append(model.register_forward_pre_hook(_root_pre, with_kwargs=True, prepend=True))
-
-    def _root_post(module: nn.Module, args: Any, output: Any) -> Any:
-        return tree_map(to_output, output)
-
-    handles.append(model.register_forward_hook(_root_post))
+    if policy.param_dtype != torch.float32 and root not in islands.values():
+        handles.append(
+            root.register_forward_pre_hook(
+                functools.partial(_cast_inputs, policy.param_dtype), with_kwargs=True, prepend=True
+            )
+        )
+    handles.append(root.register_forward_hook(functools.partial(_cast_outputs, policy.output_dtype)))
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model

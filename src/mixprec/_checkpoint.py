@@ -496,30 +496,99 @@ def validate_state(state_dict: Any) -> Mapping[str, Any]:
             f"mixprec state version {state_dict['version']!r}; this mixprec reads versions {list(_READABLE_VERSIONS)} "
             "(upgrade mixprec?)."
         )
+    if any(_COMPILE_WRAPPER in k for k in state_dict["model"]):  # saved by a compiled run of mixprec 0.1
+        state_dict = {
+            **state_dict,
+            "model": canonical_state(state_dict["model"]),
+            "param_names": [[canonical_name(n) for n in names] for names in state_dict["param_names"]],
+            "tied": {canonical_name(a): canonical_name(b) for a, b in state_dict.get("tied", {}).items()},
+        }
     return state_dict
 
 
+_COMPILE_WRAPPER = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the model under
+
+
+def canonical_name(name: str) -> str:
+    """A parameter or state-dict key without ``torch.compile``'s ``_orig_mod.`` components.
+
+    ``torch.compile(model)`` returns an ``OptimizedModule`` whose ``state_dict()`` keys all start
+    with ``_orig_mod.`` (and a compiled submodule adds ``_orig_mod.`` in the middle of its keys).
+    mixprec saves and compares canonical names, so a checkpoint moves between compiled and
+    uncompiled runs in both directions.
+
+    Example:
+        >>> canonical_name("_orig_mod.blocks.0._orig_mod.ln.weight")
+        'blocks.0.ln.weight'
+    """
+    if _COMPILE_WRAPPER not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != _COMPILE_WRAPPER)
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with canonical keys (see :func:`canonical_name`)."""
+    return {canonical_name(k): v for k, v in model.state_dict().items()}
+
+
+def canonical_state(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """A state dict's entries under canonical keys (a checkpoint written by a compiled run of mixprec 0.1)."""
+    return {canonical_name(k): v for k, v in sd.items()}
+
+
+def load_model_state(model: nn.Module, sd: Mapping[str, Any], strict: bool = True) -> None:
+    """``model.load_state_dict(sd)`` with keys matched by canonical name, compiled or not on either side."""
+    actual = {canonical_name(k): k for k in model.state_dict()}
+    model.load_state_dict({actual.get(canonical_name(k), k): v for k, v in sd.items()}, strict=strict)
+
+
+def key_mismatch_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """A likely cause when two key sets differ by a wrapper's prefix on every key ('' when none applies)."""
+    for prefix, cause in (
+        ("_orig_mod.", "torch.compile (an OptimizedModule keeps the model under '_orig_mod.')"),
+        ("module.", "a DistributedDataParallel/DataParallel wrapper (it keeps the model under 'module.')"),
+    ):
+        for extra, other, side in ((unexpected, missing, "the checkpoint's"), (missing, unexpected, "the model's")):
+            if extra and other and all(k.startswith(prefix) for k in extra) and {k[len(prefix):] for k in extra} >= set(other):
+                return (
+                    f" Every one of {side} extra keys starts with {prefix!r}: the likely cause is {cause}. Load "
+                    f"through mixprec (prec.load_state_dict / prec.load_model_state_dict match keys without "
+                    f"'_orig_mod.'), or strip the prefix: {{k.removeprefix({prefix!r}): v for k, v in sd.items()}}."
+                )
+    return ""
+
+
 def check_model_state(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
-    own = model.state_dict()
+    """Raise ``ValueError`` unless ``sd`` has exactly the model's keys (canonical names) and shapes."""
+    own = model_state(model)
+    sd = canonical_state(sd)
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
     if missing or unexpected:
-        raise ValueError(f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+        raise ValueError(
+            f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {unexpected[:5]}."
+            + key_mismatch_hint(missing, unexpected)
+        )
     for k, v in own.items():
         if tuple(sd[k].shape) != tuple(v.shape):
             raise ValueError(f"the checkpoint's {k!r} has shape {tuple(sd[k].shape)}, the model's {tuple(v.shape)}.")
 
 
-def fp32_state_dict(source: Any) -> dict[str, torch.Tensor]:
+def fp32_state_dict(source: Any, *, compensation: bool = False) -> dict[str, torch.Tensor]:
     """Export the model's weights in FP32, taken from the masters where there are masters.
 
     Args:
         source: A prepared :class:`~mixprec.MixedPrecision` (anything with ``state_dict()``), or a
             state dict it saved.
+        compensation: Compensated runs (``bf16-pure``): add each parameter's Kahan buffer to its
+            BF16/FP16 weight (about 16 significant bits instead of 8; what the optimizer steps
+            from). Off by default: after a direct edit of the weights (pruning, a
+            ``model.load_state_dict``) the buffer still holds the old remainder.
 
     Returns:
         A model state dict (new tensors) with floating entries in FP32; load it into an FP32
-        copy of the model for export or evaluation.
+        copy of the model for export or evaluation. Sharded (FSDP2 ``DTensor``) entries are
+        gathered into full tensors: under FSDP2 every rank must call this (a collective).
     """
     if not isinstance(source, Mapping) and callable(getattr(source, "state_dict", None)):
         source = source.state_dict()
@@ -527,6 +596,13 @@ def fp32_state_dict(source: Any) -> dict[str, torch.Tensor]:
     out = {k: (v.detach().float().clone() if v.dtype.is_floating_point else v.detach().clone()) for k, v in sd["model"].items()}
     for entry, pnames in zip(sd["optimizers"], sd["param_names"]):
         masters = entry.get("masters") if isinstance(entry, Mapping) else None
+        states = entry.get("state") if compensation and isinstance(entry, Mapping) and masters is None else None
+        per_param: Mapping[Any, Any] = states if isinstance(states, Mapping) else {}
+        for i, name in enumerate(pnames if per_param else ()):
+            st = per_param.get(i)
+            comp = st.get("kahan_comp") if isinstance(st, Mapping) else None
+            if comp is not None and name in out:  # BF16/FP16 weight + Kahan remainder: ~16 significant bits
+                out[name] = out[name] + comp.detach().float()
         if masters is None:
             continue
         for name, master in zip(pnames, masters):
@@ -536,7 +612,8 @@ def fp32_state_dict(source: Any) -> dict[str, torch.Tensor]:
     for alias, primary in sd.get("tied", {}).items():
         if alias in out and primary in out:
             out[alias] = out[primary]
-    return out
+    # FSDP2 (DTensor) entries are gathered: a collective, every rank must call this (issue 16).
+    return {k: v.full_tensor() if callable(getattr(v, "full_tensor", None)) else v for k, v in out.items()}
 
 
 def convert_state_dict(state_dict: Mapping[str, Any], policy: Policy | str) -> dict[str, Any]:
@@ -609,7 +686,8 @@ def parameter_names(model: nn.Module, optimizers: Sequence[Any]) -> tuple[list[l
 
     primary: dict[int, str] = {}
     tied: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for qualified, p in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(qualified)
         first = primary.setdefault(id(p), name)
         if first != name:
             tied[name] = first

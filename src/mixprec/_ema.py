@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._checkpoint import canonical_name
 from ._master import MasterWeightOptimizer
 from ._precision import MixedPrecision, StepInfo
 
@@ -103,7 +104,8 @@ class EMA:
             raise TypeError(f"EMA(..., warmup={warmup!r}) needs a bool (True or False).")
         self.warmup: bool = warmup
         self.model: nn.Module = model
-        named = [(n, p) for n, p in model.named_parameters() if p.dtype.is_floating_point]  # tied ones once
+        # tied ones once; names without torch.compile's '_orig_mod.' so a compiled run's EMA loads uncompiled
+        named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.dtype.is_floating_point]
         if not named:
             raise ValueError(f"EMA: the model ({type(model).__name__}) has no floating-point parameters to average.")
         self.names: list[str] = [n for n, _ in named]
@@ -196,7 +198,7 @@ class EMA:
             return self._params
         if not isinstance(model, nn.Module):
             raise TypeError(f"EMA.{what}(model) needs an nn.Module, got {type(model).__name__}.")
-        own = dict(model.named_parameters(remove_duplicate=False))
+        own = {canonical_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
         missing = [n for n in self.names if n not in own]
         if missing:
             raise ValueError(

@@ -1,0 +1,313 @@
+"""torch.compile and prepared models: no graph breaks from mixprec, eager numerics, portable checkpoints.
+
+Graph breaks are counted with ``torch._dynamo.explain`` (tracing only, no code generation), and
+the ones mixprec causes are those of the prepared model minus those of the same model unprepared.
+Training runs use the ``aot_eager`` backend (dynamo + AOTAutograd graphs, run by eager kernels):
+it exercises the capture of forward and backward at a fraction of Inductor's compile time; one
+test runs Inductor itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch import nn
+
+import mixprec as mp
+from mixprec._checkpoint import canonical_name, key_mismatch_hint
+from mixprec.bench._workloads import CharGPT
+from mixprec.checkpoint import fp32_state_dict
+
+PRESETS = ["fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure", "fp16-pure"]
+# Loss tolerance of a compiled run against the eager one, per compute dtype (10 steps).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+VOCAB, BLOCK = 32, 16
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    dynamo.reset()
+    yield
+    dynamo.reset()
+
+
+def _gpt(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return CharGPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32)
+
+
+def _batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (4, BLOCK), generator=g) for _ in range(n)]
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).float().flatten(0, 1), x.flatten())
+
+
+def _breaks(fn: Callable[..., Any], *args: Any) -> tuple[int, list[str]]:
+    dynamo.reset()
+    ex = dynamo.explain(fn)(*args)
+    return ex.graph_break_count, [str(b.reason).splitlines()[0] for b in ex.break_reasons]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prepared_transformer_has_no_graph_breaks(preset: str) -> None:
+    x = _batches(1)[0]
+    plain = _gpt()
+    base, _ = _breaks(lambda t: _loss(plain, t), x)
+    model = _gpt()
+    prec = mp.MixedPrecision(preset)
+    model, _ = prec.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert any(prec.policy.is_fp32_island(m, n) for n, m in model.named_modules()) or prec.policy.compute_dtype == torch.float32
+
+    def step(t: torch.Tensor) -> torch.Tensor:
+        with prec.autocast():  # inside the traced function: a plain torch.autocast, no break
+            return _loss(model, t)
+
+    count, reasons = _breaks(step, x)
+    assert count - base == 0, reasons
+
+
+def _hf_gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_hf_gpt2_has_no_graph_breaks(preset: str) -> None:
+    x = torch.randint(0, 64, (2, 16))
+    build = _hf_gpt2
+    plain = build()
+    base, _ = _breaks(lambda t: plain(input_ids=t).logits.float().square().mean(), x)
+    model = build()
+    prec = mp.MixedPrecision(preset)
+    model, _ = prec.prepare(model, torch.optim.AdamW(model.parameters()))
+
+    def fwd(t: torch.Tensor) -> torch.Tensor:
+        with prec.autocast():
+            return model(input_ids=t).logits.float().square().mean()
+
+    count, reasons = _breaks(fwd, x)
+    assert count - base == 0, reasons
+
+
+def _train(preset: str, order: str, steps: int = 10, backend: str = "aot_eager") -> list[float]:
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    prec = mp.MixedPrecision(preset)
+    if order == "compile-first":
+        model = torch.compile(model, backend=backend)
+    model, opt = prec.prepare(model, opt)
+    if order == "prepare-first":
+        model = torch.compile(model, backend=backend)
+    losses = []
+    for x in _batches(steps):
+        with prec.autocast():
+            loss = _loss(model, x)
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure"])
+@pytest.mark.parametrize("order", ["prepare-first", "compile-first"])
+def test_compiled_training_matches_eager(preset: str, order: str) -> None:
+    eager = _train(preset, "eager")
+    compiled = _train(preset, order)
+    tol = TOL[mp.Policy.parse(preset).compute_dtype]
+    assert compiled == pytest.approx(eager, abs=tol)
+    assert compiled[-1] < compiled[0]
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-master"])
+def test_compiled_hf_gpt2_trains_like_eager(preset: str) -> None:
+    def run(compiled: bool) -> list[float]:
+        model = _hf_gpt2()
+        prec = mp.MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        if compiled:
+            model = torch.compile(model, backend="aot_eager")
+        g = torch.Generator().manual_seed(3)
+        batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
+        losses = []
+        for i in range(10):
+            x = batches[i % 2]  # two batches, revisited: the loss must fall
+            with prec.autocast():
+                loss = model(input_ids=x, labels=x).loss
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    eager, compiled = run(False), run(True)
+    assert compiled == pytest.approx(eager, abs=TOL[mp.Policy.parse(preset).compute_dtype])
+    assert compiled[-1] < compiled[0]
+
+
+def test_inductor_training_matches_eager() -> None:
+    # Inductor fuses elementwise chains (different rounding points): per-dtype tolerance, not bits.
+    eager = _train("bf16-mixed", "eager", steps=6)
+    compiled = _train("bf16-mixed", "prepare-first", steps=6, backend="inductor")
+    assert compiled == pytest.approx(eager, abs=TOL[torch.bfloat16])
+
+
+def test_compiled_island_runs_in_fp32_with_autocast_off() -> None:
+    seen: list[tuple[torch.dtype, bool]] = []
+
+    class Probe(nn.LayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            # Recorded at trace time under compile: what the graph computes in.
+            seen.append((x.dtype, torch.is_autocast_enabled("cpu")))
+            return out
+
+    model = nn.Sequential(nn.Linear(8, 8), Probe(8), nn.Linear(8, 8))
+    prec = mp.MixedPrecision("bf16-mixed")
+    model, _ = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    compiled = torch.compile(model, backend="aot_eager")
+    with prec.autocast():
+        out = compiled(torch.randn(4, 8))
+    assert seen and all(s == (torch.float32, False) for s in seen)
+    assert out.dtype == torch.float32  # the output dtype of bf16-mixed
+    with prec.autocast():
+        eager = model(torch.randn(4, 8))
+    assert eager.dtype == torch.float32
+
+
+def _run_segment(prec: mp.MixedPrecision, model: nn.Module, opt: Any, batches: list[torch.Tensor]) -> list[float]:
+    out = []
+    for x in batches:
+        with prec.autocast():
+            loss = _loss(model, x)
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _fresh(preset: str, compiled: bool, order: str = "compile-first") -> tuple[mp.MixedPrecision, nn.Module, Any]:
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    prec = mp.MixedPrecision(preset)
+    if compiled and order == "compile-first":
+        model = torch.compile(model, backend="aot_eager")
+    model, opt = prec.prepare(model, opt)
+    if compiled and order == "prepare-first":
+        model = torch.compile(model, backend="aot_eager")
+    return prec, model, opt
+
+
+def _saved(prec: mp.MixedPrecision, tmp_path: Any, name: str) -> dict[str, Any]:
+    path = tmp_path / name
+    mp.save(prec.state_dict(), path)
+    return mp.load(path)
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-pure", "fp16-mixed"])
+def test_checkpoint_round_trips_compiled_uncompiled_compiled(preset: str, tmp_path: Any) -> None:
+    batches = _batches(9)
+    # Reference: one run per segment kind, never saved: the same model objects carry on.
+    p1, m1, o1 = _fresh(preset, compiled=True)
+    ref = _run_segment(p1, m1, o1, batches[:3])
+    ref += _run_segment(p1, m1, o1, batches[3:6])
+    ref += _run_segment(p1, m1, o1, batches[6:])
+
+    pa, ma, oa = _fresh(preset, compiled=True)
+    got = _run_segment(pa, ma, oa, batches[:3])
+    state = _saved(pa, tmp_path, "a.pt")
+    assert not any("_orig_mod" in k for k in state["model"])
+    assert not any("_orig_mod" in n for names in state["param_names"] for n in names)
+
+    pb, mb, ob = _fresh(preset, compiled=False)
+    pb.load_state_dict(state)
+    got += _run_segment(pb, mb, ob, batches[3:6])
+    state = _saved(pb, tmp_path, "b.pt")
+
+    pc, mc, oc = _fresh(preset, compiled=True)
+    pc.load_state_dict(state)
+    got += _run_segment(pc, mc, oc, batches[6:])
+    assert got == ref  # bit for bit: aot_eager runs the eager kernels
+    final_ref, final_got = p1.state_dict(), pc.state_dict()
+    for k, v in final_ref["model"].items():
+        assert torch.equal(v, final_got["model"][k]), k
+
+
+def test_old_checkpoint_with_orig_mod_keys_loads_uncompiled() -> None:
+    pa, ma, oa = _fresh("bf16-master", compiled=True)
+    _run_segment(pa, ma, oa, _batches(2))
+    state = pa.state_dict()
+    # What mixprec 0.1 wrote for a model compiled before prepare.
+    state["model"] = {"_orig_mod." + k: v for k, v in state["model"].items()}
+    state["param_names"] = [["_orig_mod." + n for n in names] for names in state["param_names"]]
+    pb, _, _ = _fresh("bf16-master", compiled=False)
+    pb.load_state_dict(state)
+    for k, v in pb.state_dict()["model"].items():
+        assert torch.equal(v, state["model"]["_orig_mod." + k])
+
+
+def test_fp32_export_of_a_compiled_run_loads_into_a_plain_model() -> None:
+    prec, model, opt = _fresh("bf16-master", compiled=True)
+    _run_segment(prec, model, opt, _batches(2))
+    sd = fp32_state_dict(prec)
+    plain = _gpt(seed=5)
+    plain.load_state_dict(sd)  # torch's own strict load: no '_orig_mod.' keys
+    assert all(v.dtype == torch.float32 for v in plain.state_dict().values() if v.is_floating_point())
+    # And back into a compiled run through mixprec.
+    prec2, _, _ = _fresh("bf16-master", compiled=True)
+    prec2.load_model_state_dict(sd)
+    masters = fp32_state_dict(prec2)
+    assert all(torch.equal(masters[k], sd[k]) for k in sd)
+
+
+def test_key_mismatch_names_the_likely_wrapper() -> None:
+    model = _gpt()
+    prec = mp.MixedPrecision("bf16-mixed")
+    prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ddp_keys = {"module." + k: v for k, v in _gpt().state_dict().items()}
+    with pytest.raises(ValueError, match=r"DistributedDataParallel.*module\.") as err:
+        prec.load_model_state_dict(ddp_keys)
+    assert "nothing was loaded" in str(err.value)
+    hint = key_mismatch_hint(["a.w"], ["_orig_mod.a.w"])
+    assert "torch.compile" in hint
+    assert key_mismatch_hint(["a.w"], ["b.w"]) == ""
+    assert canonical_name("blocks.0._orig_mod.ln.weight") == "blocks.0.ln.weight"
+    assert canonical_name("my_orig_mod.w") == "my_orig_mod.w"
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-master"])
+def test_prepared_model_pickles_copies_and_uncasts(preset: str) -> None:
+    model = _gpt()
+    prec = mp.MixedPrecision(preset)
+    model, _ = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = _batches(1)[0]
+    with prec.autocast():
+        want = model(x)
+    buf = io.BytesIO()
+    torch.save(model, buf)  # the island forwards and hooks are picklable (no closures)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    clone = copy.deepcopy(model)
+    again = pickle.loads(pickle.dumps(model))
+    for other in (loaded, clone, again):
+        with prec.autocast():
+            got = other(x)
+        assert torch.equal(got, want)
+        # The copy's islands call the copy's own modules, not the original's.
+        assert other.blocks[0].ln_1.forward.args[0] is other.blocks[0].ln_1
+    mp.uncast_module(model)
+    assert "forward" not in vars(model.blocks[0].ln_1)
+    assert not model._forward_hooks and not model._forward_pre_hooks
