@@ -15,9 +15,9 @@ harness checks (host-side, outside the library):
 * every poisoned step was skipped, and no clean step was (``missed`` / ``false_skips``);
 * every parameter, buffer, master weight and optimizer state is finite (``corrupted``);
 * on a skipped step, parameters, buffers, masters and optimizer state are bit-identical to
-  before the step and ``applied_steps`` did not move (``corrupted``); the RNG stream of
-  stochastic rounding (``bf16-pure``) is the one thing that may advance, and is counted apart
-  (``rng_advanced``);
+  before the step and ``applied_steps`` did not move (``corrupted``); a random-generator state
+  that advanced is counted apart (``rng_advanced``: 0 since stochastic rounding draws
+  counter-based bits from seed, step and position, with no generator state to advance);
 * a dynamic loss scale follows the rule (back off on overflow, grow after ``growth_interval``
   clean steps, floor and ceiling) exactly, and recovers to its ceiling after faults stop;
 * persistent poisoning (every step from ``persistent_from`` on) ends in the scaler's
@@ -305,7 +305,7 @@ def run(cfg: FaultConfig, *, progress: Callable[[int], None] | None = None) -> F
         if fault is not None:
             rep.injected[fault.kind] += 1
             before = {k: v.detach().clone() for k, v in training_state(prec, opt).items()}
-            applied_before = int(prec._applied_steps.item())  # type: ignore[union-attr]
+            applied_before = int(prec.applied_steps.item())
         step_loss = 0.0
         for m in range(cfg.micro_batches):
             x, y = batches[(step * cfg.micro_batches + m) % len(batches)]
@@ -338,8 +338,8 @@ def run(cfg: FaultConfig, *, progress: Callable[[int], None] | None = None) -> F
             rep.skipped += 1
         else:
             expected_applied += 1
-        if int(prec._applied_steps.item()) != expected_applied:  # type: ignore[union-attr]
-            rep.corrupted.append(f"step {step}: applied_steps {int(prec._applied_steps.item())}, "  # type: ignore[union-attr]
+        if int(prec.applied_steps.item()) != expected_applied:  # type: ignore[union-attr]
+            rep.corrupted.append(f"step {step}: applied_steps {int(prec.applied_steps.item())}, "  # type: ignore[union-attr]
                                  f"{expected_applied} steps were applied")
         if fault is not None and not skipped:
             rep.missed.append(step)
@@ -358,7 +358,7 @@ def run(cfg: FaultConfig, *, progress: Callable[[int], None] | None = None) -> F
             changed = [k for k in changed if not _is_rng(k)]
             if changed:
                 rep.corrupted.append(f"step {step}: skipped step changed {changed[:3]}")
-            if int(prec._applied_steps.item()) != applied_before:  # type: ignore[union-attr]
+            if int(prec.applied_steps.item()) != applied_before:  # type: ignore[union-attr]
                 rep.corrupted.append(f"step {step}: skipped step moved applied_steps")
         # the loss-scale rule, re-derived independently
         new_scale = float(prec.scaler.loss_scale.item())
@@ -394,7 +394,7 @@ def run(cfg: FaultConfig, *, progress: Callable[[int], None] | None = None) -> F
     if persistent and escalated_at is None:
         rep.escalation_bound = cfg.persistent_limit
     rep.scale_final = scale
-    rep.applied_steps = int(prec._applied_steps.item())  # type: ignore[union-attr]
+    rep.applied_steps = int(prec.applied_steps.item())
     if losses:
         k = max(1, min(20, len(losses) // 10))
         rep.first_loss, rep.last_loss = sum(losses[:k]) / k, sum(losses[-k:]) / k

@@ -151,12 +151,8 @@ def test_injected_inf_is_skipped_bit_identically(preset):
     opt.zero_grad()
     assert info.skipped.item() and info.found_inf.item() == 1.0 and not info.applied()
     after = prec.state_dict()
-    if preset == "bf16-pure":
-        # The stochastic-rounding generator advances on a skipped step: the skip is decided on
-        # the device, so the random bits are drawn before it is known (resume still restores it).
-        for sd in (before, after):
-            for o in sd["optimizers"]:
-                o["mixprec"].pop("generators")
+    # bf16-pure: stochastic rounding's bits are a function of (seed, step, position), so a skipped
+    # step leaves its optimizer state (seed included) bit-identical too.
     for key in ("model", "optimizers"):
         assert equal_tree(before[key], after[key]), key
     assert after["applied_steps"].item() == before["applied_steps"].item() == 3
@@ -427,6 +423,71 @@ def test_backward_runs_with_the_policys_tf32_switch(preset):
     with prec.autocast():
         loss = Probe.apply(model(batch("mlp", 0)[0])).float().pow(2).mean()
     prec.backward(loss)
+    # The switches act on cuBLAS/cuDNN only: a CPU backward leaves them alone (no per-step cost),
+    # a CUDA one runs under the policy's setting.
+    assert seen == [preset == "fp32"]
+    assert torch.backends.cuda.matmul.allow_tf32 == (preset == "fp32")  # untouched
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["tf32", "fp32"])
+def test_cuda_backward_runs_with_the_policys_tf32_switch(preset):
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(torch.backends.cuda.matmul.allow_tf32)
+            return g
+
+    model = make("mlp").cuda()
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = preset == "fp32"  # the opposite of the policy
+    with prec.autocast():
+        loss = Probe.apply(model(batch("mlp", 0)[0].cuda())).float().pow(2).mean()
+    prec.backward(loss)
     assert seen == [preset == "tf32"]
     assert torch.backends.cuda.matmul.allow_tf32 == (preset == "fp32")  # restored
     torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-pure"])
+def test_fused_reaches_the_optimizers_prepare_builds_and_trains_like_eager(preset):
+    def run(fused):
+        torch.manual_seed(0)
+        model = make("mlp")
+        prec = MixedPrecision(preset, fused=fused)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        assert opt.fused is fused
+        for i in range(3):
+            with prec.autocast():
+                loss = loss_fn(model, batch("mlp", i))
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad()
+        return fp32_state_dict(prec), opt
+
+    eager, _ = run(False)
+    fused, opt = run(True)
+    assert opt.compile_seconds > 0  # the compiled step ran (and says what it cost)
+    for k in eager:  # Kahan: bit for bit; masters: torch's AdamW to FP32 rounding
+        torch.testing.assert_close(fused[k], eager[k], rtol=1e-6, atol=1e-6)
+
+
+def test_fused_true_with_an_optimizer_it_cannot_fuse_raises_before_anything_changes():
+    model = make("mlp")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prec = MixedPrecision("bf16-master", fused=True)
+    with pytest.raises(ValueError, match=r"fused=True.*RMSprop.*fused=None or False"):
+        prec.prepare(model, torch.optim.RMSprop(model.parameters()))
+    assert prec.model is None
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
+    with pytest.raises(TypeError, match="fused must be True, False or None"):
+        MixedPrecision("bf16-master", fused="yes")

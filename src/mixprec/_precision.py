@@ -8,7 +8,6 @@ bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -18,14 +17,19 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ._autocast import autocast, tf32
+from ._autocast import autocast, resolve_device_type, tf32
 from ._casting import cast_module, is_prepared, uncast_module
 from ._checkpoint import (
     STATE_VERSION,
+    canonical_name,
+    canonical_state,
     check_model_state,
     check_optimizer_entries,
     convert_state_dict,
     fp32_state_dict,
+    key_mismatch_hint,
+    load_model_state,
+    model_state,
     parameter_names,
     validate_state,
 )
@@ -33,9 +37,9 @@ from ._dist import local_grad
 from ._dtypes import parse_dtype
 from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_weight_edits
 from ._policy import Policy
-from ._prepare import check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
+from ._prepare import check_fusable_masters, check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, check_scaler_state
-from ._stepping import OptimizerRecord, install_step_guard, remove_step_guard, step_optimizer
+from ._stepping import AppliedSteps, OptimizerRecord, install_step_guard, remove_step_guard, step_optimizer
 
 __all__ = [
     "MixedPrecision",
@@ -64,7 +68,25 @@ class StepInfo:
     found_inf: torch.Tensor
     skipped: torch.Tensor
     scale: torch.Tensor
-    applied_steps: torch.Tensor
+    # A tensor, or the cell (and the counter that fills it) of a step whose count is not read yet.
+    _applied: torch.Tensor | tuple[list[torch.Tensor | None], AppliedSteps] = dataclasses.field(repr=False)
+
+    @property
+    def applied_steps(self) -> torch.Tensor:
+        """Optimizer steps applied so far in this run, as of this step (0-d int64; no host sync).
+
+        Computed on first read (with every other pending step's count, in three kernels), so
+        loops that never read it pay no kernel per step.
+        """
+        value = self._applied
+        if isinstance(value, torch.Tensor):
+            return value
+        cell, counter = value
+        if cell[0] is None:
+            counter.fold()
+        result = typing_cast(torch.Tensor, cell[0])
+        object.__setattr__(self, "_applied", result)
+        return result
 
     def applied(self) -> bool:
         """Whether the step was applied. Host sync: reads ``skipped``."""
@@ -116,6 +138,11 @@ class MixedPrecision:
             ``p.data`` (WGAN clipping, pruning masks) are seen; ``"versions"`` checks only the
             tensors' version counters (free, but blind to ``p.data``). See
             ``MasterWeightOptimizer.sync_edits_``.
+        fused: The optimizer steps ``prepare`` builds (``*-master``: the ``MasterWeightOptimizer``
+            around a torch AdamW/Adam/SGD; compensated policies: the converted ``mixprec.optim``
+            optimizer) run as ``torch.compile``d kernels (``True``), as eager foreach code
+            (``False``), or where that pays off (``None``, default: on CUDA/XPU with Triton, off
+            on a CPU, where the first step compiles C++ for seconds). See docs/optim.md.
 
     Lifecycle (each raises a clear error when called out of order)::
 
@@ -166,8 +193,12 @@ class MixedPrecision:
         grad_accumulation: GradAccumulation = "fp32",
         scale_update: ScaleUpdate = "auto",
         weight_edits: WeightEdits = "values",
+        fused: bool | None = None,
     ) -> None:
         self.policy = Policy.parse(policy)
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")
+        self.fused = fused
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler must implement mixprec.LossScaler, got {type(scaler).__name__}")
         if grad_accumulation not in ("fp32", "compute"):
@@ -185,7 +216,7 @@ class MixedPrecision:
         self.last_step: StepInfo | None = None  # what the latest step() (or optimizer.step()) did
         self._records: dict[int, OptimizerRecord] = {}
         self._iteration_flags: list[torch.Tensor] = []  # found_inf of each step in this iteration
-        self._applied_steps: torch.Tensor | None = None
+        self._applied_steps: AppliedSteps | None = None
         self.check_result: Any = None  # the pre-flight CheckResult when prepare(check_batch=...) ran it
 
     def __repr__(self) -> str:
@@ -241,17 +272,32 @@ class MixedPrecision:
         if on_check_fail not in ("warn", "raise"):
             raise ValueError(f"on_check_fail={on_check_fail!r}; use 'warn' or 'raise'.")
         facts = check_prepare(model, optimizers, self.policy, self.grad_accumulation)
+        if self.fused and self.policy.has_masters and not facts.fsdp:
+            check_fusable_masters(optimizers)  # before anything is cast: prepare changes nothing when it raises
         if check_batch is not None:
             from .numerics import preflight
 
             self.check_result = preflight(model, check_batch, self.policy, loss_fn, on_fail=on_check_fail)
 
         # --- from here on the model and optimizers change ---
+        from ._fp8 import convert_for_policy  # f8= policies: the chosen nn.Linear -> torchao FP8 (mixprec._fp8)
+        from .numerics import fp8_plan  # f8_layers=auto measures the layers
+
+        convert_for_policy(model, self.policy, check_batch, loss_fn, planner=fp8_plan)
         originals = {id(p): p.data for p in facts.floating}  # FP32 tensors the cast replaces (no copy)
         # FSDP2 gathers half-precision copies itself: hooks only, parameters (the masters) stay FP32.
         fsdp_masters = facts.fsdp and self.policy.has_masters
+        if facts.fsdp:  # FSDP2 DTensor shards are cast by swapping them (mixprec._dist, issue 16)
+            from ._casting import island_modules
+            from ._dist import cast_fsdp_shards
+
+            cast_fsdp_shards(model, self.policy, island_modules)
         cast_module(model, self.policy.replace(param_dtype=torch.float32, master_dtype=None) if fsdp_masters else self.policy)
-        wrapped = wrap_optimizers(optimizers, self.policy, self.grad_accumulation, facts, originals)
+        wrapped = wrap_optimizers(optimizers, self.policy, self.grad_accumulation, facts, originals, fused=self.fused)
+        if facts.fsdp:  # one stochastic-rounding seed on every rank, global positions of the shards
+            from ._dist import agree_optimizers_
+
+            agree_optimizers_(wrapped)
         self.model = model
         self.device = facts.device
         self.optimizers = wrapped
@@ -270,7 +316,7 @@ class MixedPrecision:
                 opt.weight_edits = self.weight_edits
             self._records[id(opt)] = rec
         self._iteration_flags = []
-        self._applied_steps = torch.zeros((), dtype=torch.int64, device=facts.device)
+        self._applied_steps = AppliedSteps(torch.zeros((), dtype=torch.int64, device=facts.device))
         return (model, *wrapped)
 
     def _unscale_callback(self, optimizer: Optimizer) -> Callable[[], None]:
@@ -314,9 +360,26 @@ class MixedPrecision:
         return not isinstance(self.scaler, NoOpScaler)
 
     # ----- the training step -----------------------------------------------------------------------
-    def autocast(self) -> autocast:
-        """A region that computes in the policy's compute dtype on the prepared model's device."""
+    def autocast(self) -> autocast | torch.autocast:
+        """A region that computes in the policy's compute dtype on the prepared model's device.
+
+        Inside a function that ``torch.compile`` is tracing, this is a plain ``torch.autocast``
+        (which dynamo compiles into the graph, no graph break) when the policy does not ask for
+        TF32: the TF32 switches are global backend flags that dynamo cannot trace, and inductor
+        reads them once, at compile time. A TF32 policy keeps the full region (one graph break
+        at its entry); set TF32 globally (``torch.backends.cuda.matmul.allow_tf32 = True``) and
+        use ``torch.autocast`` yourself if that break matters. Off CUDA, where the switches act on
+        nothing, it is a plain ``torch.autocast`` too (a policy without TF32 only): the switches
+        would be pure per-step cost.
+        """
         device = self.device if self.device is not None else None
+        device_type = resolve_device_type(device)
+        if not self.policy.tf32 and (device_type != "cuda" or torch.compiler.is_compiling()):
+            return torch.autocast(
+                device_type=device_type,
+                dtype=self.policy.compute_dtype if self.policy.uses_autocast else None,
+                enabled=self.policy.uses_autocast,
+            )
         return autocast(self.policy, device)
 
     def backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
@@ -325,8 +388,9 @@ class MixedPrecision:
         Call it once per micro-batch; gradients accumulate (in FP32 for master-weight policies)
         and are unscaled once, at :meth:`clip_grad_norm_` or :meth:`step`. A ``backward`` after a
         step ends the iteration (one scale update, see the class docstring) before the loss is
-        scaled. Under a TF32 policy the backward matmuls run in TF32 as the forward ones do, and
-        under any other policy without it (the global switches are restored afterwards).
+        scaled. For a CUDA loss, under a TF32 policy the backward matmuls run in TF32 as the
+        forward ones do, and under any other policy without it (the global switches are restored
+        afterwards); elsewhere the switches, which only act on cuBLAS/cuDNN, are left alone.
 
         Args:
             loss: A scalar floating tensor that requires grad.
@@ -354,8 +418,12 @@ class MixedPrecision:
                 "mix scaled and unscaled gradients; call step() first."
             )
         # Autocast regions end before backward, so the TF32 switch they set is gone here; the
-        # backward matmuls are as large as the forward ones and follow the policy too.
-        with tf32(self.policy.tf32):
+        # backward matmuls are as large as the forward ones and follow the policy too. The switches
+        # only act on CUDA (cuBLAS/cuDNN): elsewhere the region would be pure per-step cost.
+        if loss.device.type == "cuda":
+            with tf32(self.policy.tf32):
+                self.scaler.scale(loss).backward(**backward_kwargs)
+        else:
             self.scaler.scale(loss).backward(**backward_kwargs)
         for rec in self._records.values():
             rec.stage = "backward"
@@ -363,8 +431,11 @@ class MixedPrecision:
     def _grads(self, optimizer: Optimizer) -> list[torch.Tensor]:
         if isinstance(optimizer, MasterWeightOptimizer):
             return optimizer.master_grads()
-        # FSDP2's DTensor gradients: unscale/check the local shard (found_inf is agreed across ranks after).
-        return [local_grad(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if set(map(type, grads)) - {torch.Tensor}:
+            # FSDP2's DTensor gradients: unscale/check the local shard (found_inf is agreed across ranks after).
+            grads = [local_grad(g) for g in grads]
+        return grads
 
     def _has_grads(self, optimizer: Optimizer) -> bool:
         holders = optimizer.masters if isinstance(optimizer, MasterWeightOptimizer) else optimizer_tensors(optimizer)
@@ -446,17 +517,21 @@ class MixedPrecision:
         if rec.stepped and self.scale_update == "auto":
             self._end_iteration()  # rule 3: a second step of the same optimizer starts a new iteration
         found_inf = self.unscale_(optimizer)
-        scale_used = self.scaler.loss_scale.detach().clone()
-        guard = rec.guard.inside() if rec.guard is not None else contextlib.nullcontext()
-        with guard:
+        scale_used = self.scaler.loss_scale.clone()  # the live scale never requires grad: no detach
+        # The guard's depth counter inline (not its context manager): this is the per-step hot path.
+        guard = rec.guard
+        if guard is not None:
+            guard._depth += 1
+        try:
             skipped = step_optimizer(optimizer, found_inf)
+        finally:
+            if guard is not None:
+                guard._depth -= 1
         rec.stage = "idle"
         rec.stepped = True
         self._iteration_flags.append(found_inf)
-        applied_steps = typing_cast(torch.Tensor, self._applied_steps)  # set by prepare()
-        clean = found_inf == 0
-        applied_steps += clean if clean.device == applied_steps.device else clean.to(applied_steps.device)
-        info = StepInfo(found_inf=found_inf, skipped=skipped, scale=scale_used, applied_steps=applied_steps.clone())
+        counter = typing_cast(AppliedSteps, self._applied_steps)  # set by prepare()
+        info = StepInfo(found_inf=found_inf, skipped=skipped, scale=scale_used, _applied=(counter.push(skipped), counter))
         self.last_step = info
         if self.scale_update == "auto" and all(r.stepped for r in self._records.values()):
             self._end_iteration()  # rule 1
@@ -464,6 +539,16 @@ class MixedPrecision:
             for s in schedulers:
                 s.step()
         return info
+
+    @property
+    def applied_steps(self) -> torch.Tensor:
+        """Optimizer steps applied so far in this run (0-d int64 on the device; no host sync).
+
+        Skipped steps do not count; every prepared optimizer's applied step does. Restored by
+        :meth:`load_state_dict`. Raises ``ValueError`` before :meth:`prepare`.
+        """
+        self._require_prepared("applied_steps")
+        return typing_cast(AppliedSteps, self._applied_steps).fold()
 
     def _step_from_optimizer(self, optimizer: Optimizer) -> None:
         """What a direct ``optimizer.step()`` on a prepared optimizer runs."""
@@ -524,7 +609,8 @@ class MixedPrecision:
         """Everything needed to resume: policy, model, optimizers (with masters), scaler, step count.
 
         Keys (version 2):
-            ``version`` (2), ``policy`` (the grammar string), ``model`` (``model.state_dict()``,
+            ``version`` (2), ``policy`` (the grammar string), ``model`` (``model.state_dict()`` with
+            ``torch.compile``'s ``_orig_mod.`` left out of the keys, so compiled and uncompiled runs share checkpoints;
             parameters in the policy's dtypes), ``optimizers`` (one ``state_dict()`` per prepared
             optimizer; a ``MasterWeightOptimizer``'s includes the FP32 masters), ``param_names``
             (per optimizer, the qualified parameter names in param-group order, derived now, so
@@ -546,12 +632,12 @@ class MixedPrecision:
         return {
             "version": STATE_VERSION,
             "policy": str(self.policy),
-            "model": model.state_dict(),
+            "model": model_state(model),
             "optimizers": [o.state_dict() for o in self.optimizers],
             "param_names": names,
             "tied": tied,
             "scaler": self.scaler.state_dict(),
-            "applied_steps": self._applied_steps,
+            "applied_steps": typing_cast(AppliedSteps, self._applied_steps).fold(),
             "iteration": {"found_inf": pending, "stepped": [self._records[id(o)].stepped for o in self.optimizers]},
         }
 
@@ -585,8 +671,8 @@ class MixedPrecision:
         kind = getattr(self.scaler, "_kind", None)  # mixprec's scalers; a user's LossScaler checks its own
         if sd.get("scaler") is not None and kind is not None:
             check_scaler_state(sd["scaler"], type(self.scaler).__name__, kind)
-        model.load_state_dict(sd["model"])
-        named = dict(model.named_parameters())
+        load_model_state(model, sd["model"])
+        named = {canonical_name(n): p for n, p in model.named_parameters()}
         for opt, entry, pnames in zip(self.optimizers, sd["optimizers"], sd["param_names"]):
             if isinstance(opt, MasterWeightOptimizer) and "masters" not in entry:
                 # A converted checkpoint: FP32 weights are in sd["model"], state in torch format.
@@ -597,8 +683,10 @@ class MixedPrecision:
                 opt.load_state_dict(entry)
         if sd.get("scaler") is not None:
             self.scaler.load_state_dict(sd["scaler"])
-        steps = typing_cast(torch.Tensor, self._applied_steps)
-        steps.copy_(sd["applied_steps"])
+        counter = typing_cast(AppliedSteps, self._applied_steps)
+        # A fresh tensor: the old one may be held by a StepInfo (or an earlier state_dict()).
+        steps = sd["applied_steps"].to(device=counter.base.device, dtype=torch.int64, copy=True)
+        counter.reset(steps)
         iteration = sd.get("iteration") or {}
         pending = iteration.get("found_inf")
         self._iteration_flags = [pending.to(steps.device)] if pending is not None else []
@@ -624,13 +712,15 @@ class MixedPrecision:
         model = self._require_prepared("load_model_state_dict()")
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_model_state_dict needs a model state dict (a mapping), got {type(state_dict).__name__}")
-        own = model.state_dict()
+        own = model_state(model)
+        state_dict = canonical_state(state_dict)  # keys of a compiled model (or for one) match by canonical name
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
             raise ValueError(
                 f"load_model_state_dict: the state dict does not match the model: missing {missing[:5]}, unexpected "
                 f"{unexpected[:5]}; nothing was loaded. Pass strict=False to load the matching entries only."
+                + key_mismatch_hint(missing, unexpected)
             )
         shapes = [k for k, v in state_dict.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
         if shapes:
@@ -639,8 +729,8 @@ class MixedPrecision:
                 f"load_model_state_dict: {k!r} has shape {tuple(state_dict[k].shape)} in the state dict but "
                 f"{tuple(own[k].shape)} in the model ({len(shapes)} mismatch(es)); nothing was loaded."
             )
-        model.load_state_dict(state_dict, strict=strict)
-        named = dict(model.named_parameters())
+        load_model_state(model, state_dict, strict=strict)
+        named = {canonical_name(n): p for n, p in model.named_parameters()}
         for opt in self.optimizers:
             if isinstance(opt, MasterWeightOptimizer):
                 opt.load_master_values_({named[n]: v for n, v in state_dict.items() if n in named})
@@ -699,5 +789,8 @@ def for_inference(
     policy = Policy(dt, dt, torch.float32, fp32_islands=tuple(fp32_islands))
     if is_prepared(model):
         uncast_module(model)
+    from ._fp8 import revert_linears  # FP8 linears (f8= policies) evaluate as the plain linears they were
+
+    revert_linears(model)
     cast_module(model, policy)
     return model.eval()

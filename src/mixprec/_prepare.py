@@ -21,6 +21,7 @@ from ._policy import Policy
 __all__ = [
     "PrepareFacts",
     "check_disjoint",
+    "check_fusable_masters",
     "check_prepare",
     "model_device",
     "model_params_of",
@@ -118,18 +119,33 @@ def check_prepare(
     return PrepareFacts(device, fsdp, floating)
 
 
+def check_fusable_masters(optimizers: Sequence[Optimizer]) -> None:
+    """Raise ``ValueError`` for an optimizer the fused master-weight step cannot run (``MixedPrecision(fused=True)``)."""
+    from ._master import _FUSABLE
+
+    for opt in optimizers:
+        if type(opt) not in _FUSABLE:
+            raise ValueError(
+                f"MixedPrecision(fused=True): the fused master-weight step covers torch.optim.AdamW, Adam and SGD, got "
+                f"{type(opt).__module__}.{type(opt).__qualname__}; use fused=None or False (its own step)."
+            )
+
+
 def wrap_optimizers(
     optimizers: Sequence[Optimizer],
     policy: Policy,
     grad_accumulation: GradAccumulation,
     facts: PrepareFacts,
     originals: Mapping[int, torch.Tensor],
+    *,
+    fused: bool | None = None,
 ) -> list[Optimizer]:
     """Return the optimizers the run steps: masters wrapped, compensated ones converted, others as given.
 
     Args:
         originals: ``id(param) -> FP32 tensor`` from before the model was cast; the masters (and
             the compensation of ``bf16-pure``) start from these exact values.
+        fused: ``fused=`` of the wrappers and converted optimizers built here (``MixedPrecision(fused=...)``).
     """
     wrapped: list[Optimizer] = []
     for opt in optimizers:
@@ -138,9 +154,10 @@ def wrap_optimizers(
             opt = MasterWeightOptimizer(
                 opt, master_dtype=policy.master_dtype or torch.float32,
                 grad_accumulation=grad_accumulation, initial_masters=initial,
+                fused=fused,
             )
         elif policy.compensation != "none":
-            opt = to_compensated(opt, policy, originals)
+            opt = to_compensated(opt, policy, originals, fused=fused)
         wrapped.append(opt)
     return wrapped
 
@@ -213,11 +230,14 @@ def check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:
             )
 
 
-def to_compensated(opt: Optimizer, policy: Policy, originals: Mapping[int, torch.Tensor]) -> Optimizer:
+def to_compensated(opt: Optimizer, policy: Policy, originals: Mapping[int, torch.Tensor], *,
+                   fused: bool | None = None) -> Optimizer:
     from . import optim as mp_optim
 
     if not isinstance(opt, (mp_optim.AdamW, mp_optim.SGD)):
-        opt = mp_optim.from_torch(opt, compensation=policy.compensation)
+        opt = mp_optim.from_torch(opt, compensation=policy.compensation, fused=fused)
+    elif fused is not None:
+        opt.fused = fused  # a mixprec optimizer the user built: MixedPrecision(fused=...) is the later word
     # Seed the compensation with what the cast to half precision lost.
     seed = {p: originals[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in originals}
     opt.load_full_precision_params_(seed)

@@ -22,6 +22,7 @@ from torch import Tensor
 from ._finite import unscale_and_check_
 
 __all__ = [
+    "AppliedSteps",
     "OptimizerRecord",
     "StepGuard",
     "install_step_guard",
@@ -232,3 +233,59 @@ def remove_step_guard(optimizer: Any) -> None:
         optimizer.step = guard._previous
     else:
         optimizer.__dict__.pop("step", None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The applied-step counter, materialised on demand
+# --------------------------------------------------------------------------------------------------
+class AppliedSteps:
+    """A device count of applied optimizer steps that costs no kernel per step until it is read.
+
+    Algorithm: each step appends its 0-d ``skipped`` flag (and a one-slot cell for the step's
+    :class:`~mixprec.StepInfo`) to a pending list; reading the count, or a pending step's own
+    value, folds the list: ``values = base + cumsum(~stack(flags))`` (three kernels for any
+    number of steps), fills every pending cell with its step's value and makes the last one the
+    new base. The list is folded every ``fold_every`` steps as well, so it stays small when
+    nothing reads it. Training loops that never look at ``applied_steps`` pay nothing per step;
+    a loop that reads it every step pays what an eager counter would. No host sync.
+    """
+
+    fold_every = 256
+
+    def __init__(self, base: Tensor) -> None:
+        self.base = base
+        self._flags: list[Tensor] = []
+        self._cells: list[list[Tensor | None]] = []
+
+    def push(self, skipped: Tensor) -> list[Tensor | None]:
+        """Record one step's ``skipped`` flag; return the cell its value will be written to."""
+        cell: list[Tensor | None] = [None]
+        self._flags.append(skipped)
+        self._cells.append(cell)
+        if len(self._flags) >= self.fold_every:
+            self.fold()
+        return cell
+
+    def fold(self) -> Tensor:
+        """Materialise every pending step's count; return the current count (0-d int64)."""
+        flags, cells = self._flags, self._cells
+        if not flags:
+            return self.base
+        self._flags, self._cells = [], []
+        base = self.base
+        dev = base.device
+        if len(flags) == 1:  # read every step: one kernel, as an eager counter
+            skip = flags[0] if flags[0].device == dev else flags[0].to(dev)
+            values: tuple[Tensor, ...] = (torch.where(skip, base, base + 1),)
+        else:
+            clean = torch.stack([f if f.device == dev else f.to(dev) for f in flags]).logical_not_()
+            values = (torch.cumsum(clean, 0, dtype=torch.int64) + base).unbind(0)
+        for cell, value in zip(cells, values):
+            cell[0] = value
+        self.base = values[-1]
+        return self.base
+
+    def reset(self, value: Tensor) -> None:
+        """Set the count (``load_state_dict``): pending steps are materialised first, then forgotten."""
+        self.fold()
+        self.base = value

@@ -69,7 +69,7 @@ def test_accelerate_loop_equals_mixprec_loop_and_skips_planted_inf(preset):
     torch.testing.assert_close(torch.tensor([got["grad_norm"][s] for s in finite]),
                                torch.tensor([ref["grad_norm"][s] for s in finite]), rtol=TOL[preset], atol=0)
     assert got["lr"] == ref["lr"] and got["lr"][inf_step + 1] == got["lr"][inf_step]  # no advance on the skip
-    assert int(accelerator.prec._applied_steps) == STEPS - 1
+    assert int(accelerator.prec.applied_steps) == STEPS - 1
     if preset == "fp16-mixed":
         assert float(accelerator.prec.scaler.loss_scale) == 2.0**15
         assert max(got["grad_norm"][s] for s in finite) < 10  # the unscaled norm, not times 2**16

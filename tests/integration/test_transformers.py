@@ -87,7 +87,7 @@ def test_trainer_equals_mixprec_loop_and_skips_planted_inf(tmp_path, preset):
     assert lrs == pytest.approx(ref["lr"], rel=1e-12)
     assert lrs[inf_step + 1] == lrs[inf_step]
     assert trainer.lr_scheduler.last_epoch == STEPS - 1
-    assert int(trainer.prec._applied_steps) == STEPS - 1
+    assert int(trainer.prec.applied_steps) == STEPS - 1
     if preset == "fp16-mixed":
         assert float(trainer.prec.scaler.loss_scale) == 2.0**15  # backed off once from 2**16
     # No "lr_scheduler.step() before optimizer.step()" or skip warnings from torch/Trainer.
