@@ -36,3 +36,17 @@ def test_tiny_cpu_run_prints_ratios_and_writes_json(tmp_path: Path) -> None:
     d = json.loads((tmp_path / "compare.json").read_text())
     assert [r["name"] for r in d["rows"]] == ["bf16-mixed", "fp16-mixed", "torch-amp-fp16", "torch-amp-bf16"]
     assert d["workload"]["options"]["tie"] is True
+
+
+def test_tiny_cpu_run_compiled(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-mixed,bf16-master",
+         "--baseline", "bf16", "--compile", "aot_eager", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=ENV, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "compiled (aot_eager)" in proc.stdout and "compile s" in proc.stdout
+    assert "bf16-master  vs torch-amp bf16: step time x" in proc.stdout
+    d = json.loads((tmp_path / "compare.json").read_text())
+    assert d["settings"]["compile"] == "aot_eager"
+    assert all(r["status"] == "ok" and r["compiled"] == "aot_eager" and r["compile_seconds"] is not None for r in d["rows"])

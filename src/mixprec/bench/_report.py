@@ -68,6 +68,9 @@ def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
     header += ["skipped", "scale"]
     if gpu:
         header.append("MFU")
+    compiled = bool(result.settings.get("compile"))
+    if compiled:
+        header.insert(3, "compile s")
     cells: list[list[str]] = []
     for r in result.rows:
         if r.status != "ok":
@@ -91,6 +94,8 @@ def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
         row += [str(r.skipped_steps if r.skipped_steps is not None else "-"), _scale(r.final_loss_scale)]
         if gpu:
             row.append("-" if r.mfu is None else f"{100 * r.mfu:.1f}%")
+        if compiled:
+            row.insert(3, _num(r.compile_seconds, ".1f"))
         cells.append(row)
     return header, cells
 
@@ -100,6 +105,7 @@ def _title(result: CompareResult) -> str:
     return (
         f"mixprec compare: {w['name']} on {e.get('device_name') or s['device']} ({s['device']}), "
         f"{s['steps']} steps ({s['warmup']} warm-up), torch {e['torch']}"
+        + (f", compiled ({s['compile']})" if s.get("compile") else "")
     )
 
 

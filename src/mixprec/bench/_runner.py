@@ -36,12 +36,13 @@ import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from .._errors import closest
+from .._fp8 import fp8_row_label
 from .._policy import PRESETS, Policy
 from .._tree import tree_map
 from ._environment import environment
@@ -160,6 +161,8 @@ class RowResult:
     loss_scales: list[float | None] = dataclasses.field(default_factory=list)
     init_weights_sha256: str | None = None
     wall_seconds: float | None = None
+    compiled: str | None = None  # the torch.compile backend, None when eager
+    compile_seconds: float | None = None  # extra time of the warm-up steps over timed ones (compilation)
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(dataclasses.asdict(self))
@@ -294,6 +297,7 @@ class _Run:
         self.scales: list[torch.Tensor] = []
         self.skipped: list[torch.Tensor] = []
         self.times: list[float] = []
+        self.warmup_times: list[float] = []
         self.model: nn.Module
         self.active_seconds = 0.0
 
@@ -316,8 +320,7 @@ class _Run:
         with self.rng.active(), self._emu():
             _, seconds = timed(lambda: self.train_step(batch, measure), self.device)
         self.active_seconds += seconds
-        if timed_step:
-            self.times.append(seconds)
+        (self.times if timed_step else self.warmup_times).append(seconds)
 
     def _measure_state(self) -> None:
         self.row.model_state_bytes = model_state_bytes(self.model, self.optimizer())
@@ -353,7 +356,7 @@ class _Run:
 
 class _MixprecRun(_Run):
     def __init__(self, preset: str, model: nn.Module, workload: Workload, device: torch.device, emulate: bool, seed: int,
-                 row: RowResult) -> None:
+                 row: RowResult, compile_backend: str | None = None) -> None:
         super().__init__(row, workload, device, emulate, seed)
         from .._precision import MixedPrecision
 
@@ -369,6 +372,8 @@ class _MixprecRun(_Run):
                 warnings.filterwarnings("ignore", message="fp16 on CPU", category=UserWarning)
             warnings.filterwarnings("ignore", message="bf16 on CPU", category=UserWarning)
             self.model, self.opt = self.prec.prepare(model, opt)
+        if compile_backend is not None:  # prepare first, then compile: the order the README recommends
+            self.model = cast(nn.Module, torch.compile(self.model, backend=compile_backend))
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.prec.autocast()
@@ -405,11 +410,13 @@ class _TorchAmpRun(_Run):
     """The baseline, written as the PyTorch AMP recipe recommends (autocast + GradScaler)."""
 
     def __init__(self, dtype: torch.dtype, model: nn.Module, workload: Workload, device: torch.device, emulate: bool,
-                 seed: int, row: RowResult) -> None:
+                 seed: int, row: RowResult, compile_backend: str | None = None) -> None:
         super().__init__(row, workload, device, emulate, seed)
         self.dtype = dtype
         self.model = model.to(device)
         self.opt = workload.optimizer_fn(self.model.parameters())
+        if compile_backend is not None:
+            self.model = cast(nn.Module, torch.compile(self.model, backend=compile_backend))
         if not isinstance(self.opt, torch.optim.Optimizer):
             raise BenchError(
                 f"workload {workload.name!r}: optimizer_fn must return a torch.optim.Optimizer, got {type(self.opt).__name__}"
@@ -459,6 +466,24 @@ class _TorchAmpRun(_Run):
 
 # ----- the comparison -----------------------------------------------------------------------------
 ProgressFn = Callable[[str, str, int, int], None]  # (event, row label, step, total steps)
+
+_EMU_COMPILE = (
+    "the CPU FP16 emulation rounds at every operator through a dispatch mode that torch.compile does not trace; "
+    "run fp16 rows compiled on a GPU, or with --native-fp16 (torch's CPU FP16 kernels)"
+)
+
+
+def check_compile_backend(backend: str | None) -> None:
+    """Raise :class:`BenchError` unless ``backend`` is ``None`` or a ``torch.compile`` backend name."""
+    if backend is None:
+        return
+    if not isinstance(backend, str) or not backend:
+        raise BenchError(f"compile={backend!r}: give a torch.compile backend name such as 'inductor', or None for eager")
+    from torch._dynamo import list_backends
+
+    known = sorted(set(list_backends(exclude_tags=())) | {"inductor"})
+    if backend not in known:
+        raise BenchError(f"compile backend {backend!r} is not one torch.compile knows; choose from {', '.join(known)}")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -513,6 +538,7 @@ def run_compare(
     peak_tflops_override: float | None = None,
     progress: ProgressFn | None = None,
     workload_options: dict[str, Any] | None = None,
+    compile: str | None = None,
 ) -> CompareResult:
     """Train ``workload`` under each preset (and the torch-amp baseline) side by side.
 
@@ -537,6 +563,11 @@ def run_compare(
         progress: ``progress(event, row_label, step, total)`` with event ``"start"``, ``"step"``,
             ``"eval"`` or ``"done"``.
         workload_options: Size options for :func:`load_workload` (when ``workload`` is a name).
+        compile: A ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``, ...) to compile every
+            row's model with, the baseline's included (mixprec rows: ``prepare`` first, then
+            ``torch.compile``), or ``None`` for eager. Step times then exclude compilation, which
+            is reported per row as ``compile_seconds``: the time the warm-up steps took beyond as
+            many timed steps (the first step compiles; a recompile in warm-up counts too).
 
     Returns:
         A :class:`CompareResult`.
@@ -547,6 +578,7 @@ def run_compare(
     dev = resolve_device(device)
     if fp16_cpu not in ("emulate", "native"):
         raise BenchError(f"fp16_cpu={fp16_cpu!r}; use 'emulate' or 'native'")
+    check_compile_backend(compile)
     names = parse_presets(presets, dev)
     steps = steps if steps is not None else (300 if dev.type == "cuda" else 200)
     if steps < 2:
@@ -588,15 +620,19 @@ def run_compare(
         is_fp16 = torch.float16 in (pol.compute_dtype, pol.param_dtype)
         emu_row = emulate and is_fp16
         label = name + (" (fp16 emulated)" if emu_row else " (native CPU fp16)" if is_fp16 and dev.type == "cpu" else "")
+        label += fp8_row_label(pol, dev)  # mixprec._fp8: " (FP8 emulated)" where no FP8 GEMM exists (CPU, pre-Hopper)
         row = RowResult(
             name=name, label=label, kind="preset", policy=str(pol), compute_dtype=_dtype_short(pol.compute_dtype),
             param_dtype=_dtype_short(pol.param_dtype), emulated_fp16=emu_row,
         )
         rows.append(row)
+        row.compiled = compile
         try:
             model = copy.deepcopy(pristine)
             row.init_weights_sha256 = _hash_tensors(model.state_dict())
-            runs.append(_MixprecRun(name, model, w_eval, dev, emu_row, seed, row))
+            if compile is not None and emu_row:
+                raise ValueError(_EMU_COMPILE)
+            runs.append(_MixprecRun(name, model, w_eval, dev, emu_row, seed, row, compile))
         except BenchError:
             raise
         except Exception as e:  # MixedPrecision rejected the preset here (or is not built yet)
@@ -608,10 +644,13 @@ def run_compare(
         row = RowResult(name=BASELINE if len(amp_dtypes) == 1 else f"{BASELINE}-{short}", label=label, kind="baseline", compute_dtype=short, param_dtype="fp32",
                         emulated_fp16=emu_row, policy=f"torch.autocast({short}) + torch.amp.GradScaler")
         rows.append(row)
+        row.compiled = compile
         try:
             model = copy.deepcopy(pristine)
             row.init_weights_sha256 = _hash_tensors(model.state_dict())
-            runs.append(_TorchAmpRun(amp_dtype, model, w_eval, dev, emu_row, seed, row))
+            if compile is not None and emu_row:
+                raise ValueError(_EMU_COMPILE)
+            runs.append(_TorchAmpRun(amp_dtype, model, w_eval, dev, emu_row, seed, row, compile))
         except BenchError:
             raise
         except Exception as e:
@@ -621,6 +660,48 @@ def run_compare(
     if progress:
         for r in runs:
             progress("start", r.row.label, 0, steps)
+    limits = contextlib.ExitStack()
+    if compile is not None:
+        # Rows are instances of one model class: dynamo keeps one cache entry per row (and two per row
+        # once evaluation runs under no_grad), so the default limit of 8 would send later rows to eager.
+        from torch._dynamo import config as dynamo_config
+
+        limits.enter_context(dynamo_config.patch(recompile_limit=max(8, 4 * len(runs)),
+                                                        accumulated_recompile_limit=max(256, 16 * len(runs))))
+    with limits:
+        _train_and_evaluate(runs, batches, steps, warmup, progress, items, flops, dev, peak_tflops_override, n_params)
+    _gaps(rows, w)
+    unit = w.unit
+
+    env = environment(dev)
+    notes = _notes(dev, rows, emulate, amp_dtypes, env)
+    if compile is not None:
+        notes.append(
+            f"Compiled: every row's model runs torch.compile(backend={compile!r}) (mixprec rows: prepare, then compile); "
+            "step times exclude compilation, 'compile s' is the extra time of the warm-up steps over timed ones."
+        )
+    workload_info = {
+        "name": w.name, "description": w.description, "parameters": n_params, "unit": unit,
+        "items_per_step": items, "flops_per_step": flops, "options": dict(w.options),
+        "eval_batches": len(w.eval_batches or []), "metric": w.metric_name,
+        "metric_higher_is_better": w.higher_is_better, "clip_grad_norm": w.clip_grad_norm,
+        "initial_weights_sha256": init_sha, "batches_sha256": batches_sha,
+        "final_train_loss_window": _window(steps),
+    }
+    settings = {
+        "presets": names, "baseline": ",".join(_dtype_short(d) for d in amp_dtypes) or None, "steps": steps,
+        "warmup": warmup, "timed_steps": steps - warmup, "memory_step": warmup - 1, "device": str(dev),
+        "fp16_cpu": fp16_cpu if dev.type == "cpu" else None, "seed": seed, "interleaved": True,
+        "peak_tflops_override": peak_tflops_override, "compile": compile,
+    }
+    return CompareResult(environment=env, workload=workload_info, settings=settings, rows=rows, notes=notes)
+
+
+
+def _train_and_evaluate(runs: list[_Run], batches: list[Any], steps: int, warmup: int, progress: ProgressFn | None,
+                        items: int, flops: int | None, dev: torch.device, peak_tflops_override: float | None,
+                        n_params: int) -> None:
+    """Train every row interleaved (A B C ..., then B C ... A), then evaluate and summarise each."""
     for step in range(steps):
         k = step % max(1, len(runs))
         for run in runs[k:] + runs[:k]:
@@ -637,7 +718,6 @@ def run_compare(
                 progress("step", run.row.label, step + 1, steps)
 
     # --- evaluation and summaries ---
-    unit = w.unit
     for run in runs:
         row = run.row
         if row.status != "ok":
@@ -652,25 +732,6 @@ def run_compare(
         _summarise(run, row, items, flops, dev, peak_tflops_override, n_params)
         if progress:
             progress("done", row.label, steps, steps)
-    _gaps(rows, w)
-
-    env = environment(dev)
-    notes = _notes(dev, rows, emulate, amp_dtypes, env)
-    workload_info = {
-        "name": w.name, "description": w.description, "parameters": n_params, "unit": unit,
-        "items_per_step": items, "flops_per_step": flops, "options": dict(w.options),
-        "eval_batches": len(w.eval_batches or []), "metric": w.metric_name,
-        "metric_higher_is_better": w.higher_is_better, "clip_grad_norm": w.clip_grad_norm,
-        "initial_weights_sha256": init_sha, "batches_sha256": batches_sha,
-        "final_train_loss_window": _window(steps),
-    }
-    settings = {
-        "presets": names, "baseline": ",".join(_dtype_short(d) for d in amp_dtypes) or None, "steps": steps,
-        "warmup": warmup, "timed_steps": steps - warmup, "memory_step": warmup - 1, "device": str(dev),
-        "fp16_cpu": fp16_cpu if dev.type == "cpu" else None, "seed": seed, "interleaved": True,
-        "peak_tflops_override": peak_tflops_override,
-    }
-    return CompareResult(environment=env, workload=workload_info, settings=settings, rows=rows, notes=notes)
 
 
 def _workload_options(workload: str | Workload, seed: int, given: dict[str, Any] | None) -> dict[str, Any]:
@@ -721,6 +782,9 @@ def _summarise(run: _Run, row: RowResult, items: int, flops: int | None, dev: to
     if row.model_state_bytes is not None and n_params:
         row.model_state_bytes_per_param = row.model_state_bytes / n_params
     row.wall_seconds = run.active_seconds
+    if row.compiled is not None and run.times:
+        typical = sorted(run.times)[len(run.times) // 2]
+        row.compile_seconds = sum(max(0.0, t - typical) for t in run.warmup_times)
 
 
 def _gaps(rows: list[RowResult], w: Workload) -> None:

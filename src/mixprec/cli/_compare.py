@@ -21,10 +21,12 @@ examples:
   mixprec compare -w hf-gpt2 -o n_layer=4 -o n_embd=128 --json results.json
   mixprec compare cnn --steps 100                   # the workload may also be positional, as in check
   mixprec compare -p bf16-mixed,fp16-mixed --seeds 0,1,2   # is each gap to fp32 within the seed noise?
+  mixprec compare --compile -p bf16-mixed,bf16-master   # every row torch.compile'd, the baseline too
   mixprec compare -w my_bench:make                  # your own: make() returns a Workload or
                                                     # (model, optimizer_fn, batches, loss_fn)
 
-presets: fp32, tf32, bf16-mixed, fp16-mixed, bf16-master, fp16-master, bf16-pure, fp16-pure, all.
+presets: fp32, tf32, bf16-mixed, fp16-mixed, bf16-master, fp16-master, bf16-pure, fp16-pure, all;
+and fp8-tensorwise, fp8-rowwise (torchao, pip install 'mixprec[fp8]'; not in 'all'; emulated on a CPU: numerics, not speed).
 The torch-amp baseline row (torch.autocast + torch.amp.GradScaler, as the PyTorch recipe writes
 it) is added unless --baseline none. On a CPU, fp16 rows run an FP16 emulation (FP16 storage and
 rounding, FP32 arithmetic, like GPU kernels) unless --native-fp16; CPU timings do not show GPU
@@ -78,6 +80,9 @@ def add_compare(subparsers: Any) -> None:
     p.add_argument("--seeds", default=None, metavar="S,S,...",
                    help="run every row once per seed (at least 2, e.g. 0,1,2 or 0-4) and report each gap to fp32 as "
                         "mean and spread across seeds, with a verdict: within the seed noise of fp32 or not")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile every row's model, the torch-amp baseline's too (BACKEND default inductor; "
+                        "aot_eager compiles fastest); step times exclude compilation, shown as 'compile s'")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
     p.add_argument("--out", metavar="DIR", default=None, help="write PNG plots and compare.json into DIR")
@@ -111,6 +116,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 raise BenchError(f"--seed {args.seed} and --seeds {args.seeds}: give one (--seeds runs every row once "
                                  "per seed; --seed N runs once)")
             parse_seeds(args.seeds)  # validates before the (slower) runs
+        from ..bench._runner import check_compile_backend
+
+        check_compile_backend(args.compile)
         if args.out is not None:
             try:
                 import matplotlib  # noqa: F401
@@ -143,6 +151,8 @@ def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
     )
     if args.seeds is not None:
         intro += f", once per seed ({args.seeds})"
+    if args.compile:
+        intro += f", compiled ({args.compile}; the first steps compile, expect a pause)"
     if device.type == "cpu":
         intro += ". CPU run: timings here do not show GPU speed-ups."
     _say(console, report_file, intro)
@@ -153,7 +163,7 @@ def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
         common: dict[str, Any] = dict(
             baseline=args.baseline, steps=args.steps, warmup=args.warmup, device=device,
             fp16_cpu="native" if args.native_fp16 else "emulate", peak_tflops_override=args.peak_tflops,
-            progress=progress, workload_options=options,
+            progress=progress, workload_options=options, compile=args.compile,
         )
         seeds: SeedsResult | None = None
         try:

@@ -1,0 +1,88 @@
+"""``mixprec compare --compile``: every row compiled (the baseline too), compile time apart from step time.
+
+The ``aot_eager`` backend (dynamo + AOTAutograd, eager kernels) keeps these fast; it runs the
+same capture path as Inductor without code generation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mixprec.bench import BenchError, run_compare
+from mixprec.bench._report import format_table_plain, table_rows
+from mixprec.cli import main
+
+TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, eval_batches=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _run(compile: str | None, presets: str = "fp32,bf16-mixed,bf16-master"):
+    return run_compare("gpt", presets, baseline="bf16", steps=5, warmup=2, device="cpu", compile=compile,
+                       workload_options=TINY)
+
+
+def test_every_row_compiles_and_trains_like_eager() -> None:
+    eager = _run(None)
+    compiled = _run("aot_eager")
+    assert compiled.settings["compile"] == "aot_eager" and eager.settings["compile"] is None
+    names = [r.name for r in compiled.rows]
+    assert names == ["fp32", "bf16-mixed", "bf16-master", "torch-amp"]
+    tol = {"fp32": 1e-5, "bf16-mixed": 2e-2, "bf16-master": 2e-2, "torch-amp": 2e-2}
+    for r in compiled.rows:
+        assert r.status == "ok", (r.name, r.reason)
+        assert r.compiled == "aot_eager"
+        assert r.compile_seconds is not None and r.compile_seconds >= 0.0
+        assert r.step_time_ms is not None
+        ref = eager.row(r.name)
+        assert ref.compiled is None and ref.compile_seconds is None
+        # the same weights and batches: the compiled run follows the eager one step for step
+        assert len(r.losses) == len(ref.losses) == 5
+        for a, b in zip(r.losses, ref.losses):
+            assert a is not None and b is not None and math.isfinite(a)
+            assert abs(a - b) <= tol[r.name] * max(1.0, abs(b)), (r.name, r.losses, ref.losses)
+
+
+def test_the_table_shows_compile_time_as_its_own_column() -> None:
+    result = _run("aot_eager", "bf16-mixed")
+    header, cells = table_rows(result)
+    col = header.index("compile s")
+    assert header[1] == "step ms" and col == 3
+    for c in cells:
+        float(c[col])  # a number for every row, the baseline included
+    text = format_table_plain(result)
+    assert "compiled (aot_eager)" in text
+    assert any("torch.compile(backend='aot_eager')" in n for n in result.notes)
+    plain = _run(None, "bf16-mixed")
+    assert "compile s" not in table_rows(plain)[0]
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    with pytest.raises(BenchError, match="not one torch.compile knows; choose from .*inductor"):
+        _run("inductr", "bf16-mixed")
+
+
+def test_emulated_fp16_rows_are_unavailable_when_compiled_and_say_why() -> None:
+    result = run_compare("gpt", "bf16-mixed,fp16-mixed", baseline="none", steps=3, warmup=1, device="cpu",
+                         compile="aot_eager", workload_options=TINY)
+    fp16 = result.row("fp16-mixed")
+    assert fp16.status == "unavailable" and "--native-fp16" in (fp16.reason or "")
+    assert result.row("bf16-mixed").status == "ok"
+
+
+def test_cli_compile_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "-p", "bf16-mixed", "--baseline", "none", "--steps", "3", "--warmup", "1", "--compile",
+                 "aot_eager", "--no-progress", "-o", "n_layer=1", "-o", "n_embd=16", "-o", "block_size=16",
+                 "-o", "batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "compile s" in out and "compiled (aot_eager)" in out
+    assert main(["compare", "--compile", "nope", "--steps", "3"]) == 2
+    assert "not one torch.compile knows" in capsys.readouterr().err
