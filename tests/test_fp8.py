@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from _fp8_nets import Net as _Net  # tests/_fp8_nets.py
 from torch import nn
 
 import mixprec
@@ -21,18 +22,11 @@ FP8_PRESETS = ["fp8-tensorwise", "fp8-rowwise"]
 FP8_POLICIES = [*FP8_PRESETS, "p=f32,c=bf16,f8=rowwise_gw_hp"]
 
 
-class Net(nn.Module):
+class Net(_Net):
     """Two eligible linears, one with a width that is not a multiple of 16, a LayerNorm island."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(32, 64)
-        self.ln = nn.LayerNorm(64)
-        self.hidden = nn.Linear(64, 64)
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(F.gelu(self.hidden(F.gelu(self.ln(self.inp(x))))))
+        super().__init__(head=10)
 
 
 def _net(seed: int = 0) -> Net:

@@ -401,8 +401,10 @@ def test_policy_object_and_repr():
     assert "not prepared" in repr(prec)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("preset", ["tf32", "fp32"])
-def test_backward_runs_with_the_policys_tf32_switch(preset):
+def test_backward_runs_with_the_policys_tf32_switch(preset, device):
     seen = []
 
     class Probe(torch.autograd.Function):
@@ -415,46 +417,18 @@ def test_backward_runs_with_the_policys_tf32_switch(preset):
             seen.append(torch.backends.cuda.matmul.allow_tf32)
             return g
 
-    model = make("mlp")
+    model = make("mlp").to(device)
     prec = MixedPrecision(preset)
     model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = preset == "fp32"  # the opposite of the policy
     with prec.autocast():
-        loss = Probe.apply(model(batch("mlp", 0)[0])).float().pow(2).mean()
+        loss = Probe.apply(model(batch("mlp", 0)[0].to(device))).float().pow(2).mean()
     prec.backward(loss)
-    # The switches act on cuBLAS/cuDNN only: a CPU backward leaves them alone (no per-step cost),
-    # a CUDA one runs under the policy's setting.
-    assert seen == [preset == "fp32"]
-    assert torch.backends.cuda.matmul.allow_tf32 == (preset == "fp32")  # untouched
-    torch.backends.cuda.matmul.allow_tf32 = before
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("preset", ["tf32", "fp32"])
-def test_cuda_backward_runs_with_the_policys_tf32_switch(preset):
-    seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            seen.append(torch.backends.cuda.matmul.allow_tf32)
-            return g
-
-    model = make("mlp").cuda()
-    prec = MixedPrecision(preset)
-    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = preset == "fp32"  # the opposite of the policy
-    with prec.autocast():
-        loss = Probe.apply(model(batch("mlp", 0)[0].cuda())).float().pow(2).mean()
-    prec.backward(loss)
-    assert seen == [preset == "tf32"]
-    assert torch.backends.cuda.matmul.allow_tf32 == (preset == "fp32")  # restored
+    # The switches act on cuBLAS/cuDNN only: a CUDA backward runs under the policy's setting, a CPU
+    # one leaves them alone (no per-step cost).
+    assert seen == [preset == ("tf32" if device == "cuda" else "fp32")]
+    assert torch.backends.cuda.matmul.allow_tf32 == (preset == "fp32")  # restored / untouched
     torch.backends.cuda.matmul.allow_tf32 = before
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _fp8_nets import Net as _Net  # tests/_fp8_nets.py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -120,18 +121,8 @@ def test_gpu_shape_gate_is_torchaos_rule():
 # ----- the planted outlier --------------------------------------------------------------------------------
 
 
-class Planted(nn.Module):
+class Planted(_Net):
     """``inp`` sees an input with a few huge values (per batch, two elements of 1e6); the rest is N(0, 1)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(32, 64)
-        self.ln = nn.LayerNorm(64)
-        self.hidden = nn.Linear(64, 64)
-        self.head = nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(F.gelu(self.hidden(F.gelu(self.ln(self.inp(x))))))
 
 
 _W_TRUE = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))

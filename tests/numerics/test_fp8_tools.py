@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from _fp8_nets import Net as _Net  # tests/_fp8_nets.py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -19,16 +20,7 @@ from mixprec.numerics import NumericsMonitor, check, fp8_cast_stats, tensor_stat
 pytest.importorskip("torchao")
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(32, 64)
-        self.ln = nn.LayerNorm(64)
-        self.hidden = nn.Linear(64, 64)
-        self.head = nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(F.gelu(self.hidden(F.gelu(self.ln(self.inp(x))))))
+Net = _Net
 
 
 def _net() -> Net:
