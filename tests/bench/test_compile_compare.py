@@ -6,6 +6,7 @@ same capture path as Inductor without code generation.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -86,3 +87,22 @@ def test_cli_compile_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "compile s" in out and "compiled (aot_eager)" in out
     assert main(["compare", "--compile", "nope", "--steps", "3"]) == 2
     assert "not one torch.compile knows" in capsys.readouterr().err
+
+
+def test_a_step_that_recompiles_after_the_warm_up_counts_as_compile_time() -> None:
+    from mixprec.bench import load_workload
+
+    w = load_workload("gpt", **TINY)
+    batches = list(itertools.islice(iter(w.batches), 6))
+    x, y = batches[4]
+    batches[4] = (x[:2], y[:2])  # a new batch size at step 4: dynamo compiles again, in a timed step
+    w.batches = batches
+    result = run_compare(w, "bf16-mixed", baseline="none", steps=6, warmup=2, device="cpu", compile="aot_eager")
+    row = result.row("bf16-mixed")
+    assert row.status == "ok", row.reason
+    assert row.step_time_ms is not None and row.step_time_ms["n"] == 3  # 4 timed steps, the recompiling one moved
+    assert row.compile_seconds is not None and row.compile_seconds > 0
+    # dynamo still compiles after the warm-up's memory step: no dispatch-mode tracker around a compiled row on CPU
+    assert row.peak_memory_bytes is None and "not measured" in (row.memory_method or "")
+    eager = run_compare(w, "bf16-mixed", baseline="none", steps=6, warmup=2, device="cpu", workload_options=None)
+    assert eager.row("bf16-mixed").step_time_ms["n"] == 4  # eager: every step after the warm-up is timed

@@ -297,7 +297,8 @@ class _Run:
         self.scales: list[torch.Tensor] = []
         self.skipped: list[torch.Tensor] = []
         self.times: list[float] = []
-        self.warmup_times: list[float] = []
+        self.warmup_times: list[float] = []  # and timed steps during which dynamo compiled (see step())
+        self.compiled = False
         self.model: nn.Module
         self.active_seconds = 0.0
 
@@ -317,10 +318,28 @@ class _Run:
         raise NotImplementedError
 
     def step(self, batch: Any, *, timed_step: bool, measure: bool) -> None:
+        frames = _compiled_frames() if self.compiled else 0
         with self.rng.active(), self._emu():
             _, seconds = timed(lambda: self.train_step(batch, measure), self.device)
         self.active_seconds += seconds
-        (self.times if timed_step else self.warmup_times).append(seconds)
+        # A compiled row's step that compiled (a recompile after the warm-up: a new shape, a torchao
+        # subclass dispatch, ...) is compile time, not step time.
+        recompiled = self.compiled and _compiled_frames() != frames
+        (self.times if timed_step and not recompiled else self.warmup_times).append(seconds)
+
+    def _memory_region(self, measure: bool, optimizer: Any) -> contextlib.AbstractContextManager[Any]:
+        """The step-memory measurement around one step (``measure``), or nothing.
+
+        Not for a compiled row off CUDA: the CPU measurement is a ``TorchDispatchMode``, which
+        cannot see inside compiled graphs, and a frame dynamo meets under a dispatch mode is
+        skipped for good (the model would run eagerly from then on).
+        """
+        if not measure:
+            return contextlib.nullcontext()
+        if self.compiled and self.device.type != "cuda":
+            self.row.memory_method = "not measured: compiled on a CPU (the live-tensor tracker cannot see into compiled graphs)"
+            return contextlib.nullcontext()
+        return measure_step_memory(self.device, model_state_bytes(self.model, optimizer))
 
     def _measure_state(self) -> None:
         self.row.model_state_bytes = model_state_bytes(self.model, self.optimizer())
@@ -374,6 +393,7 @@ class _MixprecRun(_Run):
             self.model, self.opt = self.prec.prepare(model, opt)
         if compile_backend is not None:  # prepare first, then compile: the order the README recommends
             self.model = cast(nn.Module, torch.compile(self.model, backend=compile_backend))
+            self.compiled = True
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.prec.autocast()
@@ -383,7 +403,7 @@ class _MixprecRun(_Run):
 
     def train_step(self, batch: Any, measure: bool) -> None:
         w, prec = self.workload, self.prec
-        mem_ctx = measure_step_memory(self.device, model_state_bytes(self.model, self.opt)) if measure else contextlib.nullcontext()
+        mem_ctx = self._memory_region(measure, self.opt)
         with mem_ctx as box:
             with prec.autocast():
                 loss = w.loss_fn(self.model, batch)
@@ -417,6 +437,7 @@ class _TorchAmpRun(_Run):
         self.opt = workload.optimizer_fn(self.model.parameters())
         if compile_backend is not None:
             self.model = cast(nn.Module, torch.compile(self.model, backend=compile_backend))
+            self.compiled = True
         if not isinstance(self.opt, torch.optim.Optimizer):
             raise BenchError(
                 f"workload {workload.name!r}: optimizer_fn must return a torch.optim.Optimizer, got {type(self.opt).__name__}"
@@ -437,7 +458,7 @@ class _TorchAmpRun(_Run):
 
     def train_step(self, batch: Any, measure: bool) -> None:
         w, model, opt, scaler = self.workload, self.model, self.opt, self.scaler
-        mem_ctx = measure_step_memory(self.device, model_state_bytes(model, opt)) if measure else contextlib.nullcontext()
+        mem_ctx = self._memory_region(measure, opt)
         with mem_ctx as box:
             with torch.autocast(device_type=self.device.type, dtype=self.dtype):
                 loss = w.loss_fn(model, batch)
@@ -471,6 +492,13 @@ _EMU_COMPILE = (
     "the CPU FP16 emulation rounds at every operator through a dispatch mode that torch.compile does not trace; "
     "run fp16 rows compiled on a GPU, or with --native-fp16 (torch's CPU FP16 kernels)"
 )
+
+
+def _compiled_frames() -> int:
+    """How many frames dynamo has compiled in this process (its ``frames.total`` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
 
 
 def check_compile_backend(backend: str | None) -> None:
@@ -567,7 +595,8 @@ def run_compare(
             row's model with, the baseline's included (mixprec rows: ``prepare`` first, then
             ``torch.compile``), or ``None`` for eager. Step times then exclude compilation, which
             is reported per row as ``compile_seconds``: the time the warm-up steps took beyond as
-            many timed steps (the first step compiles; a recompile in warm-up counts too).
+            many timed steps (the first step compiles; a recompile in warm-up counts too); a later
+            step during which dynamo compiled again is moved out of the timed steps into it.
 
     Returns:
         A :class:`CompareResult`.
@@ -678,7 +707,10 @@ def run_compare(
     if compile is not None:
         notes.append(
             f"Compiled: every row's model runs torch.compile(backend={compile!r}) (mixprec rows: prepare, then compile); "
-            "step times exclude compilation, 'compile s' is the extra time of the warm-up steps over timed ones."
+            "step times exclude compilation, 'compile s' is the extra time of the warm-up steps (and of any later step "
+            "that recompiled) over timed ones."
+            + (" Peak memory is not measured for compiled rows on a CPU (the live-tensor tracker cannot see into "
+               "compiled graphs, and dynamo stops compiling a model it meets under it)." if dev.type != "cuda" else "")
         )
     workload_info = {
         "name": w.name, "description": w.description, "parameters": n_params, "unit": unit,
