@@ -47,6 +47,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_state_memory import make_model  # the same stack of linears, one definition
+
 WORLD = 2
 
 
@@ -65,16 +68,6 @@ CONFIGS = [
     Config("bf16-pure kahan, bf16 states", "bf16-pure", "kahan", "bf16", target=10),
     Config("bf16-pure stochastic, bf16 states", "bf16-pure", "stochastic", "bf16", target=8),
 ]
-
-
-def make_model(width: int, layers: int, layernorm: bool) -> nn.Module:
-    torch.manual_seed(0)
-    mods: list[nn.Module] = []
-    for _ in range(layers):
-        mods += [nn.Linear(width, width), nn.GELU()]
-        if layernorm:
-            mods.append(nn.LayerNorm(width))
-    return nn.Sequential(*mods)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +128,7 @@ def measure(cfg: Config, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     import mixprec
     from mixprec.distributed import fully_shard
 
-    model = make_model(args.width, args.layers, args.layernorm)
+    model = make_model(args.width, args.layers, args.layernorm, torch.device("cpu"))
     n = sum(p.numel() for p in model.parameters())
     policy = mixprec.Policy.parse(cfg.preset)
     if cfg.compensation is not None:

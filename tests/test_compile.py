@@ -110,15 +110,7 @@ def _train(preset: str, order: str, steps: int = 10, backend: str = "aot_eager")
     model, opt = prec.prepare(model, opt)
     if order == "prepare-first":
         model = torch.compile(model, backend=backend)
-    losses = []
-    for x in _batches(steps):
-        with prec.autocast():
-            loss = _loss(model, x)
-        prec.backward(loss)
-        prec.step(opt)
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _run_segment(prec, model, opt, _batches(steps))
 
 
 @pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure"])
