@@ -110,12 +110,35 @@ def test_cast_module_keeps_islands_fp32_and_they_compute_in_fp32(preset, half):
 
 
 def test_root_casts_float_inputs_for_half_params():
-    lin = nn.Linear(4, 4)
+    net = nn.Sequential(nn.Linear(4, 4))
     seen = {}
-    cast_module(lin, "fp16-master")
-    lin.register_forward_pre_hook(lambda mod, args: seen.update(inp=args[0].dtype))
-    y = lin(torch.randn(2, 4))
-    assert seen["inp"] == torch.float16 and y.dtype == torch.float32
+    cast_module(net, "fp16-master")
+    net.register_forward_pre_hook(lambda mod, args: seen.update(given=args[0].dtype))
+    net[0].register_forward_pre_hook(lambda mod, args: seen.update(inp=args[0].dtype))
+    y = net(torch.randn(2, 4))
+    # the cast is the root's forward: hooks on the root see the inputs as given, the model the cast ones
+    assert seen == {"given": torch.float32, "inp": torch.float16} and y.dtype == torch.float32
+
+
+def test_root_forward_keeps_the_signature_and_uncasts():
+    import inspect
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+            return self.lin(input_ids)
+
+    m = Model()
+    before = inspect.signature(m.forward)
+    cast_module(m, "bf16-master")
+    # Hugging Face's Trainer keeps only the dataset columns named in forward's signature
+    assert inspect.signature(m.forward) == before
+    assert list(inspect.signature(m.forward).parameters) == ["input_ids", "attention_mask"]
+    uncast_module(m)
+    assert "forward" not in m.__dict__ and inspect.signature(m.forward) == before
 
 
 def test_mixed_policy_keeps_fp32_params_and_islands_disable_autocast():

@@ -113,7 +113,8 @@ def test_harness_detects_a_broken_skip(monkeypatch):
     """The harness can fail: with the inf/NaN check disabled it reports missed skips and corruption."""
     import mixprec._precision as precision
 
-    real = precision.step_optimizer
-    monkeypatch.setattr(precision, "step_optimizer", lambda opt, found_inf: real(opt, torch.zeros_like(found_inf)))
+    real = precision.step_or_skip
+    monkeypatch.setattr(precision, "step_or_skip",
+                        lambda opt, found_inf, *rest: real(opt, torch.zeros_like(found_inf), *rest))
     rep = fi.run(fi.FaultConfig(preset="bf16-mixed", steps=60, fault_rate=0.2, clean_tail=0))
     assert rep.missed and rep.corrupted and not rep.ok()

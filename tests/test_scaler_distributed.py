@@ -80,9 +80,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
         flag = torch.tensor(float(rank == 1))
         result["agreed"] = agree_found_inf_(flag).item()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        # gloo's threads can abort the process at teardown ("terminate called without an active
+        # exception", SIGABRT; seen once under a full test run) unless every rank is done first
+        dist.barrier()
     finally:
         dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 @pytest.mark.distributed

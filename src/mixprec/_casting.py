@@ -2,7 +2,7 @@
 
 ``cast_module`` stores parameters in the policy's param dtype, keeps FP32 islands
 (normalization layers by default) in FP32, leaves the other floating buffers in their own
-dtype (unless the policy says ``b=param``), and installs hooks so that
+dtype (unless the policy says ``b=param``), and wraps ``forward`` methods so that
 
 * the root module casts floating inputs to the compute dtype (half-parameter policies)
   and floating outputs to the output dtype (every policy), and
@@ -12,6 +12,7 @@ dtype (unless the policy says ``b=param``), and installs hooks so that
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -22,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from ._policy import Policy
 from ._tree import tree_map
 
-__all__ = ["cast_module", "cast_tree", "is_prepared", "island_modules", "uncast_module"]
+__all__ = ["cast_module", "cast_tree", "is_prepared", "island_modules", "strip_forward_patches", "uncast_module"]
 
 T = TypeVar("T")
 _CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,16 +154,65 @@ def _island_forward(
 
 
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """Root forward pre-hook: floating inputs to the half parameter dtype."""
+    """Root forward pre-hook of models prepared by mixprec < 0.2 (kept so that pickles of them load)."""
     cast = functools.partial(_to_dtype, dtype)
     return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 def _cast_outputs(dtype: torch.dtype, module: nn.Module, args: Any, output: Any) -> Any:
-    """Root forward hook: floating outputs to the policy's output dtype."""
+    """Root forward hook of models prepared by mixprec < 0.2 (kept so that pickles of them load)."""
     if type(output) is torch.Tensor and (output.dtype == dtype or not output.is_floating_point()):
         return None  # the common case, without the tree walk (None: the output is kept)
     return tree_map(functools.partial(_to_dtype, dtype), output)
+
+
+def _root_forward(
+    module: nn.Module, previous: Any, input_dtype: torch.dtype | None, output_dtype: torch.dtype, *args: Any, **kwargs: Any
+) -> Any:
+    """The prepared root's ``forward``: floating inputs to ``input_dtype`` (if any), outputs to ``output_dtype``.
+
+    Installed as the root's instance ``forward`` (a ``functools.partial`` of this function that
+    carries the original ``forward``'s ``__signature__``, so Hugging Face's Trainer and
+    ``generate`` still see the real arguments), not as forward hooks: a compiled module runs its
+    hooks outside the compiled frame, so dynamo compiled each hook as a graph of its own (two
+    extra graphs, cache lookups and launches per step); inside ``forward`` the casts are part of
+    the model's one graph. Hooks registered on the root run around it, as around any ``forward``.
+    """
+    if input_dtype is not None:
+        cast = functools.partial(_to_dtype, input_dtype)
+        args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+    out = previous(*args, **kwargs) if previous is not None else type(module).forward(module, *args, **kwargs)
+    if type(out) is torch.Tensor and (out.dtype == output_dtype or not out.is_floating_point()):
+        return out  # the common case, without the tree walk
+    return tree_map(functools.partial(_to_dtype, output_dtype), out)
+
+
+def _patched_forward(module: nn.Module, function: Callable[..., Any], *extra: Any) -> _ForwardPatch:
+    """Install ``partial(function, module, previous, *extra)`` as ``module.forward``; return its handle."""
+    previous = module.__dict__.get("forward")
+    try:
+        signature: inspect.Signature | None = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read: nothing to carry over
+        signature = None
+    patch = functools.partial(function, module, previous, *extra)
+    if signature is not None:
+        patch.__signature__ = signature  # type: ignore[attr-defined]  # inspect reads it before unwrapping the partial
+    module.forward = patch
+    return _ForwardPatch(module, previous)
+
+
+def strip_forward_patches(model: nn.Module) -> nn.Module:
+    """Put back the ``forward`` every mixprec patch in ``model`` replaced (for FP32 copies of a prepared model)."""
+    for module in model.modules():
+        fwd = module.__dict__.get("forward")
+        while isinstance(fwd, functools.partial) and fwd.func in (_island_forward, _root_forward):
+            previous = fwd.args[1]
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+            fwd = previous
+    return model
 
 
 def _compile_target(model: nn.Module) -> nn.Module:
@@ -192,10 +242,11 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
            weights, and rounding them loses precision for nothing (a Llama rotary embedding's
            ``inv_freq`` in BF16 shifts every position's angle). With ``b=param`` they are cast
            to ``policy.param_dtype`` with the parameters.
-        4. Root hooks: cast floating inputs to ``policy.compute_dtype`` when parameters are half
-           precision (with FP32 parameters autocast does the casting), and floating outputs
-           to ``policy.output_dtype``.
-        5. Island hooks: FP32 inputs, autocast disabled inside, outputs cast to the compute dtype.
+        4. Islands' ``forward``: FP32 inputs, autocast disabled inside, outputs cast to the compute dtype.
+        5. The root's ``forward``: floating inputs to ``policy.param_dtype`` when parameters are half
+           precision (with FP32 parameters autocast does the casting), floating outputs to
+           ``policy.output_dtype``. Both are wrapped ``forward`` methods, not hooks, so that
+           ``torch.compile`` traces them into the model's graph (see :func:`_root_forward`).
 
     FP32 buffers next to half activations: PyTorch's type promotion makes ``x + buf`` FP32
     when ``x`` is BF16/FP16 and ``buf`` an FP32 buffer with at least one dimension (a 0-d
@@ -254,17 +305,9 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
     devices = tuple(sorted(_device_types(model)))
     if policy.compute_dtype != torch.float32:
         for module in islands.values():
-            previous = module.__dict__.get("forward")
-            handles.append(_ForwardPatch(module, previous))
-            module.forward = functools.partial(_island_forward, module, previous, policy.compute_dtype, devices)
-
-    if policy.param_dtype != torch.float32 and root not in islands.values():
-        handles.append(
-            root.register_forward_pre_hook(
-                functools.partial(_cast_inputs, policy.param_dtype), with_kwargs=True, prepend=True
-            )
-        )
-    handles.append(root.register_forward_hook(functools.partial(_cast_outputs, policy.output_dtype)))
+            handles.append(_patched_forward(module, _island_forward, policy.compute_dtype, devices))
+    input_dtype = policy.param_dtype if policy.param_dtype != torch.float32 and root not in islands.values() else None
+    handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype))
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model
@@ -283,7 +326,7 @@ def uncast_module(model: nn.Module) -> nn.Module:
     Returns:
         ``model`` itself.
     """
-    for h in getattr(model, _HOOKS_ATTR, []):
+    for h in reversed(getattr(model, _HOOKS_ATTR, [])):  # last installed first: the root's forward wraps an island's
         h.remove()
     for attr in (_HOOKS_ATTR, _POLICY_ATTR):
         if hasattr(model, attr):

@@ -125,6 +125,8 @@ def unscale_and_check_(
         (0.0, [1.0, 2.0])
     """
     ts = _dense(tensors)
+    if found_inf is None and ts:
+        found_inf = torch.zeros((), dtype=torch.float32, device=ts[0].device)
     if found_inf is None:
         if ts:
             device = ts[0].device
@@ -156,9 +158,35 @@ def _check_and_unscale_foreach(group: list[Tensor], flag: Tensor, inv_scale: Ten
         torch._foreach_mul_(group, inv.to(group[0].dtype))
 
 
+_ONES: dict[torch.device, Tensor] = {}
+
+
+def _one(device: torch.device) -> Tensor:
+    """A shared, never-written 0-d float32 1.0 on ``device``: the check-only factor (no kernel per step)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
 def _unscale_groups(groups: Groups, inv_scale: Tensor | None, found_inf: Tensor) -> Tensor:
     """:func:`unscale_and_check_` on tensors already grouped by :func:`_group`."""
     home = found_inf.device
+    if len(groups) == 1:
+        # The common case (one device, one dtype) without the per-device bookkeeping: this runs
+        # every step, and its Python cost is most of what unscaling costs for small models.
+        ((dev, dtype), group), = groups.items()
+        factor = inv_scale if inv_scale is not None else _one(dev)
+        if dev == home and factor.device == dev and (dev.type, dtype) not in _NO_FUSED_KERNEL:
+            grad_mode = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # what torch.no_grad() does, without its context-manager cost
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, factor)
+                return found_inf
+            except NotImplementedError:  # dispatch fails before touching anything: the general path below
+                _NO_FUSED_KERNEL.add((dev.type, dtype))
+            finally:
+                torch._C._set_grad_enabled(grad_mode)
     per_device_inv: dict[torch.device, Tensor] = {}
     per_device_flag: dict[torch.device, Tensor] = {home: found_inf}
     with torch.no_grad():

@@ -38,8 +38,8 @@ from ._dtypes import parse_dtype
 from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_weight_edits
 from ._policy import Policy
 from ._prepare import check_fusable_masters, check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
-from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, check_scaler_state
-from ._stepping import AppliedSteps, OptimizerRecord, install_step_guard, remove_step_guard, step_optimizer
+from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, _ScalerBase, check_scaler_state
+from ._stepping import AppliedSteps, OptimizerRecord, install_step_guard, remove_step_guard, step_or_skip
 
 __all__ = [
     "MixedPrecision",
@@ -66,10 +66,22 @@ class StepInfo:
     """
 
     found_inf: torch.Tensor
-    skipped: torch.Tensor
     scale: torch.Tensor
     # A tensor, or the cell (and the counter that fills it) of a step whose count is not read yet.
     _applied: torch.Tensor | tuple[list[torch.Tensor | None], AppliedSteps] = dataclasses.field(repr=False)
+    # The flag the step decided on (non-zero: skipped; ``found_inf`` itself on every mixprec path).
+    _decided: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    # ``_decided > 0``, computed on first read (one kernel the hot path does not pay).
+    _skipped: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """``True`` when the optimizer step was skipped (0-d bool; computed on first read, no host sync)."""
+        value = self._skipped
+        if value is None:
+            value = (self._decided if self._decided is not None else self.found_inf) > 0
+            object.__setattr__(self, "_skipped", value)
+        return value
 
     @property
     def applied_steps(self) -> torch.Tensor:
@@ -431,8 +443,8 @@ class MixedPrecision:
     def _grads(self, optimizer: Optimizer) -> list[torch.Tensor]:
         if isinstance(optimizer, MasterWeightOptimizer):
             return optimizer.master_grads()
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if set(map(type, grads)) - {torch.Tensor}:
+        grads = [grad for g in optimizer.param_groups for p in g["params"] if (grad := p.grad) is not None]
+        if len(set(map(type, grads))) > 1 or (grads and type(grads[0]) is not torch.Tensor):
             # FSDP2's DTensor gradients: unscale/check the local shard (found_inf is agreed across ranks after).
             grads = [local_grad(g) for g in grads]
         return grads
@@ -456,8 +468,15 @@ class MixedPrecision:
             ValueError: no gradients since the last step, gradients from ``loss.backward()``
                 under a scaling policy, or a foreign optimizer.
         """
-        self._require_prepared("unscale_()")
-        rec = self._record(optimizer, "unscale_()")
+        rec = self._records.get(id(optimizer))
+        if rec is None or rec.optimizer is not optimizer:
+            self._require_prepared("unscale_()")
+            rec = self._record(optimizer, "unscale_()")
+        return self._unscale(rec)
+
+    def _unscale(self, rec: OptimizerRecord) -> torch.Tensor:
+        """:meth:`unscale_` for a known record (the step's hot path enters here)."""
+        optimizer = rec.optimizer
         if rec.stage == "unscaled":
             return typing_cast(torch.Tensor, rec.found_inf)
         if rec.stage == "idle":
@@ -472,7 +491,10 @@ class MixedPrecision:
                     "come from prec.backward(loss) since the last step. Call prec.backward(loss) instead of "
                     "loss.backward() (it scales the loss when the policy needs it), and zero_grad() after each step."
                 )
-        found_inf = self.scaler.unscale_(self._grads(optimizer))
+        scaler = self.scaler
+        grads = self._grads(optimizer)
+        # our scalers take the gradients as they are (no second pass sorting parameters from gradients)
+        found_inf = scaler._unscale_grads_(grads) if isinstance(scaler, _ScalerBase) else scaler.unscale_(grads)
         rec.found_inf = found_inf
         rec.stage = "unscaled"
         return found_inf
@@ -512,18 +534,25 @@ class MixedPrecision:
             NumericsError: the scaler's escalation (persistent inf/NaN), after the step's
                 bookkeeping is complete.
         """
-        self._require_prepared("step()")
-        rec = self._record(optimizer, "step()")
-        if rec.stepped and self.scale_update == "auto":
+        # The per-step hot path: its Python cost is what mixprec adds to every step of a small model
+        # (issue 14: no more than torch.amp's), so lookups are inlined and nothing is validated twice.
+        rec = self._records.get(id(optimizer))
+        if rec is None or rec.optimizer is not optimizer:
+            self._require_prepared("step()")
+            rec = self._record(optimizer, "step()")
+        auto = self.scale_update == "auto"
+        if rec.stepped and auto:
             self._end_iteration()  # rule 3: a second step of the same optimizer starts a new iteration
-        found_inf = self.unscale_(optimizer)
-        scale_used = self.scaler.loss_scale.clone()  # the live scale never requires grad: no detach
-        # The guard's depth counter inline (not its context manager): this is the per-step hot path.
+        # a subclass that extends unscale_ (mixprec.apex ORs its overflow flags in) keeps its say
+        found_inf = self._unscale(rec) if type(self).unscale_ is MixedPrecision.unscale_ else self.unscale_(optimizer)
+        scaler = self.scaler
+        live = scaler._core.scale if isinstance(scaler, _ScalerBase) else None
+        scale_used = (live if live is not None else scaler.loss_scale).clone()  # never requires grad: no detach
         guard = rec.guard
         if guard is not None:
             guard._depth += 1
         try:
-            skipped = step_optimizer(optimizer, found_inf)
+            decided = step_or_skip(optimizer, found_inf, None, (), {})[0]  # found_inf itself: skipped iff set
         finally:
             if guard is not None:
                 guard._depth -= 1
@@ -531,9 +560,9 @@ class MixedPrecision:
         rec.stepped = True
         self._iteration_flags.append(found_inf)
         counter = typing_cast(AppliedSteps, self._applied_steps)  # set by prepare()
-        info = StepInfo(found_inf=found_inf, skipped=skipped, scale=scale_used, _applied=(counter.push(skipped), counter))
+        info = StepInfo(found_inf, scale_used, (counter.push(decided), counter), decided)
         self.last_step = info
-        if self.scale_update == "auto" and all(r.stepped for r in self._records.values()):
+        if auto and (len(self._records) == 1 or all(r.stepped for r in self._records.values())):
             self._end_iteration()  # rule 1
         if schedulers and info.applied():
             for s in schedulers:
@@ -575,15 +604,20 @@ class MixedPrecision:
             any_inf = flags[0]
         else:
             any_inf = torch.stack([f.to(flags[0].device) for f in flags]).amax()
-        holders = [r for r in self._records.values() if not r.stepped and r.stage != "idle"]
+        records = self._records.values()
+        holders = [r for r in records if not r.stepped and r.stage != "idle"] if len(records) > 1 else []
         old_scale = self.scaler.loss_scale.detach().clone() if holders and self._scales_loss else None
         # Book-keeping first: update() may raise NumericsError (escalation), and a caller that
         # catches it must not carry this iteration's flags into the next one.
         self._iteration_flags = []
-        for r in self._records.values():
+        for r in records:
             r.stepped = False
         try:
-            self.scaler.update(any_inf)
+            scaler = self.scaler
+            if isinstance(scaler, _ScalerBase):
+                scaler._core.update(any_inf)  # what scaler.update does, less the argument check
+            else:
+                scaler.update(any_inf)
         finally:
             if old_scale is not None:
                 self._rescale_held(holders, old_scale)
@@ -681,6 +715,7 @@ class MixedPrecision:
                 opt.load_master_values_(values)
             else:
                 opt.load_state_dict(entry)
+            _unalias_state(opt, entry)
         if sd.get("scaler") is not None:
             self.scaler.load_state_dict(sd["scaler"])
         counter = typing_cast(AppliedSteps, self._applied_steps)
@@ -741,6 +776,37 @@ class MixedPrecision:
             remove_step_guard(opt)
             if isinstance(opt, MasterWeightOptimizer):
                 remove_step_guard(opt.optimizer)
+
+
+def _unalias_state(optimizer: Optimizer, entry: Any) -> None:
+    """Give the optimizer its own copy of every state tensor it took over from ``entry`` itself.
+
+    ``torch.optim.Optimizer.load_state_dict`` keeps a state tensor that already has the right
+    dtype and device as it is, so the next step would write into the caller's state dict: a
+    state dict kept to roll back to (or compared against) would silently change. Only tensors
+    that alias the given ones are copied (a load from another device copied them already).
+    """
+    given: set[int] = set()
+
+    def collect(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.numel():
+                given.add(obj.data_ptr())
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                collect(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                collect(v)
+
+    collect(entry)
+    if not given:
+        return
+    for state in optimizer.state.values():
+        if isinstance(state, dict):
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() in given:
+                    state[k] = v.clone()
 
 
 def _follow_param_groups(given: Optimizer, converted: Optimizer) -> None:

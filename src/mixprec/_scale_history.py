@@ -129,6 +129,8 @@ class ScaleHistory:
     def __init__(self, config: HistoryConfig) -> None:
         self.cfg = config
         self.ring_len = max(config.history, config.check_interval)
+        # steps between folds: the check interval when checks are on, else when the ring is full
+        self._interval = config.check_interval if config.checks else self.ring_len
         self.ring: Tensor | None = None
         self._rows: tuple[Tensor, ...] = ()
         self.counters: Tensor | None = None
@@ -174,13 +176,12 @@ class ScaleHistory:
 
         No host sync, except the periodic check.
         """
-        torch.stack([scale, found_inf], out=self._rows[self.steps % self.ring_len])
-        self.steps += 1
-        cfg = self.cfg
-        interval = cfg.check_interval if cfg.checks else self.ring_len
-        if self.steps - self.folded >= interval:
+        steps = self.steps
+        torch.stack([scale, found_inf], out=self._rows[steps % self.ring_len])
+        self.steps = steps = steps + 1
+        if steps - self.folded >= self._interval:
             self.fold()
-            if cfg.checks:
+            if self.cfg.checks:
                 self._periodic_check(scale)
 
     def _positions(self, n: int) -> Tensor:

@@ -248,28 +248,30 @@ class ScaleCore:
 
     # ----- per step --------------------------------------------------------------------------------
     def inv_scale(self) -> Tensor:
-        """``1/scale`` in float64, rounded to float32 (torch.amp does the same: FP32 division can be inexact)."""
+        """``1/scale`` as float32, correctly rounded: bit for bit what torch.amp's float64 round trip gives.
+
+        torch.amp computes ``scale.double().reciprocal().float()`` (three kernels). One FP32
+        ``reciprocal`` gives the same bits: IEEE division is correctly rounded, and rounding a
+        quotient first to float64 and then to float32 cannot change the float32 result, because
+        float64 carries more than 2 * 24 + 2 significand bits (double rounding is innocuous for
+        division). Static scalers keep the result until the scale changes.
+        """
         scale = self.scale
         assert scale is not None
         if self.cfg.kind == "static":
             if self._inv_cache is None or self._inv_cache[0] is not scale:
-                self._inv_cache = (scale, scale.double().reciprocal().float())
+                self._inv_cache = (scale, scale.reciprocal())
             return self._inv_cache[1]
-        if scale.device.type == "mps":  # no float64 on MPS (torch.amp does the same)
-            return scale.reciprocal()
-        return scale.double().reciprocal().float()
+        return scale.reciprocal()
 
     def update(self, found_inf: Tensor, *, decide: bool = True) -> None:
         """Record one step and (``decide``) apply the dynamic-scaling rule. No host sync, except the periodic check."""
         scale = self.scale
         if scale is None:
             scale = self.ensure(found_inf.device, bind=False)
-        if found_inf.device != scale.device:
-            found_inf = found_inf.to(scale.device, non_blocking=True)
-        if found_inf.dtype != torch.float32:
-            found_inf = found_inf.float()
-        if found_inf.dim():
-            found_inf = found_inf.reshape(())
+        # the usual flag (0-d float32 on the scale's device) passes three cheap checks
+        if found_inf.dtype is not torch.float32 or found_inf.dim() or found_inf.device != scale.device:
+            found_inf = found_inf.to(scale.device, torch.float32, non_blocking=True).reshape(())
         if decide and self.cfg.kind == "dynamic":
             self._decide(found_inf)
         # one kernel: (scale after the update, found_inf) into the ring; fold and check when due
@@ -554,9 +556,13 @@ class _ScalerBase:
         Returns:
             ``found_inf``: 0-d float32 on the gradients' device, 1.0 when any gradient is inf/NaN.
         """
-        grads = _collect_grads(grads_or_params)
+        return self._unscale_grads_(_collect_grads(grads_or_params))
+
+    def _unscale_grads_(self, grads: list[Tensor]) -> Tensor:
+        """:meth:`unscale_` on gradients already collected (``MixedPrecision`` has them: no second pass)."""
         core = self._core
-        core.ensure(grads[0].device if grads else None)
+        if core.scale is None or not core.bound:
+            core.ensure(grads[0].device if grads else None)
         inv = None if self._kind == "noop" else core.inv_scale()
         found_inf = unscale_and_check_(grads, inv)
         return agree_found_inf_(found_inf, self.process_group)

@@ -28,6 +28,7 @@ __all__ = [
     "install_step_guard",
     "remove_step_guard",
     "step_optimizer",
+    "step_or_skip",
     "step_with_result",
 ]
 
@@ -35,6 +36,17 @@ __all__ = [
 def step_with_result(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
     """step_optimizer's body, also returning what ``optimizer.step`` returned (None when skipped)."""
+    flag, ret = step_or_skip(optimizer, found_inf, grad_scale, args, kwargs)
+    return flag > 0, ret
+
+
+def step_or_skip(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+    """Step or skip; return the flag that decided (non-zero: skipped) and what ``step`` returned.
+
+    The flag is ``found_inf`` itself when ``grad_scale`` is ``None``, so a caller that already
+    holds ``found_inf`` pays no kernel for a ``skipped`` it may never read.
+    """
     if getattr(optimizer, "_step_supports_amp_scaling", False):
         sentinel = object()
         old = (getattr(optimizer, "grad_scale", sentinel), getattr(optimizer, "found_inf", sentinel))
@@ -51,16 +63,15 @@ def step_with_result(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | Non
                         pass
                 else:
                     setattr(optimizer, name, value)
-        return found_inf > 0, ret
+        return found_inf, ret
     if grad_scale is not None:
         # the optimizer cannot unscale: do it here, fused, and fold its flag in
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        found_inf = unscale_and_check_(grads, grad_scale.double().reciprocal().float(), found_inf.clone())
-    skipped = found_inf > 0
+        found_inf = unscale_and_check_(grads, grad_scale.reciprocal(), found_inf.clone())
     # Host sync: this optimizer cannot skip on the device, so the host decides whether to call it.
-    if bool(skipped.item()):
-        return skipped, None
-    return skipped, optimizer.step(*args, **kwargs)
+    if found_inf.item() > 0:
+        return found_inf, None
+    return found_inf, optimizer.step(*args, **kwargs)
 
 
 def step_optimizer(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None = None, *args: Any,
@@ -241,9 +252,10 @@ def remove_step_guard(optimizer: Any) -> None:
 class AppliedSteps:
     """A device count of applied optimizer steps that costs no kernel per step until it is read.
 
-    Algorithm: each step appends its 0-d ``skipped`` flag (and a one-slot cell for the step's
-    :class:`~mixprec.StepInfo`) to a pending list; reading the count, or a pending step's own
-    value, folds the list: ``values = base + cumsum(~stack(flags))`` (three kernels for any
+    Algorithm: each step appends its 0-d skip flag (``found_inf``, or a bool ``skipped``: non-zero
+    means skipped) and a one-slot cell for the step's :class:`~mixprec.StepInfo` to a pending
+    list; reading the count, or a pending step's own
+    value, folds the list: ``values = base + cumsum(stack(flags) == 0)`` (three kernels for any
     number of steps), fills every pending cell with its step's value and makes the last one the
     new base. The list is folded every ``fold_every`` steps as well, so it stays small when
     nothing reads it. Training loops that never look at ``applied_steps`` pay nothing per step;
@@ -258,7 +270,7 @@ class AppliedSteps:
         self._cells: list[list[Tensor | None]] = []
 
     def push(self, skipped: Tensor) -> list[Tensor | None]:
-        """Record one step's ``skipped`` flag; return the cell its value will be written to."""
+        """Record one step's skip flag (non-zero: skipped); return the cell its value will be written to."""
         cell: list[Tensor | None] = [None]
         self._flags.append(skipped)
         self._cells.append(cell)
@@ -276,9 +288,9 @@ class AppliedSteps:
         dev = base.device
         if len(flags) == 1:  # read every step: one kernel, as an eager counter
             skip = flags[0] if flags[0].device == dev else flags[0].to(dev)
-            values: tuple[Tensor, ...] = (torch.where(skip, base, base + 1),)
+            values: tuple[Tensor, ...] = (base + (skip == 0),)
         else:
-            clean = torch.stack([f if f.device == dev else f.to(dev) for f in flags]).logical_not_()
+            clean = torch.stack([f if f.device == dev else f.to(dev) for f in flags]) == 0
             values = (torch.cumsum(clean, 0, dtype=torch.int64) + base).unbind(0)
         for cell, value in zip(cells, values):
             cell[0] = value

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._autocast import autocast, resolve_device_type
-from .._casting import cast_module, is_prepared
+from .._casting import cast_module, is_prepared, strip_forward_patches
 from .._fp8 import fp8_modules
 from .._policy import Policy
 from ._report import jsonable
@@ -341,8 +341,8 @@ class _Tracer:
 
 # ----- FP32 re-run --------------------------------------------------------------------------------------
 def _fp32_copy(module: nn.Module) -> nn.Module:
-    m = copy.deepcopy(module)
-    for sub in m.modules():  # drop every hook (the tracer's, cast_module's input/output casts)
+    m = strip_forward_patches(copy.deepcopy(module))  # cast_module's input/output casts and islands
+    for sub in m.modules():  # drop every hook (the tracer's, a user's)
         sub._forward_hooks.clear()
         sub._forward_pre_hooks.clear()
         sub._backward_hooks.clear()
