@@ -95,3 +95,43 @@ def test_fused_true_needs_a_supported_optimizer():
         MasterWeightOptimizer(torch.optim.SGD(params, lr=0.1), fused=1)  # type: ignore[arg-type]
     opt = MasterWeightOptimizer(torch.optim.SGD(_model_params(), lr=0.1))
     assert opt.fused is None and opt._fused_shadow() is None  # default: eager on CPU (docs/optim.md)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_fused_step_carries_data_edits_into_the_masters_like_the_eager_check(skip):
+    """weight_edits="values" in the fused kernel: a p.data edit (pruning mask, clamp) wins elementwise.
+
+    The eager step runs ``sync_edits_`` (three kernels per weight) before the update; the fused
+    step compares each weight with its rounded master inside the compiled kernel. Both must keep
+    the edited elements (also through a skipped step, where the edited value is all that changes)
+    and leave the untouched ones on their exact FP32 masters.
+    """
+    runs = []
+    for fused in (False, True):
+        opt = _make("adamw", fused)
+        _step(opt, 0)  # masters now carry bits below BF16
+        w, b = opt.model_params
+        w.data.mul_((torch.arange(w.numel()).reshape(w.shape) % 3 != 0).to(w.dtype))  # prune every third
+        b.data.clamp_(-0.1, 0.1)
+        g = torch.Generator().manual_seed(7)
+        for m in opt.masters:
+            m.grad = torch.randn(m.shape, generator=g)
+        opt.found_inf = torch.tensor(float(skip))
+        opt.step()
+        del opt.found_inf
+        runs.append(opt)
+        assert (opt._shadow is not None and bool(opt._shadow._fused_fns)) is fused
+        for p, m in zip(opt.model_params, opt.masters):
+            assert torch.equal(p.detach(), m.to(torch.bfloat16))
+    eager, fused_opt = runs
+    pruned = torch.arange(SHAPES[0][0] * SHAPES[0][1]).reshape(SHAPES[0]) % 3 == 0
+    for opt in runs:
+        w_master = opt.masters[0]
+        if skip:
+            assert torch.equal(w_master[pruned], torch.zeros_like(w_master[pruned]))  # the edit, exactly
+        assert opt.masters[1].abs().max() <= 0.1 + 0.01  # clamped before the update (lr 1e-2)
+    for me, mf in zip(eager.masters, fused_opt.masters):
+        if skip:
+            assert torch.equal(mf, me)  # nothing but the edit happened: bit for bit
+        else:
+            torch.testing.assert_close(mf, me, rtol=0, atol=2e-6)

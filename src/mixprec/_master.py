@@ -442,10 +442,19 @@ class MasterWeightOptimizer(Optimizer):
         """
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        self.sync_edits_()
         self.master_grads()
         args = (closure,) if closure is not None else ()
         shadow = self._fused_shadow()
+        in_kernel = shadow is not None and self.weight_edits == "values"
+        if in_kernel:
+            # The fused kernel compares every weight it steps with its rounded master as it reads
+            # them (optim/_base.py, _sync_mirrors); weights without a gradient (not stepped) keep an
+            # edit in the model until their next step or state_dict(), which sync them.
+            shadow._sync_mirrors = True
+        else:
+            if shadow is not None:
+                shadow._sync_mirrors = False
+            self.sync_edits_()
         if shadow is not None:
             # One compiled kernel per bucket: update, skip on found_inf, copy back (into the mirrors).
             result = shadow.step(*args, grad_scale=grad_scale, found_inf=found_inf)

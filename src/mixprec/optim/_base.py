@@ -194,6 +194,9 @@ class LowPrecisionOptimizer(Optimizer):
         #: id(param) -> a tensor that receives the committed value in its own dtype (the model's
         #: half weight of an FP32 master: MasterWeightOptimizer's fused step copies back in-graph).
         self._mirrors: dict[int, Tensor] = {}
+        #: Carry edits of a mirror into its parameter before the update (``weight_edits="values"``
+        #: of MasterWeightOptimizer, done in the fused kernel): ``p = where(mirror == round(p), p, mirror)``.
+        self._sync_mirrors = False
         super().__init__(params, defaults)
 
     # ----- hooks for subclasses ------------------------------------------------------------------
@@ -291,6 +294,7 @@ class LowPrecisionOptimizer(Optimizer):
             _offsets={},
             _lr_tensors={},
             _mirrors={},
+            _sync_mirrors=False,
         )
         return state
 
@@ -401,6 +405,8 @@ class LowPrecisionOptimizer(Optimizer):
         return off
 
     def _step_bucket(self, group: dict[str, Any], b: _Bucket, ctx: _DeviceCtx) -> None:
+        if self._sync_mirrors:
+            self._sync_from_mirrors(b)
         grads = [g.reshape(-1) for g in b.grads]
         for segs in self._chunks(b.params):
             self._step_chunk(group, b, grads, segs, ctx)
@@ -408,6 +414,13 @@ class LowPrecisionOptimizer(Optimizer):
         pairs = [(m, p) for m, p in zip(b.mirrors, b.params) if m is not None]
         if pairs:
             torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+
+    @staticmethod
+    def _sync_from_mirrors(b: _Bucket) -> None:
+        """The eager form of the fused kernel's mirror sync: edited mirror elements win."""
+        for m, p in zip(b.mirrors, b.params):
+            if m is not None:
+                torch.where(m == p.to(m.dtype), p, m.to(p.dtype), out=p)
 
     # ----- the fused (compiled) step ------------------------------------------------------------------
     def fused_enabled(self, device: torch.device | str) -> bool:
@@ -462,7 +475,7 @@ class LowPrecisionOptimizer(Optimizer):
                    None if m is None else (m.dtype, tuple(m.stride())))
                   for p, g, m in zip(b.params, b.grads, b.mirrors)),
             keys, repr(sorted(hp.items(), key=lambda kv: kv[0])),
-            ctx.scale is not None, ctx.skip is not None, device,
+            ctx.scale is not None, ctx.skip is not None, device, self._sync_mirrors,
         )
         acc = torch.promote_types(p0.dtype, torch.float32)
         # Per-parameter scalars and random keys outside the graph (a few tiny kernels per bucket):
@@ -561,6 +574,7 @@ class LowPrecisionOptimizer(Optimizer):
         half = pdt in _HALF
         kahan = bool(b.comps)
         stochastic = half and self.compensation == "stochastic"
+        sync_mirrors = self._sync_mirrors
         sdt = self._state_dtype_for(p0)
         cls = type(self)
         update = cls.__new__(cls)._update
@@ -579,6 +593,14 @@ class LowPrecisionOptimizer(Optimizer):
                 if scale is not None:
                     g = g / scale
                 w = p.to(acc)
+                mirror = mirrors[i]
+                p_old: Tensor = p
+                if sync_mirrors and mirror is not None:
+                    # An edit of the model's weight since the last step (p.data.clamp_, a pruning
+                    # mask) wins over the master, elementwise, in this pass over the weights: the
+                    # exact check of weight_edits="values" without three extra kernels per tensor.
+                    w = torch.where(mirror == w.to(mirror.dtype), w, mirror.to(acc))
+                    p_old = w.to(p.dtype)  # what a skipped step keeps: the master with the edits
                 if kahan:
                     w = w + comps[i].to(acc)
                 s_old = {k: states[j][i] for j, k in enumerate(keys)}
@@ -589,21 +611,21 @@ class LowPrecisionOptimizer(Optimizer):
                 def rand(col: int, i: int = i, index: Tensor = index) -> Tensor:
                     return counter_bits(ka[i, col], kb[i, col], index)
 
-                new: list[tuple[Tensor, Tensor]] = []
+                new: list[tuple[Tensor, Tensor, Tensor]] = []  # (destination, new value, value if skipped)
                 if half:
                     p_new = stochastic_round(w_new, pdt, bits=rand(0)) if stochastic else w_new.to(pdt)
-                    new.append((p, p_new))
+                    new.append((p, p_new, p_old))
                     if kahan:
-                        new.append((comps[i], stochastic_round(w_new - p_new.to(acc), pdt, bits=rand(1))))
+                        c = comps[i]
+                        new.append((c, stochastic_round(w_new - p_new.to(acc), pdt, bits=rand(1)), c))
                 else:
-                    new.append((p, w_new.to(pdt)))
+                    new.append((p, w_new.to(pdt), p_old))
                 for k in keys:
                     v = s_new[k]
                     v = stochastic_round(v, sdt, bits=rand(slot_of[k])) if sdt in _HALF else v.to(sdt)
-                    new.append((s_old[k], v))
-                for dst, value in new:
-                    dst.copy_(torch.where(skip, dst, value) if skip is not None else value)
-                mirror = mirrors[i]
+                    new.append((s_old[k], v, s_old[k]))
+                for dst, value, old in new:
+                    dst.copy_(torch.where(skip, old, value) if skip is not None else value)
                 if mirror is not None:  # the copy back into the model's half weight, in the same kernel
                     mirror.copy_(p.to(mirror.dtype))
 
