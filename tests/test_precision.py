@@ -465,3 +465,39 @@ def test_fused_true_with_an_optimizer_it_cannot_fuse_raises_before_anything_chan
     assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
     with pytest.raises(TypeError, match="fused must be True, False or None"):
         MixedPrecision("bf16-master", fused="yes")
+
+
+@pytest.mark.parametrize("read_every", [1, 4, 0])
+def test_step_history_recorded_by_snapshot_equals_the_eager_record(read_every):
+    """prec.step records its steps in the scaler's history by reference (no ring write per step).
+
+    A run of prec.step with overflows at chosen steps, a 5-step history and a 3-step check
+    interval (so the ring wraps and folds often), against a DynamicScaler fed the same flags
+    through its public update() (the eager per-step ring write): statistics and state dicts
+    equal, whether they are read every step, every 4th step or only at the end.
+    """
+    from mixprec._scaler import DynamicScaler
+
+    def scaler():
+        return DynamicScaler(init_scale=2.0**8, growth_interval=2, history=5, check_interval=3, min_scale=4.0,
+                             on_failure="ignore")
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    prec = MixedPrecision("fp16-mixed", scaler=scaler())
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    eager = scaler()
+    overflow_at = {2, 3, 4, 5, 6, 7, 11, 12}  # a streak down to the floor (256 -> 4), then recovery
+    for i in range(17):
+        loss = model(torch.ones(2, 3)).sum()
+        prec.backward(loss * float("inf") if i in overflow_at else loss)
+        info = prec.step(opt)
+        opt.zero_grad()
+        eager.update(torch.tensor(float(i in overflow_at)))
+        assert info.skipped.item() == (i in overflow_at)
+        if read_every and i % read_every == 0:
+            assert prec.scaler.statistics() == eager.statistics(), i
+    got, want = prec.scaler.statistics(), eager.statistics()
+    assert got == want
+    assert want["scale_history"] == [4.0, 4.0, 8.0, 8.0, 16.0] and want["overflow_history"][0] is True
+    assert prec.scaler.state_dict() == eager.state_dict()

@@ -572,6 +572,7 @@ class GradScaler:
         assert scale is not None  # _require_core materialised it (internal invariant)
         flags = [f for st in self._per_optimizer_states.values() for f in st["found_inf_per_device"].values()]
         if new_scale is not None:
+            core.history.flush(scale)  # steps recorded by snapshot end at the scale before this write
             if isinstance(new_scale, Tensor):
                 reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor "
                           "with requires_grad=False.")

@@ -412,32 +412,29 @@ class MixedPrecision:
             ValueError: before ``prepare``; ``loss`` not a scalar with a graph; backward after the
                 gradients were already unscaled in this iteration, before any step (call ``step`` first).
         """
-        self._require_prepared("backward()")
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"backward(loss) needs a tensor, got {type(loss).__name__}")
-        if loss.numel() != 1 or not loss.dtype.is_floating_point:
-            raise ValueError(
-                f"backward(loss) needs a scalar floating loss, got shape {tuple(loss.shape)} {loss.dtype}; reduce it "
-                "(e.g. loss.mean()) first."
-            )
-        if not loss.requires_grad:
-            raise ValueError("the loss does not require grad (computed under torch.no_grad(), or from detached tensors?).")
-        if self.scale_update == "auto" and self._iteration_flags:
+        if self.model is None:
+            self._require_prepared("backward()")
+        # One cheap test for the usual loss; the detailed messages only when it fails (hot path).
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.is_floating_point() and loss.numel() == 1):
+            _check_loss(loss)
+        if self._iteration_flags and self.scale_update == "auto":
             self._end_iteration()
-        if any(r.stage == "unscaled" for r in self._records.values()):
-            raise ValueError(
-                "backward() after the gradients were unscaled (by clip_grad_norm_ or unscale_) in the same step would "
-                "mix scaled and unscaled gradients; call step() first."
-            )
+        records = self._records.values()
+        for rec in records:
+            if rec.stage == "unscaled":
+                raise ValueError(
+                    "backward() after the gradients were unscaled (by clip_grad_norm_ or unscale_) in the same step "
+                    "would mix scaled and unscaled gradients; call step() first."
+                )
         # Autocast regions end before backward, so the TF32 switch they set is gone here; the
         # backward matmuls are as large as the forward ones and follow the policy too. The switches
         # only act on CUDA (cuBLAS/cuDNN): elsewhere the region would be pure per-step cost.
-        if loss.device.type == "cuda":
+        if loss.is_cuda:
             with tf32(self.policy.tf32):
                 self.scaler.scale(loss).backward(**backward_kwargs)
         else:
             self.scaler.scale(loss).backward(**backward_kwargs)
-        for rec in self._records.values():
+        for rec in records:
             rec.stage = "backward"
 
     def _grads(self, optimizer: Optimizer) -> list[torch.Tensor]:
@@ -557,13 +554,22 @@ class MixedPrecision:
             if guard is not None:
                 guard._depth -= 1
         rec.stage = "idle"
-        rec.stepped = True
-        self._iteration_flags.append(found_inf)
         counter = typing_cast(AppliedSteps, self._applied_steps)  # set by prepare()
-        info = StepInfo(found_inf, scale_used, (counter.push(decided), counter), decided)
+        # StepInfo is frozen; filling its __dict__ directly skips the five object.__setattr__ calls
+        # of the generated __init__ (same fields, same object).
+        info = StepInfo.__new__(StepInfo)
+        info.__dict__.update(found_inf=found_inf, scale=scale_used, _applied=(counter.push(decided), counter),
+                             _decided=decided, _skipped=None)
         self.last_step = info
-        if auto and (len(self._records) == 1 or all(r.stepped for r in self._records.values())):
-            self._end_iteration()  # rule 1
+        if auto and len(self._records) == 1 and not self._iteration_flags and isinstance(scaler, _ScalerBase):
+            # Rule 1 for the usual loop (one optimizer, nothing pending): the iteration ends here,
+            # with this step's flag and no gradients held across it; what _end_iteration does, inline.
+            scaler._core.update(found_inf, used=scale_used)  # the history keeps the step's snapshot: no ring write
+        else:
+            rec.stepped = True
+            self._iteration_flags.append(found_inf)
+            if auto and all(r.stepped for r in self._records.values()):
+                self._end_iteration()  # rule 1
         if schedulers and info.applied():
             for s in schedulers:
                 s.step()
@@ -776,6 +782,19 @@ class MixedPrecision:
             remove_step_guard(opt)
             if isinstance(opt, MasterWeightOptimizer):
                 remove_step_guard(opt.optimizer)
+
+
+def _check_loss(loss: Any) -> None:
+    """Raise the error that says what is wrong with a loss handed to ``MixedPrecision.backward``."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"backward(loss) needs a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1 or not loss.dtype.is_floating_point:
+        raise ValueError(
+            f"backward(loss) needs a scalar floating loss, got shape {tuple(loss.shape)} {loss.dtype}; reduce it "
+            "(e.g. loss.mean()) first."
+        )
+    if not loss.requires_grad:
+        raise ValueError("the loss does not require grad (computed under torch.no_grad(), or from detached tensors?).")
 
 
 def _unalias_state(optimizer: Optimizer, entry: Any) -> None:

@@ -129,8 +129,8 @@ class ScaleHistory:
     def __init__(self, config: HistoryConfig) -> None:
         self.cfg = config
         self.ring_len = max(config.history, config.check_interval)
-        # steps between folds: the check interval when checks are on, else when the ring is full
-        self._interval = config.check_interval if config.checks else self.ring_len
+        self._interval = 0
+        self.refresh_config()
         self.ring: Tensor | None = None
         self._rows: tuple[Tensor, ...] = ()
         self.counters: Tensor | None = None
@@ -139,10 +139,18 @@ class ScaleHistory:
         # a finite step happened before the counters started (it came with a loaded state dict)
         self.finite_before = False
         self._pos_cache: dict[tuple[int, torch.device], Tensor] = {}
+        # Steps recorded by reference and not yet written to the ring (record_snapshot): the scale
+        # each used (a snapshot taken before its update) and its found_inf, oldest first.
+        self._pending: list[tuple[Tensor, Tensor]] = []
         self._snapshot: tuple[Tensor, Any, int] | None = None  # (pinned host copy, cuda event, step)
         self._reported = False
         self._last_log = -math.inf
         self._logged_skipped = 0.0
+
+    def refresh_config(self) -> None:
+        """Recompute what ``record`` derives from the configuration (after unpickling)."""
+        # steps between folds: the check interval when checks are on, else when the ring is full
+        self._interval = self.cfg.check_interval if self.cfg.checks else self.ring_len
 
     # ----- device state ----------------------------------------------------------------------------
     def materialise(self, device: torch.device, scale: float) -> None:
@@ -176,6 +184,8 @@ class ScaleHistory:
 
         No host sync, except the periodic check.
         """
+        if self._pending:
+            raise RuntimeError("ScaleHistory.record: flush(scale) the snapshot-recorded steps before the update")
         steps = self.steps
         torch.stack([scale, found_inf], out=self._rows[steps % self.ring_len])
         self.steps = steps = steps + 1
@@ -183,6 +193,53 @@ class ScaleHistory:
             self.fold()
             if self.cfg.checks:
                 self._periodic_check(scale)
+
+    def record_snapshot(self, used: Tensor, found_inf: Tensor, scale: Tensor) -> None:
+        """Record one step by reference, with no kernel: ``(used, found_inf)`` wait until the next fold.
+
+        The ring holds each step's scale *after* its update, which is the scale the next step
+        used; so a caller that already keeps a snapshot of the scale a step used (``StepInfo``'s)
+        needs no per-step ring write: :meth:`flush` writes the waiting rows in a few kernels at
+        the next fold, taking the last row's scale from the live one.
+
+        Args:
+            used: The scale this step's gradients were divided by: a tensor nobody writes to later.
+            found_inf: This step's flag (0-d float32, the ring's device), not written to later.
+            scale: The live scale, after this step's update.
+
+        Raises:
+            NumericsError: escalation with ``on_failure="raise"`` (at a periodic check).
+        """
+        self._pending.append((used, found_inf))
+        self.steps = steps = self.steps + 1
+        if steps - self.folded >= self._interval:
+            self.fold(scale)
+            if self.cfg.checks:
+                self._periodic_check(scale)
+
+    def flush(self, scale: Tensor | None) -> None:
+        """Write the steps waiting from :meth:`record_snapshot` into the ring.
+
+        Args:
+            scale: The live scale, which must not have changed since the last waiting step's
+                update (it is that step's scale after the update). ``None`` drops them unwritten
+                (their statistics are being replaced, e.g. by a loaded state).
+        """
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        if scale is None or self.ring is None:
+            return
+        n = len(pending)  # <= check interval <= ring length: rows [steps - n, steps) never wrap onto each other
+        after = [u for u, _ in pending[1:]]
+        after.append(scale)
+        rows = torch.stack([torch.stack(after), torch.stack([f for _, f in pending])], dim=1)
+        start = (self.steps - n) % self.ring_len
+        head = min(n, self.ring_len - start)
+        self.ring[start:start + head].copy_(rows[:head])
+        if head < n:
+            self.ring[: n - head].copy_(rows[head:])
 
     def _positions(self, n: int) -> Tensor:
         assert self.ring is not None  # materialised
@@ -192,8 +249,17 @@ class ScaleHistory:
             pos = self._pos_cache[key] = torch.arange(n, dtype=torch.float64, device=self.ring.device)
         return pos
 
-    def fold(self) -> Tensor | None:
-        """Fold ring entries [folded, steps) into the counters; return the window's overflow count (device)."""
+    def fold(self, scale: Tensor | None = None) -> Tensor | None:
+        """Fold ring entries [folded, steps) into the counters; return the window's overflow count (device).
+
+        Args:
+            scale: The live scale, for steps still waiting from :meth:`record_snapshot` (required
+                when there are any).
+        """
+        if self._pending:
+            if scale is None:
+                raise RuntimeError("ScaleHistory.fold: steps recorded by snapshot need the live scale to be written")
+            self.flush(scale)
         n = self.steps - self.folded
         if n == 0 or self.ring is None or self.counters is None:
             return None
@@ -381,7 +447,7 @@ class ScaleHistory:
             NumericsError: escalation with ``on_failure="raise"`` (only with ``check``).
         """
         assert self.ring is not None
-        self.fold()
+        self.fold(scale)
         values = self.snapshot(scale).tolist()
         skipped, consec, last_ovf, last_clean, floor_streak, _prev, scale_now = values
         n = min(self.steps, self.ring_len)
@@ -412,6 +478,7 @@ class ScaleHistory:
             scale: The loaded scale (the scale before the next step).
         """
         assert self.ring is not None and self.counters is not None
+        self.flush(None)  # their statistics are replaced
         self.steps = self.folded = int(sd["steps"])
         hist = list(sd["scale_history"])[-self.ring_len:]
         flags = list(sd["overflow_history"])[-self.ring_len:]
@@ -436,9 +503,10 @@ class ScaleHistory:
         d = self.__dict__.copy()
         d["ring"] = d["counters"] = None
         d["steps"] = d["folded"] = 0
-        d["_pos_cache"], d["_snapshot"], d["_rows"] = {}, None, ()
+        d["_pos_cache"], d["_snapshot"], d["_rows"], d["_pending"] = {}, None, (), []
         d["_last_log"] = -math.inf
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
+        d.setdefault("_pending", [])  # pickled before record_snapshot existed
         self.__dict__.update(d)

@@ -195,6 +195,9 @@ class ScaleCore:
 
     def __init__(self, config: ScaleConfig, device: torch.device | str | None = None) -> None:
         self.cfg = config
+        # per-step branches, decided once (the config's fields do not change after validation)
+        self._dynamic = config.kind == "dynamic"
+        self._bounded = config.min_scale is not None or config.max_scale is not None
         self.explicit_device = torch.device(device) if device is not None else None
         self.bound = device is not None
         self.device = self.explicit_device
@@ -264,18 +267,33 @@ class ScaleCore:
             return self._inv_cache[1]
         return scale.reciprocal()
 
-    def update(self, found_inf: Tensor, *, decide: bool = True) -> None:
-        """Record one step and (``decide``) apply the dynamic-scaling rule. No host sync, except the periodic check."""
+    def update(self, found_inf: Tensor, *, decide: bool = True, used: Tensor | None = None) -> None:
+        """Record one step and (``decide``) apply the dynamic-scaling rule. No host sync, except the periodic check.
+
+        Args:
+            found_inf: The iteration's flag.
+            decide: Apply the dynamic rule (``False``: record only).
+            used: A snapshot of the scale before this update that nobody writes to later (the
+                step's ``StepInfo.scale``): the history then records the step by reference,
+                without a kernel (:meth:`ScaleHistory.record_snapshot`).
+        """
         scale = self.scale
         if scale is None:
             scale = self.ensure(found_inf.device, bind=False)
         # the usual flag (0-d float32 on the scale's device) passes three cheap checks
         if found_inf.dtype is not torch.float32 or found_inf.dim() or found_inf.device != scale.device:
             found_inf = found_inf.to(scale.device, torch.float32, non_blocking=True).reshape(())
-        if decide and self.cfg.kind == "dynamic":
+            used = None  # a converted flag is not the caller's tensor: record it eagerly
+        history = self.history
+        if used is None:
+            history.flush(scale)  # steps recorded by snapshot end at the live scale, before this update
+        if decide and self._dynamic:
             self._decide(found_inf)
-        # one kernel: (scale after the update, found_inf) into the ring; fold and check when due
-        self.history.record(scale, found_inf)
+        if used is not None:
+            history.record_snapshot(used, found_inf, scale)
+        else:
+            # one kernel: (scale after the update, found_inf) into the ring; fold and check when due
+            history.record(scale, found_inf)
 
     def _decide(self, found_inf: Tensor) -> None:
         """The dynamic rule (see DynamicScaler's docstring) with torch's fused update kernel at its core.
@@ -289,7 +307,7 @@ class ScaleCore:
         assert scale is not None and tracker is not None and left is not None
         before = scale.clone() if cfg.hysteresis > 1 else None
         torch._amp_update_scale_(scale, tracker, found_inf, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval)
-        if cfg.min_scale is not None or cfg.max_scale is not None:
+        if self._bounded:
             scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
         if before is not None:
             overflow = found_inf > 0
@@ -373,6 +391,10 @@ class ScaleCore:
         if "history" not in d:  # pickled before the bookkeeping moved to _scale_history
             d = _upgrade_pickled_core(d)
         self.__dict__.update(d)
+        # derived per-step switches (absent from pickles of earlier versions)
+        self._dynamic = self.cfg.kind == "dynamic"
+        self._bounded = self.cfg.min_scale is not None or self.cfg.max_scale is not None
+        self.history.refresh_config()
         if self.pending_state is not None:
             self.history.steps = self.history.folded = int(self.pending_state.get("steps", 0))
 
