@@ -501,3 +501,55 @@ def test_step_history_recorded_by_snapshot_equals_the_eager_record(read_every):
     assert got == want
     assert want["scale_history"] == [4.0, 4.0, 8.0, 8.0, 16.0] and want["overflow_history"][0] is True
     assert prec.scaler.state_dict() == eager.state_dict()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("preset", ["fp16-mixed", "bf16-master", "bf16-pure"])
+def test_a_copied_run_trains_on_exactly_like_the_original(preset, how):
+    """copy.deepcopy / pickle of a prepared MixedPrecision (model, optimizer and all) is a working twin.
+
+    torch's Optimizer pickles three keys, which lost a MasterWeightOptimizer's masters; the copy's
+    records were keyed by the original optimizer's id. The twin trains three more steps bit for bit
+    like the original, its optimizer.step() routes through the twin (not the original), and the
+    original is untouched by it.
+    """
+    import pickle
+
+    prec, model, opt, _ = train(preset, steps=2)
+    twin = copy.deepcopy(prec) if how == "deepcopy" else pickle.loads(pickle.dumps(prec))
+    assert twin.model is not prec.model and twin.optimizers[0] is not opt
+    before = fp32_state_dict(prec)
+    t_model, t_opt = twin.model, twin.optimizers[0]
+    for s in range(2, 5):
+        with twin.autocast():
+            loss = loss_fn(t_model, batch("mlp", s))
+        twin.backward(loss)
+        t_opt.step()  # the guarded step: must reach twin.step
+        t_opt.zero_grad(set_to_none=True)
+    assert twin.last_step is not None and int(twin.last_step.applied_steps) == 5
+    assert equal_tree(fp32_state_dict(prec), before)  # the original did not move
+    for s in range(2, 5):
+        with prec.autocast():
+            loss = loss_fn(model, batch("mlp", s))
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad(set_to_none=True)
+    assert equal_tree(fp32_state_dict(twin), fp32_state_dict(prec))
+    if preset == "bf16-master":
+        with pytest.raises(RuntimeError, match="called on the optimizer passed to prepare"):
+            t_opt.optimizer.step()  # the wrapped optimizer of the twin still refuses a direct step
+
+
+def test_a_deep_copied_master_optimizer_steps_its_own_masters():
+    params = [nn.Parameter(torch.randn(4, 3).to(torch.bfloat16)), nn.Parameter(torch.randn(3))]
+    opt = MasterWeightOptimizer(torch.optim.SGD(params, lr=0.5))
+    twin = copy.deepcopy(opt)
+    assert twin.masters[0] is not opt.masters[0] and torch.equal(twin.masters[0], opt.masters[0])
+    start = opt.masters[0].clone()
+    p = twin.model_params[0]
+    (p.float().sum() + twin.model_params[1].sum()).backward()
+    assert isinstance(p.grad, torch.Tensor) and twin.masters[0].grad is not None  # the hook moved it into the master
+    twin.step()
+    assert torch.equal(opt.masters[0], start)  # the original's masters did not move
+    torch.testing.assert_close(twin.masters[0], start - 0.5)
+    assert torch.equal(p.detach(), twin.masters[0].to(torch.bfloat16))  # copied back into the twin's weights

@@ -166,6 +166,32 @@ class MasterWeightOptimizer(Optimizer):
         # apply gradients that may still be loss-scaled and never copy the masters back.
         self._inner_guard = install_step_guard(optimizer, "refuse")
 
+    # ----- copies ---------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything (torch's ``Optimizer.__getstate__`` keeps three keys, which lost the masters).
+
+        Left out, and rebuilt by ``__setstate__`` or the owner: gradient hooks and views (a copied
+        parameter has no hooks), the fused step's compiled view, the unscale callback and step
+        guards (a ``MixedPrecision`` run re-installs its own on its copy).
+        """
+        d = self.__dict__.copy()
+        for key in ("step", "_mixprec_step_guard"):  # a MixedPrecision run's routing guard
+            d.pop(key, None)
+        d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None)
+        return d
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for p, m in self._half_pairs():
+            if p.grad is not None and not isinstance(p.grad, MasterGradView):
+                m.grad = p.grad.to(self.master_dtype) if m.grad is None else m.grad
+            self._attach(p, m)
+            if self.grad_accumulation == "fp32" and m.grad is not None:
+                p.grad = self._views[id(p)]
+        from ._stepping import install_step_guard
+
+        self._inner_guard = install_step_guard(self.optimizer, "refuse")
+
     # ----- setup ----------------------------------------------------------------------------
     def _adopt(self, p: torch.Tensor) -> torch.Tensor:
         """Register ``p`` and return the tensor the wrapped optimizer should hold for it."""

@@ -231,6 +231,25 @@ class MixedPrecision:
         self._applied_steps: AppliedSteps | None = None
         self.check_result: Any = None  # the pre-flight CheckResult when prepare(check_batch=...) ran it
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For ``copy.deepcopy`` and pickling: the records travel without their step guards (re-installed on load)."""
+        d = self.__dict__.copy()
+        d["_records"] = [dataclasses.replace(r, guard=None) for r in self._records.values()]
+        return d
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        records = state.pop("_records")
+        self.__dict__.update(state)
+        self._records = {}
+        # The records were keyed by id(optimizer): the copies are new objects. Their step() routes
+        # to this copy, and master optimizers check reads of scaled gradients against it.
+        for rec in records:
+            opt = rec.optimizer
+            rec.guard = install_step_guard(opt, "route", self._step_from_optimizer)
+            if isinstance(opt, MasterWeightOptimizer):
+                opt.set_unscale_callback(self._unscale_callback(opt))
+            self._records[id(opt)] = rec
+
     def __repr__(self) -> str:
         state = "prepared" if self.model is not None else "not prepared"
         return f"MixedPrecision({str(self.policy)!r}, scaler={type(self.scaler).__name__}, {state})"

@@ -157,7 +157,6 @@ class StepGuard:
         self._run = run
         self._depth = 0
         self._previous = optimizer.__dict__.get("step")  # a scheduler's wrapper, a monitor's, ...
-        self._cls_step = type(optimizer).step
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
@@ -172,7 +171,9 @@ class StepGuard:
         """The optimizer's own step, below the guard."""
         if self._previous is not None:
             return self._previous(*args, **kwargs)
-        return self._cls_step(optimizer, *args, **kwargs)
+        # looked up per call, not kept: torch wraps optimizer classes' step, and a guard holding that
+        # wrapper could not be pickled
+        return type(optimizer).step(optimizer, *args, **kwargs)
 
     def __call__(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if self._depth > 0:
