@@ -2,7 +2,9 @@
 
 ``tests/data/v1_<preset>.pt`` were written by mixprec at commit e376f1a (before the state
 format moved to version 2): a tiny model trained 3 AdamW steps, its ``prec.state_dict()``, and
-the FP32 weights that mixprec reached after one more step from that state.
+the FP32 weights that mixprec reached after one more step from that state. Resuming the v1 state
+equals resuming the same state re-saved as version 2 bit for bit; the stored weights were computed
+on another CPU, so they are compared within a tolerance that a lost state would exceed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _trees import equal_tree  # tests/_trees.py
 
 import mixprec as mp
 from mixprec import checkpoint
@@ -30,14 +33,20 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
 
 
-def _resume(preset: str, state: dict) -> tuple[mp.MixedPrecision, dict[str, torch.Tensor]]:
-    """Load ``state`` into a fresh run, take one more step; return the run and its FP32 weights."""
+def _loaded(preset: str, state: dict) -> tuple[mp.MixedPrecision, torch.nn.Module, torch.optim.Optimizer]:
+    """A fresh run of ``preset`` (the model and AdamW of the saved run) with ``state`` loaded."""
     model = _build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prec = mp.MixedPrecision(preset)
         model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
     prec.load_state_dict(state)
+    return prec, model, opt
+
+
+def _resume(preset: str, state: dict) -> tuple[mp.MixedPrecision, dict[str, torch.Tensor]]:
+    """Load ``state`` into a fresh run, take one more step; return the run and its FP32 weights."""
+    prec, model, opt = _loaded(preset, state)
     x, y = _batch(3)
     with prec.autocast():
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
@@ -55,7 +64,7 @@ def test_version_1_state_loads_and_resumes_bit_for_bit(preset: str) -> None:
     prec, got = _resume(preset, saved["state"])
     # the loaded state dict is the caller's: training on does not write into it (torch's optimizer
     # load keeps same-device tensors as they are; mixprec gives the optimizer its own copies)
-    assert _equal_tree(saved["state"], kept)
+    assert equal_tree(saved["state"], kept)
     # Bit for bit against the same state in today's format, resumed in this process: the v1 load
     # lost nothing. (Against the weights saved by 0.1 only closely: they were computed on another
     # CPU, and FP16/BF16 kernels differ in the last bits between CPUs with and without
@@ -71,25 +80,9 @@ def test_version_1_state_loads_and_resumes_bit_for_bit(preset: str) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-3, msg=k)
 
 
-def _equal_tree(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal_tree(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_equal_tree, a, b))
-    return a == b
-
-
 def _v2_before_step(preset: str, v1_state: dict) -> dict:
     """The v1 state loaded and saved again (version 2), before any step."""
-    model = _build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prec = mp.MixedPrecision(preset)
-        model, _ = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
-    prec.load_state_dict(v1_state)
-    state = prec.state_dict()
+    state = _loaded(preset, v1_state)[0].state_dict()
     assert state["version"] == 2
     return state
 
