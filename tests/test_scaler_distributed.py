@@ -3,96 +3,79 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from distributed import _common as c  # tests/ is on sys.path: the spawn/init/finish every 2-rank test uses
 
 from mixprec.distributed import agree_found_inf_, is_distributed
 
-WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
-
     from mixprec._grad_scaler import GradScaler
     from mixprec._scaler import DynamicScaler, NoOpScaler
     from mixprec._stepping import step_optimizer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    c.init(rank, port)  # gloo on 127.0.0.1, one thread
     result: dict[str, object] = {"distributed": is_distributed()}
-    try:
-        # LossScaler: rank 1's gradient overflows; both ranks must skip and back off
-        torch.manual_seed(0)
-        p = torch.nn.Parameter(torch.ones(3))
-        opt = torch.optim.SGD([p], lr=0.5)
-        scaler = DynamicScaler(init_scale=2.0**10)
-        skips, scales = [], []
-        for step in range(3):
-            scaler.scale(p.sum()).backward()
-            if step == 1 and rank == 1:
-                p.grad[0] = float("inf")
-            found = scaler.unscale_([p])
-            skips.append(bool(step_optimizer(opt, found).item()))
-            scaler.update(found)
-            scales.append(scaler.loss_scale.item())
-            opt.zero_grad()
-        result["dynamic"] = {"skips": skips, "scales": scales, "param": p.tolist()}
+    # LossScaler: rank 1's gradient overflows; both ranks must skip and back off
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler = DynamicScaler(init_scale=2.0**10)
+    skips, scales = [], []
+    for step in range(3):
+        scaler.scale(p.sum()).backward()
+        if step == 1 and rank == 1:
+            p.grad[0] = float("inf")
+        found = scaler.unscale_([p])
+        skips.append(bool(step_optimizer(opt, found).item()))
+        scaler.update(found)
+        scales.append(scaler.loss_scale.item())
+        opt.zero_grad()
+    result["dynamic"] = {"skips": skips, "scales": scales, "param": p.tolist()}
 
-        noop = NoOpScaler()
-        g = torch.ones(2)
-        if rank == 0:
-            g[1] = float("nan")
-        result["noop_found"] = noop.unscale_([g]).item()
+    noop = NoOpScaler()
+    g = torch.ones(2)
+    if rank == 0:
+        g[1] = float("nan")
+    result["noop_found"] = noop.unscale_([g]).item()
 
-        # the drop-in, with a fused optimizer (the sync-free path)
-        q = torch.nn.Parameter(torch.ones(3))
-        opt2 = torch.optim.AdamW([q], lr=0.1, fused=True)
-        gs = GradScaler("cpu", init_scale=2.0**8)
-        gskips = []
-        for step in range(3):
-            gs.scale(q.square().sum()).backward()
-            if step == 2 and rank == 0:
-                q.grad[2] = float("nan")
-            gskips.append(bool(gs.step(opt2).item()))
-            gs.update()
-            opt2.zero_grad()
-        result["grad_scaler"] = {"skips": gskips, "scale": gs.get_scale(), "param": q.tolist()}
+    # the drop-in, with a fused optimizer (the sync-free path)
+    q = torch.nn.Parameter(torch.ones(3))
+    opt2 = torch.optim.AdamW([q], lr=0.1, fused=True)
+    gs = GradScaler("cpu", init_scale=2.0**8)
+    gskips = []
+    for step in range(3):
+        gs.scale(q.square().sum()).backward()
+        if step == 2 and rank == 0:
+            q.grad[2] = float("nan")
+        gskips.append(bool(gs.step(opt2).item()))
+        gs.update()
+        opt2.zero_grad()
+    result["grad_scaler"] = {"skips": gskips, "scale": gs.get_scale(), "param": q.tolist()}
 
-        # opting out keeps torch's per-rank behaviour
-        alone = GradScaler("cpu", agree_across_ranks=False)
-        r = torch.nn.Parameter(torch.ones(1))
-        opt3 = torch.optim.SGD([r], lr=0.1)
-        alone.scale(r.sum() * (float("inf") if rank == 1 else 1.0)).backward()
-        result["alone_skipped"] = bool(alone.step(opt3).item())
+    # opting out keeps torch's per-rank behaviour
+    alone = GradScaler("cpu", agree_across_ranks=False)
+    r = torch.nn.Parameter(torch.ones(1))
+    opt3 = torch.optim.SGD([r], lr=0.1)
+    alone.scale(r.sum() * (float("inf") if rank == 1 else 1.0)).backward()
+    result["alone_skipped"] = bool(alone.step(opt3).item())
 
-        flag = torch.tensor(float(rank == 1))
-        result["agreed"] = agree_found_inf_(flag).item()
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        # gloo's threads can abort the process at teardown ("terminate called without an active
-        # exception", SIGABRT; seen once under a full test run) unless every rank is done first
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    flag = torch.tensor(float(rank == 1))
+    result["agreed"] = agree_found_inf_(flag).item()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # Barrier, then destroy: a worker that tore gloo down at interpreter exit aborted now and then
+    # ("terminate called without an active exception", SIGABRT; twice in four full runs under load,
+    # with torch.multiprocessing.spawn and no OMP_NUM_THREADS), failing the test after every check ran.
+    c.finish()
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_one_rank_overflows_both_skip(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(WORLD))
+    r0, r1 = c.spawn(_worker, tmp_path)
     assert r0["distributed"] and r1["distributed"]
     assert r0["dynamic"] == r1["dynamic"]
     assert r0["dynamic"]["skips"] == [False, True, False]
