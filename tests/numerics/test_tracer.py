@@ -188,3 +188,40 @@ def test_a_prepared_model_is_traced_as_it_is() -> None:
 def test_forward_only_without_loss_fn() -> None:
     r = trace_nonfinite(Planted(), X, policy=FP16)
     assert (r.phase, r.module, r.loss) == ("forward", "big", None)
+
+
+def test_the_fp32_rerun_of_a_module_with_an_fp32_island_runs_in_fp32() -> None:
+    """The re-run copy drops mixprec's casting forwards: an island inside it would hand back FP16.
+
+    ``Inner`` multiplies by 1e6 in its own code (inf in FP16), so the tracer re-runs all of
+    ``Inner`` in FP32; it contains a LayerNorm, an FP32 island whose wrapped forward casts its
+    output to the compute dtype. Kept in the copy, that output met an FP32 linear: "mat1 and mat2
+    must have the same dtype", and no re-run.
+    """
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.norm = nn.LayerNorm(8)
+            self.out = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.norm(self.lin(x)) * 1e6)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inner = Inner()
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.inner(x))
+
+    m = cast_module(Outer(), "fp16-master")  # traced as it is: FP16 weights, the LayerNorm an FP32 island
+    r = trace_nonfinite(m, X, _loss)
+    assert (r.phase, r.module) == ("forward", "inner")
+    rr = r.fp32_rerun
+    assert rr is not None and rr.precision_is_cause and rr.finite, rr
+    assert callable(m.inner.norm.forward) and "forward" in m.inner.norm.__dict__  # the model itself keeps its island
