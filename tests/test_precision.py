@@ -515,25 +515,23 @@ def test_a_copied_run_trains_on_exactly_like_the_original(preset, how):
     """
     import pickle
 
+    def three_more_steps(run: MixedPrecision, step) -> None:
+        for s in range(2, 5):
+            with run.autocast():
+                loss = loss_fn(run.model, batch("mlp", s))
+            run.backward(loss)
+            step()
+            run.optimizers[0].zero_grad(set_to_none=True)
+
     prec, model, opt, _ = train(preset, steps=2)
     twin = copy.deepcopy(prec) if how == "deepcopy" else pickle.loads(pickle.dumps(prec))
     assert twin.model is not prec.model and twin.optimizers[0] is not opt
     before = fp32_state_dict(prec)
-    t_model, t_opt = twin.model, twin.optimizers[0]
-    for s in range(2, 5):
-        with twin.autocast():
-            loss = loss_fn(t_model, batch("mlp", s))
-        twin.backward(loss)
-        t_opt.step()  # the guarded step: must reach twin.step
-        t_opt.zero_grad(set_to_none=True)
+    t_opt = twin.optimizers[0]
+    three_more_steps(twin, t_opt.step)  # the guarded step: must reach twin.step
     assert twin.last_step is not None and int(twin.last_step.applied_steps) == 5
     assert equal_tree(fp32_state_dict(prec), before)  # the original did not move
-    for s in range(2, 5):
-        with prec.autocast():
-            loss = loss_fn(model, batch("mlp", s))
-        prec.backward(loss)
-        prec.step(opt)
-        opt.zero_grad(set_to_none=True)
+    three_more_steps(prec, lambda: prec.step(opt))
     assert equal_tree(fp32_state_dict(twin), fp32_state_dict(prec))
     if preset == "bf16-master":
         with pytest.raises(RuntimeError, match="called on the optimizer passed to prepare"):

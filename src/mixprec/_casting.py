@@ -154,16 +154,24 @@ def _island_forward(
 
 
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """Root forward pre-hook of models prepared by mixprec < 0.2 (kept so that pickles of them load)."""
+    """Floating inputs to the half parameter dtype: the root's input cast.
+
+    Also the root's forward pre-hook in models prepared by mixprec < 0.2 (their pickles name it).
+    """
     cast = functools.partial(_to_dtype, dtype)
     return tree_map(cast, args), tree_map(cast, kwargs)
 
 
-def _cast_outputs(dtype: torch.dtype, module: nn.Module, args: Any, output: Any) -> Any:
-    """Root forward hook of models prepared by mixprec < 0.2 (kept so that pickles of them load)."""
+def _outputs_to(dtype: torch.dtype, output: Any) -> Any:
+    """Floating outputs to ``dtype`` (the root's output cast)."""
     if type(output) is torch.Tensor and (output.dtype == dtype or not output.is_floating_point()):
-        return None  # the common case, without the tree walk (None: the output is kept)
+        return output  # the common case, without the tree walk
     return tree_map(functools.partial(_to_dtype, dtype), output)
+
+
+def _cast_outputs(dtype: torch.dtype, module: nn.Module, args: Any, output: Any) -> Any:
+    """The root's forward hook in models prepared by mixprec < 0.2 (kept: their pickles name it)."""
+    return _outputs_to(dtype, output)
 
 
 def _root_forward(
@@ -179,12 +187,9 @@ def _root_forward(
     the model's one graph. Hooks registered on the root run around it, as around any ``forward``.
     """
     if input_dtype is not None:
-        cast = functools.partial(_to_dtype, input_dtype)
-        args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        args, kwargs = _cast_inputs(input_dtype, module, args, kwargs)
     out = previous(*args, **kwargs) if previous is not None else type(module).forward(module, *args, **kwargs)
-    if type(out) is torch.Tensor and (out.dtype == output_dtype or not out.is_floating_point()):
-        return out  # the common case, without the tree walk
-    return tree_map(functools.partial(_to_dtype, output_dtype), out)
+    return _outputs_to(output_dtype, out)
 
 
 def _patched_forward(module: nn.Module, function: Callable[..., Any], *extra: Any) -> _ForwardPatch:

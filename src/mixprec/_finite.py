@@ -125,8 +125,6 @@ def unscale_and_check_(
         (0.0, [1.0, 2.0])
     """
     ts = _dense(tensors)
-    if found_inf is None and ts:
-        found_inf = torch.zeros((), dtype=torch.float32, device=ts[0].device)
     if found_inf is None:
         if ts:
             device = ts[0].device
@@ -194,7 +192,7 @@ def _unscale_groups(groups: Groups, inv_scale: Tensor | None, found_inf: Tensor)
             inv = per_device_inv.get(dev)
             if inv is None:
                 if inv_scale is None:
-                    inv = torch.ones((), dtype=torch.float32, device=dev)
+                    inv = _one(dev)
                 else:
                     inv = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
                 per_device_inv[dev] = inv

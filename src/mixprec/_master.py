@@ -182,9 +182,9 @@ class MasterWeightOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # A copied parameter has no gradient and no hooks (torch copies neither); a copied master
+        # keeps its gradient, which the parameter's view shows again, as in the original.
         for p, m in self._half_pairs():
-            if p.grad is not None and not isinstance(p.grad, MasterGradView):
-                m.grad = p.grad.to(self.master_dtype) if m.grad is None else m.grad
             self._attach(p, m)
             if self.grad_accumulation == "fp32" and m.grad is not None:
                 p.grad = self._views[id(p)]
@@ -301,9 +301,10 @@ class MasterWeightOptimizer(Optimizer):
         pairs = self._half_pairs()
         if self.weight_edits == "versions" and len(pairs) == len(self._versions):
             pairs = [(p, m) for (p, m), v in zip(pairs, self._versions) if (p._version, p.data_ptr()) != v]
+        from .optim._rounding import with_edits  # mixprec.optim sits above this module
+
         for p, m in pairs:
-            keep = p == m.to(p.dtype)
-            torch.where(keep, m, p, out=m)
+            with_edits(m, p, out=m)
         self._record_versions()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -471,15 +472,13 @@ class MasterWeightOptimizer(Optimizer):
         self.master_grads()
         args = (closure,) if closure is not None else ()
         shadow = self._fused_shadow()
+        # With "values" the fused kernel compares every weight it steps with its rounded master as it
+        # reads them (optim/_base.py, _sync_mirrors); weights without a gradient (not stepped) keep an
+        # edit in the model until their next step or state_dict(), which sync them.
         in_kernel = shadow is not None and self.weight_edits == "values"
-        if in_kernel:
-            # The fused kernel compares every weight it steps with its rounded master as it reads
-            # them (optim/_base.py, _sync_mirrors); weights without a gradient (not stepped) keep an
-            # edit in the model until their next step or state_dict(), which sync them.
-            shadow._sync_mirrors = True
-        else:
-            if shadow is not None:
-                shadow._sync_mirrors = False
+        if shadow is not None:
+            shadow._sync_mirrors = in_kernel
+        if not in_kernel:
             self.sync_edits_()
         if shadow is not None:
             # One compiled kernel per bucket: update, skip on found_inf, copy back (into the mirrors).

@@ -40,6 +40,7 @@ from ._policy import Policy
 from ._prepare import check_fusable_masters, check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, _ScalerBase, check_scaler_state
 from ._stepping import AppliedSteps, OptimizerRecord, install_step_guard, remove_step_guard, step_or_skip
+from ._tree import tree_leaves
 
 __all__ = [
     "MixedPrecision",
@@ -377,8 +378,10 @@ class MixedPrecision:
         return self.model
 
     def _record(self, optimizer: Optimizer, what: str) -> OptimizerRecord:
+        """The record of a prepared optimizer; raises when not prepared, or for a foreign optimizer (hot path: one lookup)."""
         rec = self._records.get(id(optimizer))
         if rec is None or rec.optimizer is not optimizer:
+            self._require_prepared(what)
             hint = ""
             if any(isinstance(o, MasterWeightOptimizer) and o.optimizer is optimizer for o in self.optimizers):
                 hint = " You passed the optimizer you gave prepare(); use the one prepare() returned (it holds the masters)."
@@ -431,8 +434,7 @@ class MixedPrecision:
             ValueError: before ``prepare``; ``loss`` not a scalar with a graph; backward after the
                 gradients were already unscaled in this iteration, before any step (call ``step`` first).
         """
-        if self.model is None:
-            self._require_prepared("backward()")
+        self._require_prepared("backward()")
         # One cheap test for the usual loss; the detailed messages only when it fails (hot path).
         if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.is_floating_point() and loss.numel() == 1):
             _check_loss(loss)
@@ -484,11 +486,7 @@ class MixedPrecision:
             ValueError: no gradients since the last step, gradients from ``loss.backward()``
                 under a scaling policy, or a foreign optimizer.
         """
-        rec = self._records.get(id(optimizer))
-        if rec is None or rec.optimizer is not optimizer:
-            self._require_prepared("unscale_()")
-            rec = self._record(optimizer, "unscale_()")
-        return self._unscale(rec)
+        return self._unscale(self._record(optimizer, "unscale_()"))
 
     def _unscale(self, rec: OptimizerRecord) -> torch.Tensor:
         """:meth:`unscale_` for a known record (the step's hot path enters here)."""
@@ -552,10 +550,7 @@ class MixedPrecision:
         """
         # The per-step hot path: its Python cost is what mixprec adds to every step of a small model
         # (issue 14: no more than torch.amp's), so lookups are inlined and nothing is validated twice.
-        rec = self._records.get(id(optimizer))
-        if rec is None or rec.optimizer is not optimizer:
-            self._require_prepared("step()")
-            rec = self._record(optimizer, "step()")
+        rec = self._record(optimizer, "step()")
         auto = self.scale_update == "auto"
         if rec.stepped and auto:
             self._end_iteration()  # rule 3: a second step of the same optimizer starts a new iteration
@@ -629,20 +624,15 @@ class MixedPrecision:
             any_inf = flags[0]
         else:
             any_inf = torch.stack([f.to(flags[0].device) for f in flags]).amax()
-        records = self._records.values()
-        holders = [r for r in records if not r.stepped and r.stage != "idle"] if len(records) > 1 else []
+        holders = [r for r in self._records.values() if not r.stepped and r.stage != "idle"]
         old_scale = self.scaler.loss_scale.detach().clone() if holders and self._scales_loss else None
         # Book-keeping first: update() may raise NumericsError (escalation), and a caller that
         # catches it must not carry this iteration's flags into the next one.
         self._iteration_flags = []
-        for r in records:
+        for r in self._records.values():
             r.stepped = False
         try:
-            scaler = self.scaler
-            if isinstance(scaler, _ScalerBase):
-                scaler._core.update(any_inf)  # what scaler.update does, less the argument check
-            else:
-                scaler.update(any_inf)
+            self.scaler.update(any_inf)
         finally:
             if old_scale is not None:
                 self._rescale_held(holders, old_scale)
@@ -824,20 +814,7 @@ def _unalias_state(optimizer: Optimizer, entry: Any) -> None:
     state dict kept to roll back to (or compared against) would silently change. Only tensors
     that alias the given ones are copied (a load from another device copied them already).
     """
-    given: set[int] = set()
-
-    def collect(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            if obj.numel():
-                given.add(obj.data_ptr())
-        elif isinstance(obj, Mapping):
-            for v in obj.values():
-                collect(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                collect(v)
-
-    collect(entry)
+    given = {t.data_ptr() for t in tree_leaves(entry) if t.numel()}
     if not given:
         return
     for state in optimizer.state.values():

@@ -195,9 +195,8 @@ class ScaleCore:
 
     def __init__(self, config: ScaleConfig, device: torch.device | str | None = None) -> None:
         self.cfg = config
-        # per-step branches, decided once (the config's fields do not change after validation)
-        self._dynamic = config.kind == "dynamic"
-        self._bounded = config.min_scale is not None or config.max_scale is not None
+        self._dynamic = self._bounded = False
+        self._derive_switches()
         self.explicit_device = torch.device(device) if device is not None else None
         self.bound = device is not None
         self.device = self.explicit_device
@@ -207,6 +206,11 @@ class ScaleCore:
         self.history = ScaleHistory(config)
         self.pending_state: dict[str, Any] | None = None  # loaded before the tensors exist
         self._inv_cache: tuple[Tensor, Tensor] | None = None  # static scalers: (scale, 1/scale)
+
+    def _derive_switches(self) -> None:
+        """The per-step branches, decided once (kind, floor and ceiling do not change after validation)."""
+        self._dynamic = self.cfg.kind == "dynamic"
+        self._bounded = self.cfg.min_scale is not None or self.cfg.max_scale is not None
 
     @property
     def steps(self) -> int:
@@ -391,9 +395,7 @@ class ScaleCore:
         if "history" not in d:  # pickled before the bookkeeping moved to _scale_history
             d = _upgrade_pickled_core(d)
         self.__dict__.update(d)
-        # derived per-step switches (absent from pickles of earlier versions)
-        self._dynamic = self.cfg.kind == "dynamic"
-        self._bounded = self.cfg.min_scale is not None or self.cfg.max_scale is not None
+        self._derive_switches()  # absent from pickles of earlier versions
         self.history.refresh_config()
         if self.pending_state is not None:
             self.history.steps = self.history.folded = int(self.pending_state.get("steps", 0))

@@ -114,27 +114,35 @@ def test_a_parameter_gradient_overflow_names_its_module() -> None:
     assert r.input_stats[0].absmax > 65504
 
 
+class _Inner(nn.Module):
+    """``lin``, optionally a LayerNorm, then x1e6 in its own code (inf in FP16), then ``out``."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8) if norm else None
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.out(h * 1e6)  # the multiply is _Inner's own code
+
+
+class _Outer(nn.Module):
+    def __init__(self, norm: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = _Inner(norm)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
 def test_overflow_in_a_parents_own_code_names_the_parent() -> None:
-    class Inner(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-            self.out = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(self.lin(x) * 1e6)  # the multiply is Inner's own code
-
-    class Outer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.inner = Inner()
-            self.head = nn.Linear(8, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.inner(x))
-
-    r = trace_nonfinite(Outer(), X, _loss, FP16)
+    r = trace_nonfinite(_Outer(), X, _loss, FP16)
     assert (r.phase, r.module, r.where) == ("forward", "inner", "input")
     assert "between 'inner.lin' and 'inner.out'" in r.detail
     assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause
@@ -193,33 +201,12 @@ def test_forward_only_without_loss_fn() -> None:
 def test_the_fp32_rerun_of_a_module_with_an_fp32_island_runs_in_fp32() -> None:
     """The re-run copy drops mixprec's casting forwards: an island inside it would hand back FP16.
 
-    ``Inner`` multiplies by 1e6 in its own code (inf in FP16), so the tracer re-runs all of
-    ``Inner`` in FP32; it contains a LayerNorm, an FP32 island whose wrapped forward casts its
+    ``_Inner`` multiplies by 1e6 in its own code (inf in FP16), so the tracer re-runs all of
+    ``_Inner`` in FP32; it contains a LayerNorm, an FP32 island whose wrapped forward casts its
     output to the compute dtype. Kept in the copy, that output met an FP32 linear: "mat1 and mat2
     must have the same dtype", and no re-run.
     """
-
-    class Inner(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-            self.norm = nn.LayerNorm(8)
-            self.out = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(self.norm(self.lin(x)) * 1e6)
-
-    class Outer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.inner = Inner()
-            self.head = nn.Linear(8, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.inner(x))
-
-    m = cast_module(Outer(), "fp16-master")  # traced as it is: FP16 weights, the LayerNorm an FP32 island
+    m = cast_module(_Outer(norm=True), "fp16-master")  # traced as it is: FP16 weights, the LayerNorm an FP32 island
     r = trace_nonfinite(m, X, _loss)
     assert (r.phase, r.module) == ("forward", "inner")
     rr = r.fp32_rerun

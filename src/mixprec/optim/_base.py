@@ -69,7 +69,7 @@ from torch.optim import Optimizer
 
 from .._dtypes import dtype_name, parse_dtype
 from .._errors import unknown_choice
-from ._rounding import counter_bits, step_keys, stochastic_round, stream_key
+from ._rounding import counter_bits, step_keys, stochastic_round, stream_key, with_edits
 
 __all__ = ["Compensation", "LowPrecisionOptimizer"]
 
@@ -420,7 +420,7 @@ class LowPrecisionOptimizer(Optimizer):
         """The eager form of the fused kernel's mirror sync: edited mirror elements win."""
         for m, p in zip(b.mirrors, b.params):
             if m is not None:
-                torch.where(m == p.to(m.dtype), p, m.to(p.dtype), out=p)
+                with_edits(p, m, out=p)
 
     # ----- the fused (compiled) step ------------------------------------------------------------------
     def fused_enabled(self, device: torch.device | str) -> bool:
@@ -599,7 +599,7 @@ class LowPrecisionOptimizer(Optimizer):
                     # An edit of the model's weight since the last step (p.data.clamp_, a pruning
                     # mask) wins over the master, elementwise, in this pass over the weights: the
                     # exact check of weight_edits="values" without three extra kernels per tensor.
-                    w = torch.where(mirror == w.to(mirror.dtype), w, mirror.to(acc))
+                    w = with_edits(w, mirror)
                     p_old = w.to(p.dtype)  # what a skipped step keeps: the master with the edits
                 if kahan:
                     w = w + comps[i].to(acc)

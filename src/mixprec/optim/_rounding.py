@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .._dtypes import parse_dtype
 
-__all__ = ["compensated_split", "counter_bits", "kahan_add_", "stochastic_round"]
+__all__ = ["compensated_split", "counter_bits", "kahan_add_", "stochastic_round", "with_edits"]
 
 _HALF = (torch.bfloat16, torch.float16)
 _M32 = 0xFFFFFFFF
@@ -206,6 +206,25 @@ def _sr_counter(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
     span = (other.float() - n32).abs()
     u = (bits >> 8).to(torch.float32) * 2.0**-24  # the upper 24 bits: exact in FP32, in [0, 1)
     return torch.where(u * span < diff.abs(), other, near)
+
+
+def with_edits(master: Tensor, weight: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """``master`` with the edits of its rounded copy ``weight`` carried in, in ``master``'s dtype.
+
+    After a step ``weight == round(master)`` exactly, so an element where they differ was edited
+    outside the step (``p.data.clamp_``, a pruning mask) and takes ``weight``'s value; the others
+    keep ``master``'s exact value. MasterWeightOptimizer's edit check (``weight_edits="values"``)
+    and the fused step's in-kernel form of it.
+
+    Args:
+        master: The FP32 master (or its FP32 working copy inside a step).
+        weight: The half-precision weight the model holds.
+        out: Where to write the result (``master`` itself for an in-place sync).
+
+    Returns:
+        The result (``out`` when given).
+    """
+    return torch.where(weight == master.to(weight.dtype), master, weight.to(master.dtype), out=out)
 
 
 def compensated_split(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
