@@ -45,10 +45,14 @@ class Recorder:
         self.inner = w.loss_fn
         self.batches: dict[int, list[str]] = {}
         self.first_weights: dict[int, dict[str, torch.Tensor]] = {}
+        # Keyed by id(model): the models are kept alive, so a later row's model cannot reuse a freed
+        # one's id and merge two rows' records (the likely cause of one failure in a full run; not reproduced).
+        self.models: dict[int, torch.nn.Module] = {}
         w.loss_fn = self
 
     def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         key = id(model)
+        self.models.setdefault(key, model)
         if model.training:
             self.batches.setdefault(key, []).append(_digest(list(batch)))
             if key not in self.first_weights:
