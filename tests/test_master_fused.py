@@ -63,7 +63,7 @@ def test_fused_master_step_tracks_the_eager_step_and_skips_on_the_device(kind):
                 assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
         for p, m in zip(opt.model_params, opt.masters):
             assert torch.equal(p.detach(), m.to(torch.bfloat16))  # copied back, in the compiled kernel
-        assert (opt._shadow is not None and bool(opt._shadow._fused_fns)) is fused
+        assert (opt._shadow is not None and opt._shadow._view is not None and bool(opt._shadow._view._fused_fns)) is fused
         runs.append(opt)
     eager, fused_opt = runs
     for me, mf in zip(eager.masters, fused_opt.masters):
@@ -120,7 +120,7 @@ def test_fused_step_carries_data_edits_into_the_masters_like_the_eager_check(ski
         opt.step()
         del opt.found_inf
         runs.append(opt)
-        assert (opt._shadow is not None and bool(opt._shadow._fused_fns)) is fused
+        assert (opt._shadow is not None and opt._shadow._view is not None and bool(opt._shadow._view._fused_fns)) is fused
         for p, m in zip(opt.model_params, opt.masters):
             assert torch.equal(p.detach(), m.to(torch.bfloat16))
     eager, fused_opt = runs

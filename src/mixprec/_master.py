@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from ._dtypes import dtype_name, parse_dtype
 from ._finite import unscale_and_check_
+from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
 from ._stepping import step_with_result
 
@@ -28,7 +29,7 @@ WeightEdits = Literal["values", "versions"]
 _STATE_VERSION = 1
 _WARNED_UNFROZEN = False
 #: Wrapped optimizers the fused master-weight step implements (mixprec.optim's FP32 arithmetic).
-_FUSABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+_FUSABLE = FUSABLE
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -146,7 +147,8 @@ class MasterWeightOptimizer(Optimizer):
         self.grad_accumulation: GradAccumulation = grad_accumulation
         self.weight_edits: WeightEdits = weight_edits
         self.fused: bool | None = fused
-        self._shadow: Any = None  # the mixprec.optim view of the wrapped optimizer that runs the fused step
+        self._shadow: Any = None  # the _fused.FusedShadow that runs the fused step (built on first use)
+        self._prefer_fused = False
         self._versions: list[tuple[int, int]] = []  # (version, data_ptr) of each half param after the last copy
         self._initial = dict(initial_masters or {})
         # Parallel lists: model parameter i has master i (the same tensor for FP32 params and for
@@ -482,7 +484,7 @@ class MasterWeightOptimizer(Optimizer):
             self.sync_edits_()
         if shadow is not None:
             # One compiled kernel per bucket: update, skip on found_inf, copy back (into the mirrors).
-            result = shadow.step(*args, grad_scale=grad_scale, found_inf=found_inf)
+            result = self._shadow.step(shadow, args, grad_scale, found_inf)
             self._record_versions()
         else:
             with self._inner_guard.inside():  # the wrapped optimizer's step, below its refuse-guard
@@ -511,29 +513,27 @@ class MasterWeightOptimizer(Optimizer):
     def _fused_shadow(self) -> Any:
         """The ``mixprec.optim`` optimizer that runs the fused step on the wrapped one's groups and state, or None.
 
-        Built once (lazily: ``mixprec.optim`` sits above this module); it shares the wrapped
-        optimizer's ``param_groups`` and ``state`` objects, so LR schedulers, checkpoints and a
-        later eager step see one state. Half model parameters are registered as mirrors of their
-        masters: the compiled step writes the rounded master into them.
+        A :class:`~mixprec._fused.FusedShadow` of the wrapped optimizer, built once; half model
+        parameters are registered as mirrors of their masters (the compiled step writes the
+        rounded master into them).
         """
         if self.fused is False or type(self.optimizer) not in _FUSABLE:
             return None
         if self._shadow is None:
-            from .optim import from_torch
+            self._shadow = FusedShadow(self.optimizer, self.fused, {id(m): p for p, m in self._half_pairs()})
+            self._shadow.prefer = self._prefer_fused
+        return self._shadow.view()
 
-            shadow = from_torch(self.optimizer, compensation="none", fused=True if self.fused else None)
-            shadow.state = self.optimizer.state  # shared: torch's AdamW/SGD state keys are mixprec's
-            self._shadow = shadow
-        shadow = self._shadow
-        devices = {m.device for m in self._masters if m.grad is not None}
-        if not devices or not all(shadow.fused_enabled(d) for d in devices):
-            return None
-        shadow._mirrors = {id(m): p for p, m in self._half_pairs()}
-        for m in self._masters:  # torch keeps CUDA steps on the CPU unless capturable; the fused step reads them on the device
-            st = self.optimizer.state.get(m)
-            if st and isinstance(st.get("step"), torch.Tensor) and st["step"].device != m.device:
-                st["step"] = st["step"].to(m.device)
-        return shadow
+    @property
+    def prefer_fused(self) -> bool:
+        """Set by ``MixedPrecision`` when the model runs compiled: ``fused=None`` then fuses on any device."""
+        return self._prefer_fused
+
+    @prefer_fused.setter
+    def prefer_fused(self, value: bool) -> None:
+        self._prefer_fused = bool(value)
+        if self._shadow is not None:
+            self._shadow.prefer = self._prefer_fused
 
     # ----- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -35,9 +35,10 @@ from ._checkpoint import (
 )
 from ._dist import local_grad
 from ._dtypes import parse_dtype
+from ._fused import FusedShadow, fusable_plain, runs_compiled
 from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_weight_edits
 from ._policy import Policy
-from ._prepare import check_fusable_masters, check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
+from ._prepare import check_fusable, check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, _ScalerBase, check_scaler_state
 from ._stepping import AppliedSteps, OptimizerRecord, install_step_guard, remove_step_guard, step_or_skip
 from ._tree import tree_leaves
@@ -231,6 +232,8 @@ class MixedPrecision:
         self._iteration_flags: list[torch.Tensor] = []  # found_inf of each step in this iteration
         self._applied_steps: AppliedSteps | None = None
         self.check_result: Any = None  # the pre-flight CheckResult when prepare(check_batch=...) ran it
+        #: Whether the first backward passed through a torch.compile'd region (None: not seen yet).
+        self._seen_compiled: bool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """For ``copy.deepcopy`` and pickling: the records travel without their step guards (re-installed on load)."""
@@ -304,8 +307,8 @@ class MixedPrecision:
         if on_check_fail not in ("warn", "raise"):
             raise ValueError(f"on_check_fail={on_check_fail!r}; use 'warn' or 'raise'.")
         facts = check_prepare(model, optimizers, self.policy, self.grad_accumulation)
-        if self.fused and self.policy.has_masters and not facts.fsdp:
-            check_fusable_masters(optimizers)  # before anything is cast: prepare changes nothing when it raises
+        if self.fused and not facts.fsdp and self.policy.compensation == "none":
+            check_fusable(optimizers, self.policy.has_masters)  # before anything is cast: prepare changes nothing when it raises
         if check_batch is not None:
             from .numerics import preflight
 
@@ -346,9 +349,12 @@ class MixedPrecision:
             if isinstance(opt, MasterWeightOptimizer):
                 opt.set_unscale_callback(self._unscale_callback(opt))
                 opt.weight_edits = self.weight_edits
+            elif opt is given and self.fused is not False and not facts.fsdp and fusable_plain(opt):
+                rec.shadow = FusedShadow(opt, self.fused, gpu_default=False)  # its update, unscale-free skip included, as one compiled kernel
             self._records[id(opt)] = rec
         self._iteration_flags = []
         self._applied_steps = AppliedSteps(torch.zeros((), dtype=torch.int64, device=facts.device))
+        self._seen_compiled = None
         return (model, *wrapped)
 
     def _unscale_callback(self, optimizer: Optimizer) -> Callable[[], None]:
@@ -450,6 +456,8 @@ class MixedPrecision:
         # Autocast regions end before backward, so the TF32 switch they set is gone here; the
         # backward matmuls are as large as the forward ones and follow the policy too. The switches
         # only act on CUDA (cuBLAS/cuDNN): elsewhere the region would be pure per-step cost.
+        if self._seen_compiled is None:
+            self._note_compiled(loss)
         if loss.is_cuda:
             with tf32(self.policy.tf32):
                 self.scaler.scale(loss).backward(**backward_kwargs)
@@ -457,6 +465,23 @@ class MixedPrecision:
             self.scaler.scale(loss).backward(**backward_kwargs)
         for rec in records:
             rec.stage = "backward"
+
+    def _note_compiled(self, loss: torch.Tensor) -> None:
+        """At the first backward: does the model run compiled? Then ``fused=None`` fuses the steps on any device.
+
+        Host work once per run (a walk over the loss's autograd graph, ``_fused.runs_compiled``).
+        """
+        self._seen_compiled = runs_compiled(loss)
+        if not self._seen_compiled or self.fused is not None:
+            return
+        for rec in self._records.values():
+            opt = rec.optimizer
+            if isinstance(opt, MasterWeightOptimizer):
+                opt.prefer_fused = True
+            elif isinstance(getattr(opt, "_prefer_fused", None), bool):  # mixprec.optim (compensated policies)
+                opt._prefer_fused = True
+            if rec.shadow is not None:
+                rec.shadow.prefer = True
 
     def _grads(self, optimizer: Optimizer) -> list[torch.Tensor]:
         if isinstance(optimizer, MasterWeightOptimizer):
@@ -563,7 +588,13 @@ class MixedPrecision:
         if guard is not None:
             guard._depth += 1
         try:
-            decided = step_or_skip(optimizer, found_inf, None, (), {})[0]  # found_inf itself: skipped iff set
+            shadow = rec.shadow
+            view = shadow.view() if shadow is not None else None
+            if view is not None:  # the compiled update: skips on found_inf inside the kernel, no host read
+                shadow.step(view, (), None, found_inf)
+                decided = found_inf
+            else:
+                decided = step_or_skip(optimizer, found_inf, None, (), {})[0]  # found_inf itself: skipped iff set
         finally:
             if guard is not None:
                 guard._depth -= 1

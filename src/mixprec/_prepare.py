@@ -15,13 +15,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._dtypes import check_device_support, dtype_name
+from ._fused import FUSABLE
 from ._master import GradAccumulation, MasterWeightOptimizer
 from ._policy import Policy
 
 __all__ = [
     "PrepareFacts",
     "check_disjoint",
-    "check_fusable_masters",
+    "check_fusable",
     "check_prepare",
     "model_device",
     "model_params_of",
@@ -119,16 +120,20 @@ def check_prepare(
     return PrepareFacts(device, fsdp, floating)
 
 
-def check_fusable_masters(optimizers: Sequence[Optimizer]) -> None:
-    """Raise ``ValueError`` for an optimizer the fused master-weight step cannot run (``MixedPrecision(fused=True)``)."""
-    from ._master import _FUSABLE
+def check_fusable(optimizers: Sequence[Optimizer], masters: bool) -> None:
+    """Raise ``ValueError`` for an optimizer ``MixedPrecision(fused=True)`` cannot fuse.
 
+    Covered: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (exactly those classes); without
+    masters also any optimizer built with torch's own ``fused=True`` (already one kernel).
+    """
     for opt in optimizers:
-        if type(opt) not in _FUSABLE:
-            raise ValueError(
-                f"MixedPrecision(fused=True): the fused master-weight step covers torch.optim.AdamW, Adam and SGD, got "
-                f"{type(opt).__module__}.{type(opt).__qualname__}; use fused=None or False (its own step)."
-            )
+        if type(opt) in FUSABLE or (not masters and any(g.get("fused") for g in opt.param_groups)):
+            continue
+        what = "master-weight step" if masters else "step"
+        raise ValueError(
+            f"MixedPrecision(fused=True): the fused {what} covers torch.optim.AdamW, Adam and SGD, got "
+            f"{type(opt).__module__}.{type(opt).__qualname__}; use fused=None or False (its own step)."
+        )
 
 
 def wrap_optimizers(

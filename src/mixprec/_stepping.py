@@ -121,6 +121,8 @@ class OptimizerRecord:
         found_inf: The 0-d flag of the last ``unscale_`` (valid in stage ``"unscaled"``).
         stepped: Whether it stepped in the current iteration (see ``MixedPrecision``).
         guard: The step guard installed on the optimizer (``None`` when none could be).
+        shadow: The ``_fused.FusedShadow`` that runs a plain torch optimizer's step compiled
+            (``None``: its own step).
     """
 
     optimizer: Any
@@ -128,6 +130,7 @@ class OptimizerRecord:
     found_inf: Tensor | None = None
     stepped: bool = False
     guard: StepGuard | None = None
+    shadow: Any = None
 
 
 # --------------------------------------------------------------------------------------------------

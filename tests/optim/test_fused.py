@@ -114,6 +114,30 @@ def test_fused_argument_and_default_rule():
     assert mo.AdamW([p], fused=True).fused_enabled("cpu")
     assert not mo.SGD([p], lr=0.1, fused=False).fused_enabled("cuda")
     assert mo.from_torch(torch.optim.AdamW([p]), fused=True).fused is True
+    preferred = mo.AdamW([p])
+    preferred._prefer_fused = True  # MixedPrecision's mark once the model ran compiled
+    assert preferred.fused_enabled("cpu") and not mo.AdamW([p], fused=False).fused_enabled("cpu")
+
+
+def test_buckets_follow_which_parameters_have_gradients():
+    """The per-group bucket cache is rebuilt when a parameter gains or loses its gradient."""
+    name = "sgd-none-f32"
+    runs = []
+    for fused in (False, True):
+        params = _params()
+        opt = _make(name, params, fused)
+        _step(opt, name, 0)
+        frozen = params[1].detach().clone()
+        count = float(opt.state[params[1]]["step"])
+        g = torch.Generator().manual_seed(5)
+        params[0].grad = torch.randn(SHAPES[0], generator=g).to(torch.bfloat16)
+        params[1].grad = None  # a parameter without a gradient this step (frozen branch, unused head)
+        opt.step(found_inf=torch.tensor(0.0))
+        assert torch.equal(params[1].detach(), frozen) and float(opt.state[params[1]]["step"]) == count
+        _step(opt, name, 1)  # both again
+        assert bool(opt._fused_fns) is fused
+        runs.append(snapshot(opt))
+    assert_bit_identical(*runs)
 
 
 # ----- the BF16 stall task under the compiled step --------------------------------------------------------

@@ -77,6 +77,7 @@ Compensation = Literal["kahan", "stochastic", "none"]
 _HALF = (torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})  # tensor types that are never a DTensor
 _STATE_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # version 1 held generator states (dropped on load: see load_state_dict)
 #: Stream id of a buffer: ``16 * (parameter's position in the optimizer) + slot``.
@@ -121,6 +122,33 @@ class _DeviceCtx(NamedTuple):
     keep: Tensor | None  # 0-d float32: 1.0 - skip
 
 
+class _Plan:
+    """One (device, param dtype, grad dtype) bucket of a param group, kept across steps.
+
+    ``params`` are the parameters (the cache key holds their ids); the rest is filled by the
+    fused step: ``struct`` (shapes, strides and dtypes that select the compiled function) for
+    the mirrors ``struct_key``, and ``hp_key`` (the compiled-in hyper-parameters) for ``hp``.
+    """
+
+    __slots__ = ("device", "hp", "hp_key", "params", "struct", "struct_key")
+
+    def __init__(self, device: torch.device, params: list[Tensor]) -> None:
+        self.device = device
+        self.params = params
+        self.struct: tuple[Any, ...] | None = None
+        self.struct_key: tuple[int, ...] = ()
+        self.hp: dict[str, Any] | None = None
+        self.hp_key = ""
+
+
+def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a == b`` for hyper-parameter dicts; ``False`` where a value cannot be compared (a tensor)."""
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
 class LowPrecisionOptimizer(Optimizer):
     """Base class of :class:`mixprec.optim.AdamW` and :class:`mixprec.optim.SGD` (see the module docstring).
 
@@ -129,6 +157,7 @@ class LowPrecisionOptimizer(Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    _prefer_fused = False  # instances set their own (class default: pickles made before it existed)
     #: Every per-element state key the algorithm may use (for importing checkpoints).
     _ALL_STATE_KEYS: tuple[str, ...] = ()
 
@@ -191,12 +220,16 @@ class LowPrecisionOptimizer(Optimizer):
         self._key_cache: dict[Any, tuple[Tensor, ...]] = {}
         self._offsets: dict[int, int] = {}  # id(param) -> global position of its first element
         self._lr_tensors: dict[Any, Tensor] = {}
+        #: group index -> (signature of its parameters with gradients, their buckets): see _plans.
+        self._plan_cache: dict[int, tuple[Any, list[_Plan]]] = {}
         #: id(param) -> a tensor that receives the committed value in its own dtype (the model's
         #: half weight of an FP32 master: MasterWeightOptimizer's fused step copies back in-graph).
         self._mirrors: dict[int, Tensor] = {}
         #: Carry edits of a mirror into its parameter before the update (``weight_edits="values"``
         #: of MasterWeightOptimizer, done in the fused kernel): ``p = where(mirror == round(p), p, mirror)``.
         self._sync_mirrors = False
+        #: fused=None on a CPU: on when set (MixedPrecision sets it once the model ran compiled).
+        self._prefer_fused = False
         super().__init__(params, defaults)
 
     # ----- hooks for subclasses ------------------------------------------------------------------
@@ -293,8 +326,10 @@ class LowPrecisionOptimizer(Optimizer):
             _key_cache={},
             _offsets={},
             _lr_tensors={},
+            _plan_cache={},
             _mirrors={},
             _sync_mirrors=False,
+            _prefer_fused=self._prefer_fused,
         )
         return state
 
@@ -356,30 +391,69 @@ class LowPrecisionOptimizer(Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         ctxs: dict[torch.device, _DeviceCtx] = {}
-        streams = self._streams()
+        streams: dict[int, int] | None = None  # built only when a bucket needs random stream ids
         for gi, group in enumerate(self.param_groups):
-            buckets: dict[tuple[torch.device, torch.dtype, torch.dtype], list[Tensor]] = defaultdict(list)
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
+            keys = self._state_keys(group)
+            for plan in self._plans(gi, group):
+                device = plan.device
+                ctx = ctxs.get(device)
+                if ctx is None:
+                    ctx = ctxs[device] = _device_ctx(device, grad_scale, found_inf)
+                self._ensure_states(plan.params, group, keys)
+                if self.fused_enabled(device) and self._step_bucket_fused(gi, group, plan, keys, ctx):
                     continue
-                if g.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients.")
-                buckets[(p.device, p.dtype, g.dtype)].append(p)
-            for (device, _, _), params in buckets.items():
-                if device not in ctxs:
-                    ctxs[device] = _device_ctx(device, grad_scale, found_inf)
-                for p in params:
-                    self._init_state(p, group)
-                b = self._bucket(group, params, streams)
-                if self.fused_enabled(device) and self._step_bucket_fused(gi, group, b, ctxs[device]):
-                    continue
-                self._step_bucket(group, b, ctxs[device])
+                if streams is None:
+                    streams = self._streams()
+                self._step_bucket(group, self._bucket(group, plan.params, streams), ctx)
         return loss
 
-    def _bucket(self, group: Mapping[str, Any], params: list[Tensor], streams: Mapping[int, int]) -> _Bucket:
-        """The local tensors of a bucket (a ``DTensor``'s shard; the tensor itself otherwise)."""
-        sts = [self.state[p] for p in params]
+    def _plans(self, gi: int, group: Mapping[str, Any]) -> list[_Plan]:
+        """The (device, param dtype, grad dtype) buckets of group ``gi``'s parameters that have gradients.
+
+        Cached per group and rebuilt when the set of parameters with gradients, or a gradient's
+        dtype, device or layout, changes: the step's per-parameter bookkeeping is paid once, not
+        per step (issue 14: the fused step of a small model was mostly Python). The cache holds
+        the parameters themselves, so their ids cannot be reused while it matches.
+
+        Raises:
+            RuntimeError: a sparse gradient.
+        """
+        params = [p for p in group["params"] if p.grad is not None]
+        sig = (tuple(map(id, params)), tuple((g.dtype, g.device, g.layout) for g in (p.grad for p in params)))
+        if "_plan_cache" not in self.__dict__:  # unpickled from a version without it
+            self._plan_cache = {}
+        cached = self._plan_cache.get(gi)
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+        buckets: dict[tuple[torch.device, torch.dtype, torch.dtype], list[Tensor]] = defaultdict(list)
+        for p in params:
+            g = cast(Tensor, p.grad)
+            if g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients.")
+            buckets[(p.device, p.dtype, g.dtype)].append(p)
+        plans = [_Plan(device, ps) for (device, _, _), ps in buckets.items()]
+        self._plan_cache[gi] = (sig, plans)
+        return plans
+
+    def _ensure_states(self, params: list[Tensor], group: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+        """Create the missing state entries of ``params`` (a dict lookup per parameter when all exist)."""
+        need = {_STEP_KEY, *keys}
+        if self._uses_kahan(params[0]):  # a bucket holds one parameter dtype
+            need.add(_COMP_KEY)
+        state = self.state
+        for p in params:
+            st = state.get(p)
+            if st is None or not st.keys() >= need:
+                self._init_state(p, group)
+
+    def _bucket(self, group: Mapping[str, Any], params: list[Tensor], streams: Mapping[int, int] | None) -> _Bucket:
+        """The local tensors of a bucket (a ``DTensor``'s shard; the tensor itself otherwise).
+
+        ``streams`` (``id(param) -> position``): the parameters' random stream ids; ``None`` when
+        the step draws no random bits (``ids`` is then empty).
+        """
+        state = self.state
+        sts = [state[p] for p in params]
         keys = self._state_keys(group)
         return _Bucket(
             [_local(p) for p in params],
@@ -387,7 +461,7 @@ class LowPrecisionOptimizer(Optimizer):
             [_local(s[_COMP_KEY]) for s in sts] if self._uses_kahan(params[0]) else [],
             {k: [_local(s[k]) for s in sts] for k in keys},
             [s[_STEP_KEY] for s in sts],
-            [streams[id(p)] for p in params],
+            [streams[id(p)] for p in params] if streams is not None else [],
             [self._offset(p) for p in params],
             [self._mirrors.get(id(p)) for p in params],
         )
@@ -432,7 +506,9 @@ class LowPrecisionOptimizer(Optimizer):
         a chain of ~30 memory-bound kernels and the compiled one a few (the 124M-parameter eager
         Kahan step was 7.7x torch's fused AdamW); on a CPU the compiled step is faster too, but
         its first step costs ~10-30 s of C++ compilation per bucket structure, which dominates
-        short runs and test suites, so it is opt-in there. Also off (with a warning naming the
+        short runs and test suites, so it is opt-in there, except when the model runs compiled
+        (``_prefer_fused``, set by ``MixedPrecision`` once it saw a compiled backward: the user
+        already pays compile time, and the fused step is then the faster one). Also off (with a warning naming the
         cause) after a compile failure under ``fused=None``, and after more than
         ``_MAX_COMPILES`` structures (e.g. a scheduler changing ``betas`` every step).
         """
@@ -441,6 +517,8 @@ class LowPrecisionOptimizer(Optimizer):
         if self.fused is not None:
             return self.fused
         dev = torch.device(device)
+        if self._prefer_fused and dev.type == "cpu":
+            return True
         if dev.type not in ("cuda", "xpu"):
             return False
         try:
@@ -449,16 +527,20 @@ class LowPrecisionOptimizer(Optimizer):
             return False
         return bool(has_triton())
 
-    def _step_bucket_fused(self, gi: int, group: dict[str, Any], b: _Bucket, ctx: _DeviceCtx) -> bool:
+    def _step_bucket_fused(self, gi: int, group: dict[str, Any], plan: _Plan, keys: tuple[str, ...],
+                           ctx: _DeviceCtx) -> bool:
         """Step one bucket with its compiled function (built on first use, shared process-wide).
 
         Returns ``False`` (the caller steps eagerly) when compiling failed under ``fused=None``
-        or too many structures were compiled.
+        or too many structures were compiled. The per-step host work is a few list
+        comprehensions: the bucket's structure and hyper-parameter key are cached on ``plan``.
         """
-        p0 = b.params[0]
-        device = p0.device
-        keys = tuple(b.states)
+        params = plan.params
+        p0 = params[0]
+        device = plan.device
         hp = {k: v for k, v in group.items() if k not in _DYNAMIC_GROUP_KEYS}
+        if plan.hp is None or not _same_values(hp, plan.hp):
+            plan.hp, plan.hp_key = hp, repr(sorted(hp.items(), key=lambda kv: kv[0]))
         lr = group["lr"]
         lr_t: Tensor
         if isinstance(lr, Tensor):
@@ -469,12 +551,21 @@ class LowPrecisionOptimizer(Optimizer):
             if lr_cached is None:
                 lr_cached = self._lr_tensors[lr_key] = torch.zeros((), dtype=torch.float64, device=device)
             lr_t = lr_cached.fill_(float(lr))  # a kernel with a host scalar: no sync, no recompile when the LR changes
+        # Random bits only where something is stochastically rounded (half parameters with Kahan or
+        # stochastic compensation, half states): FP32 steps skip the key kernels.
+        bits = (p0.dtype in _HALF and self.compensation != "none") or self._state_dtype_for(p0) in _HALF
+        b = self._bucket(group, params, self._streams() if bits else None)
+        mirror_ids = tuple(map(id, b.mirrors))
+        if plan.struct is None or plan.struct_key != mirror_ids:
+            # Shapes, strides and dtypes select the compiled function; dynamo's guards check them
+            # on every call, so a later layout change (a swapped p.data) recompiles, never misreads.
+            plan.struct_key = mirror_ids
+            plan.struct = tuple(
+                (tuple(p.shape), tuple(p.stride()), p.dtype, type(p), tuple(g.shape), tuple(g.stride()), g.dtype,
+                 None if m is None else (m.dtype, tuple(m.stride())))
+                for p, g, m in zip(b.params, b.grads, b.mirrors))
         spec: tuple[Any, ...] = (
-            type(self), self.compensation, self.state_dtype,
-            tuple((tuple(p.shape), tuple(p.stride()), p.dtype, type(p), tuple(g.shape), tuple(g.stride()), g.dtype,
-                   None if m is None else (m.dtype, tuple(m.stride())))
-                  for p, g, m in zip(b.params, b.grads, b.mirrors)),
-            keys, repr(sorted(hp.items(), key=lambda kv: kv[0])),
+            type(self), self.compensation, self.state_dtype, plan.struct, keys, plan.hp_key,
             ctx.scale is not None, ctx.skip is not None, device, self._sync_mirrors,
         )
         acc = torch.promote_types(p0.dtype, torch.float32)
@@ -484,8 +575,10 @@ class LowPrecisionOptimizer(Optimizer):
         steps_new = steps_old + (ctx.keep if ctx.keep is not None else 1.0)
         scalars = self._step_scalars(group, steps_old, steps_new, acc)
         scalar_keys = tuple(sorted(scalars))
-        rand_keys, offsets = self._fused_keys(b, keys, device)
-        ka, kb = step_keys((rand_keys[..., 0], rand_keys[..., 1]), steps_old[:, None])
+        ka = kb = offsets = None
+        if bits:
+            rand_keys, offsets = self._fused_keys(b, keys, device)
+            ka, kb = step_keys((rand_keys[..., 0], rand_keys[..., 1]), steps_old[:, None])
         spec = (*spec, scalar_keys)
         args = (b.params, b.grads, b.comps, [b.states[k] for k in keys], [scalars[k] for k in scalar_keys], lr_t,
                 ctx.scale, ctx.skip, ka, kb, offsets, b.mirrors)
@@ -584,7 +677,7 @@ class LowPrecisionOptimizer(Optimizer):
         def fused_step(
             ps: list[Tensor], gs: list[Tensor], comps: list[Tensor], states: list[list[Tensor]],
             scalars: list[Tensor], lr: Tensor, scale: Tensor | None, skip: Tensor | None,
-            ka: Tensor, kb: Tensor, offsets: Tensor, mirrors: list[Tensor | None],
+            ka: Tensor | None, kb: Tensor | None, offsets: Tensor | None, mirrors: list[Tensor | None],
         ) -> None:
             group = dict(hp)
             group["lr"] = lr
@@ -606,10 +699,13 @@ class LowPrecisionOptimizer(Optimizer):
                 s_old = {k: states[j][i] for j, k in enumerate(keys)}
                 w_new, s_new = update(group, w, g, {k: v.to(acc) for k, v in s_old.items()},
                                       {k: scalars[j][i] for j, k in enumerate(scalar_keys)}, scalar)
-                index = (torch.arange(p.numel(), dtype=torch.int64, device=p.device) + offsets[i]).view(p.shape)
+                index = None
+                if ka is not None:  # random bits drawn (stochastic rounding somewhere in this bucket)
+                    index = (torch.arange(p.numel(), dtype=torch.int64, device=p.device)
+                             + cast(Tensor, offsets)[i]).view(p.shape)
 
-                def rand(col: int, i: int = i, index: Tensor = index) -> Tensor:
-                    return counter_bits(ka[i, col], kb[i, col], index)
+                def rand(col: int, i: int = i, index: Tensor | None = index) -> Tensor:
+                    return counter_bits(cast(Tensor, ka)[i, col], cast(Tensor, kb)[i, col], cast(Tensor, index))
 
                 new: list[tuple[Tensor, Tensor, Tensor]] = []  # (destination, new value, value if skipped)
                 if half:
@@ -634,8 +730,11 @@ class LowPrecisionOptimizer(Optimizer):
                                 fused_step.__closure__)
         # emulate_precision_casts: keep every rounding to the half dtype (Inductor elides a
         # half->FP32 round trip by default, which would make the Kahan remainder w - round(w) zero).
-        return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True,
-                                                       options={"emulate_precision_casts": True}))
+        # size_asserts off: dynamo's guards already check every input's sizes and strides; the
+        # generated wrapper's second check cost ~0.2 ms per call for a 29-tensor bucket on a CPU.
+        options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True,
+                                                                     "size_asserts": False}
+        return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True, options=options))
 
     def _chunks(self, params: list[Tensor]) -> list[list[_Segment]]:
         limit = self.chunk_numel
@@ -1032,7 +1131,7 @@ def _is_dtensor(t: Tensor) -> bool:
 
 def _local(t: Tensor) -> Tensor:
     """A ``DTensor``'s local shard (the tensor itself: in-place writes reach the DTensor), else ``t``."""
-    if not _is_dtensor(t):
+    if type(t) in _PLAIN or not _is_dtensor(t):  # the exact-type test first: the step calls this per tensor
         return t
     # _local_tensor, not to_local(): with grad mode on, to_local() returns a new autograd view each call.
     local = getattr(t, "_local_tensor", None)
