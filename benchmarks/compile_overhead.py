@@ -10,7 +10,12 @@ backend, interleaved step by step (A B C, then B C A, ...) after a warm-up that 
   ``prec.backward``, ``prec.step`` (FP32 parameters, FP32 islands for the LayerNorms).
 * ``bf16-master``: the same with BF16 parameters and FP32 master weights.
 
-Every optimizer is ``torch.optim.AdamW(foreach=True)`` (mixprec's master step wraps the same).
+Every optimizer is ``torch.optim.AdamW(foreach=True)``. The torch.amp row steps it eagerly, as
+the recipe does; mixprec's rows (``fused=None``, the default) see the compiled model at the first
+backward and run the same AdamW update as one compiled kernel that also skips on inf/NaN
+(``mixprec._fused``): that is where their time goes below the baseline. ``--no-fused`` shows the
+rows with torch's eager step, ``--amp-compiled-step`` adds the baseline with PyTorch's own
+``torch.compile(opt.step)``.
 Printed per row: compile time (the first step's extra time, and any recompile in warm-up),
 median and p10-p90 step time, and the ratio of medians to the torch.amp row measured in the
 same rounds. Goals on CPU: ``bf16-mixed`` <= 1.00x, ``bf16-master`` <= 1.05x.
@@ -20,7 +25,9 @@ Usage::
     python benchmarks/compile_overhead.py                       # inductor, ~2 min on 2 CPU cores
     python benchmarks/compile_overhead.py --backend aot_eager   # capture only (no code generation)
     python benchmarks/compile_overhead.py --eager               # the same rows without compile
-    python benchmarks/compile_overhead.py --fused               # bf16-master's step fused (compiled) too
+    python benchmarks/compile_overhead.py --fused               # fused=True (the default fuses once the model is compiled)
+    python benchmarks/compile_overhead.py --no-fused            # fused=False: torch's eager AdamW step in every row
+    python benchmarks/compile_overhead.py --amp-compiled-step   # + torch.amp with torch.compile(opt.step)
 """
 
 from __future__ import annotations
@@ -73,9 +80,26 @@ def make_rows(args: argparse.Namespace, device: torch.device) -> dict[str, Calla
 
     rows["torch.amp bf16"] = amp_step
 
+    if args.amp_compiled_step:
+        # PyTorch's compiled-optimizer recipe on the same baseline: torch.compile(opt.step).
+        base2 = _model(args).to(device)
+        opt2 = torch.optim.AdamW(base2.parameters(), lr=1e-3, foreach=True)
+        base2_c = compile_(base2)
+        step2 = torch.compile(opt2.step, backend=args.backend)
+
+        def amp_compiled_step(x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = _loss(base2_c, x)
+            loss.backward()
+            step2()
+            opt2.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        rows["amp + comp. step"] = amp_compiled_step
+
     for preset in args.presets:
         model = _model(args).to(device)
-        prec = mixprec.MixedPrecision(preset, fused=True if args.fused else None)
+        prec = mixprec.MixedPrecision(preset, fused=args.fused)
         model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
         compiled = compile_(model)
 
@@ -125,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="bf16-mixed,bf16-master")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (the same rows eager)")
-    ap.add_argument("--fused", action="store_true",
-                    help="MixedPrecision(fused=True): the master-weight step as one compiled kernel (off by default on CPU)")
+    fused = ap.add_mutually_exclusive_group()
+    fused.add_argument("--fused", dest="fused", action="store_const", const=True, default=None,
+                       help="MixedPrecision(fused=True); the default (None) fuses the step once the model runs compiled")
+    fused.add_argument("--no-fused", dest="fused", action="store_const", const=False,
+                       help="MixedPrecision(fused=False): torch's eager AdamW step")
+    ap.add_argument("--amp-compiled-step", action="store_true",
+                    help="also time the torch.amp row with torch.compile(opt.step) (PyTorch's compiled-optimizer recipe)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -149,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     times, compile_s, losses = measure(rows, batches, args.warmup, device)
 
     base = "torch.amp bf16"
-    mode = ("eager" if args.eager else f"torch.compile(backend={args.backend!r})") + (", fused optimizer steps" if args.fused else "")
+    fused_word = {None: "fused=None", True: "fused=True", False: "fused=False"}[args.fused]
+    mode = ("eager" if args.eager else f"torch.compile(backend={args.backend!r})") + f", MixedPrecision({fused_word})"
     print(f"compile_overhead: CharGPT {args.layers} layers x {args.width} wide, batch {args.batch}x{args.block}, {mode}, "
           f"{device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}; "
           f"{args.steps} timed steps after {args.warmup} warm-up, interleaved")

@@ -41,7 +41,7 @@ def _prepared(preset: str = "bf16-mixed", fused: bool | None = True, compiled: b
     prec = mp.MixedPrecision(preset, fused=fused)
     model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=True))
     if compiled:
-        model = torch.compile(model, backend="aot_eager")
+        model = torch.compile(model)  # Inductor: what turns fused=None on
     return prec, model, opt
 
 
@@ -68,22 +68,21 @@ def _ran_fused(shadow: FusedShadow | None) -> bool:
     return shadow is not None and shadow._view is not None and bool(shadow._view._fused_fns)
 
 
-def test_runs_compiled_finds_a_compiled_region_in_either_order() -> None:
+def test_runs_compiled_finds_an_inductor_region_in_either_order() -> None:
     x = torch.randn(2, 6)
     assert not runs_compiled(_model()(x).sum())
     assert not runs_compiled(torch.ones(()))  # no graph at all
-    compiled = torch.compile(_model(), backend="aot_eager")
-    assert runs_compiled((compiled(x).sum() * 2).float())
+    assert not runs_compiled(torch.compile(_model(), backend="aot_eager")(x).sum())  # a debugging backend
     for order in ("prepare-first", "compile-first"):
         m = _model()
         prec = mp.MixedPrecision("bf16-mixed", fused=False)
         if order == "compile-first":
-            m = torch.compile(m, backend="aot_eager")
+            m = torch.compile(m)
         m, _ = prec.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
         if order == "prepare-first":
-            m = torch.compile(m, backend="aot_eager")
+            m = torch.compile(m)
         with prec.autocast():
-            loss = m(x).float().sum()
+            loss = m(x).float().sum() * 2  # the compiled region sits below eager ops
         assert runs_compiled(loss), order
 
 
@@ -162,8 +161,8 @@ def test_fused_none_keeps_torch_step_eager_and_fuses_a_compiled_model() -> None:
     losses_c = _train(prec_c, model_c, opt_c, batches)
     assert prec_c._seen_compiled is True and _ran_fused(_shadow(prec_c))
     losses = _train(*_prepared(fused=False), batches)
-    # BF16 autocast forward, the same in both; the steps differ in FP32 rounding only.
-    assert losses_c == pytest.approx(losses, rel=1e-3)
+    # BF16 autocast forward in both (Inductor's and eager kernels), steps equal to FP32 rounding.
+    assert losses_c == pytest.approx(losses, rel=2e-2)
 
 
 @pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])

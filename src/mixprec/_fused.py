@@ -10,7 +10,7 @@ skip on ``found_inf`` and the update then run in one kernel with no host sync.
 
 When (``fused=None``): on a GPU (CUDA/XPU with Triton) for the master and compensated steps,
 and on any device once :func:`runs_compiled` has seen the model's backward pass through a
-``torch.compile``d region (the user already pays compile time; the compiled step then costs
+region ``torch.compile`` compiled with Inductor (the user already pays compile time; the compiled step then costs
 seconds once and is faster than torch's foreach step on every size measured, docs/optim.md).
 """
 
@@ -36,12 +36,14 @@ def fusable_plain(optimizer: Optimizer) -> bool:
 
 
 def runs_compiled(loss: Tensor) -> bool:
-    """Whether ``loss``'s autograd graph passes through a ``torch.compile``d region.
+    """Whether ``loss``'s autograd graph passes through a region ``torch.compile`` compiled with Inductor.
 
     Algorithm: a depth-first walk over ``grad_fn.next_functions`` looking for AOTAutograd's
     backward node (``CompiledFunctionBackward``), which every compiled forward that needs a
-    gradient leaves in the graph, whichever order ``torch.compile`` and ``prepare`` ran in.
-    Host work only (no kernels); at most ``_WALK_LIMIT`` nodes.
+    gradient leaves in the graph, whichever order ``torch.compile`` and ``prepare`` ran in; the
+    region counts when its forward is Inductor's output (``torch._inductor``), so the debugging
+    backends (``aot_eager``, ``eager``) keep the eager optimizer step. Host work only (no
+    kernels); at most ``_WALK_LIMIT`` nodes. ``False`` if torch's internals change shape.
     """
     root = loss.grad_fn
     if root is None:
@@ -53,10 +55,16 @@ def runs_compiled(loss: Tensor) -> bool:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if type(node).__name__.startswith("CompiledFunction"):
+        if type(node).__name__.startswith("CompiledFunction") and _inductor_region(node):
             return True
         stack.extend(f for f, _ in node.next_functions)
     return False
+
+
+def _inductor_region(node: Any) -> bool:
+    """Whether an AOTAutograd backward node's forward was compiled by Inductor (private torch attributes)."""
+    fw = getattr(getattr(type(node), "_forward_cls", None), "compiled_fw", None)
+    return type(fw).__module__.startswith("torch._inductor")
 
 
 class FusedShadow:

@@ -88,7 +88,8 @@ class MasterWeightOptimizer(Optimizer):
             bit: torch's CPU kernels fuse multiply-adds). ``True``: on (``ValueError`` for another
             optimizer class); ``False``: the wrapped optimizer's own ``step`` (the eager
             reference); ``None`` (default): on where :meth:`mixprec.optim.AdamW.fused_enabled`
-            says it pays off (CUDA/XPU with Triton, not CPU; see ``docs/optim.md``).
+            says it pays off (CUDA/XPU with Triton; on a CPU only once :attr:`prefer_fused` is
+            set, which ``MixedPrecision`` does when the model runs compiled; see ``docs/optim.md``).
             ``compile_seconds`` reports the first-step compile time.
 
     Raises:

@@ -152,11 +152,16 @@ class MixedPrecision:
             ``p.data`` (WGAN clipping, pruning masks) are seen; ``"versions"`` checks only the
             tensors' version counters (free, but blind to ``p.data``). See
             ``MasterWeightOptimizer.sync_edits_``.
-        fused: The optimizer steps ``prepare`` builds (``*-master``: the ``MasterWeightOptimizer``
-            around a torch AdamW/Adam/SGD; compensated policies: the converted ``mixprec.optim``
-            optimizer) run as ``torch.compile``d kernels (``True``), as eager foreach code
-            (``False``), or where that pays off (``None``, default: on CUDA/XPU with Triton, off
-            on a CPU, where the first step compiles C++ for seconds). See docs/optim.md.
+        fused: The optimizer steps run as ``torch.compile``d kernels (``True``), as eager code
+            (``False``), or where that pays off (``None``, default). Covered: the
+            ``MasterWeightOptimizer`` of ``*-master`` around a torch AdamW/Adam/SGD, the converted
+            ``mixprec.optim`` optimizer of compensated policies, and, for policies without
+            masters, a torch AdamW/Adam/SGD you keep (it steps through ``mixprec._fused.FusedShadow``
+            on its own state; torch's own ``fused=True`` optimizers are left as they are).
+            ``None``: on once the first :meth:`backward` sees a model compiled by Inductor
+            (``torch.compile``'s default backend; any device: compilation is already being paid for); otherwise on CUDA/XPU with Triton for
+            the master and compensated steps, off on a CPU, where the first step compiles C++ for
+            seconds. See docs/optim.md.
 
     Lifecycle (each raises a clear error when called out of order)::
 
@@ -195,8 +200,8 @@ class MixedPrecision:
 
     Host syncs: none in ``backward``/``clip_grad_norm_``; none in ``step`` when the optimizer
     can skip on the device (``_step_supports_amp_scaling``: torch's ``fused=True`` optimizers,
-    ``mixprec.optim``, and ``MasterWeightOptimizer`` around either); otherwise one read of
-    ``found_inf`` per step. ``step(..., schedulers=...)`` adds one read of ``skipped``.
+    ``mixprec.optim``, and ``MasterWeightOptimizer`` around either) or steps fused; otherwise
+    one read of ``found_inf`` per step. ``step(..., schedulers=...)`` adds one read of ``skipped``.
     """
 
     def __init__(
@@ -350,7 +355,7 @@ class MixedPrecision:
                 opt.set_unscale_callback(self._unscale_callback(opt))
                 opt.weight_edits = self.weight_edits
             elif opt is given and self.fused is not False and not facts.fsdp and fusable_plain(opt):
-                rec.shadow = FusedShadow(opt, self.fused, gpu_default=False)  # its update, unscale-free skip included, as one compiled kernel
+                rec.shadow = FusedShadow(opt, self.fused, gpu_default=False)  # update and skip in one compiled kernel
             self._records[id(opt)] = rec
         self._iteration_flags = []
         self._applied_steps = AppliedSteps(torch.zeros((), dtype=torch.int64, device=facts.device))
