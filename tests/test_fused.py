@@ -195,6 +195,9 @@ def test_fused_true_refuses_an_optimizer_it_cannot_fuse() -> None:
     with pytest.raises(ValueError, match=r"fused step covers torch.optim.AdamW, Adam and SGD, got torch.optim.rmsprop.RMSprop"):
         mp.MixedPrecision("bf16-mixed", fused=True).prepare(model, torch.optim.RMSprop(model.parameters(), lr=0.1))
     assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing changed
+    with pytest.raises(ValueError, match="differentiable=True"):
+        mp.MixedPrecision("bf16-mixed", fused=True).prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, differentiable=True))
     # torch's own fused kernel is already one kernel: kept as it is.
     prec = mp.MixedPrecision("bf16-mixed", fused=True)
     _, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))

@@ -127,7 +127,14 @@ def check_fusable(optimizers: Sequence[Optimizer], masters: bool) -> None:
     masters also any optimizer built with torch's own ``fused=True`` (already one kernel).
     """
     for opt in optimizers:
-        if type(opt) in FUSABLE or (not masters and any(g.get("fused") for g in opt.param_groups)):
+        if not masters and any(g.get("fused") for g in opt.param_groups):
+            continue
+        if type(opt) in FUSABLE and any(g.get("differentiable") for g in opt.param_groups):
+            raise ValueError(
+                f"MixedPrecision(fused=True): {type(opt).__name__} was built with differentiable=True, which the compiled "
+                "step does not implement; build it with differentiable=False, or use fused=None or False (its own step)."
+            )
+        if type(opt) in FUSABLE:
             continue
         what = "master-weight step" if masters else "step"
         raise ValueError(
