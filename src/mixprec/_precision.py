@@ -159,9 +159,9 @@ class MixedPrecision:
             masters, a torch AdamW/Adam/SGD you keep (it steps through ``mixprec._fused.FusedShadow``
             on its own state; torch's own ``fused=True`` optimizers are left as they are).
             ``None``: on once the first :meth:`backward` sees a model compiled by Inductor
-            (``torch.compile``'s default backend; any device: compilation is already being paid for); otherwise on CUDA/XPU with Triton for
-            the master and compensated steps, off on a CPU, where the first step compiles C++ for
-            seconds. See docs/optim.md.
+            (``torch.compile``'s default backend; any device: compilation is already being paid
+            for); otherwise on CUDA/XPU with Triton for the master and compensated steps, off on
+            a CPU, where the first step compiles C++ for seconds. See docs/optim.md.
 
     Lifecycle (each raises a clear error when called out of order)::
 
@@ -204,6 +204,8 @@ class MixedPrecision:
     one read of ``found_inf`` per step. ``step(..., schedulers=...)`` adds one read of ``skipped``.
     """
 
+    _seen_compiled: bool | None = None  # class default: copies pickled before the attribute existed
+
     def __init__(
         self,
         policy: Policy | str = "bf16-mixed",
@@ -237,7 +239,7 @@ class MixedPrecision:
         self._iteration_flags: list[torch.Tensor] = []  # found_inf of each step in this iteration
         self._applied_steps: AppliedSteps | None = None
         self.check_result: Any = None  # the pre-flight CheckResult when prepare(check_batch=...) ran it
-        #: Whether the first backward passed through a torch.compile'd region (None: not seen yet).
+        #: Whether the first backward passed through an Inductor-compiled region (None: not seen yet).
         self._seen_compiled: bool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
