@@ -66,36 +66,26 @@ def make_rows(args: argparse.Namespace, device: torch.device) -> dict[str, Calla
     )
     rows: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
-    base = _model(args).to(device)
-    base_opt = torch.optim.AdamW(base.parameters(), lr=1e-3, foreach=True)
-    base_c = compile_(base)
+    def amp_row(compile_step: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The torch.amp bf16 recipe; with ``compile_step``, PyTorch's ``torch.compile(opt.step)`` too."""
+        base = _model(args).to(device)
+        opt = torch.optim.AdamW(base.parameters(), lr=1e-3, foreach=True)
+        base_c = compile_(base)
+        step = torch.compile(opt.step, backend=args.backend) if compile_step else opt.step
 
-    def amp_step(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = _loss(base_c, x)
-        loss.backward()
-        base_opt.step()
-        base_opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    rows["torch.amp bf16"] = amp_step
-
-    if args.amp_compiled_step:
-        # PyTorch's compiled-optimizer recipe on the same baseline: torch.compile(opt.step).
-        base2 = _model(args).to(device)
-        opt2 = torch.optim.AdamW(base2.parameters(), lr=1e-3, foreach=True)
-        base2_c = compile_(base2)
-        step2 = torch.compile(opt2.step, backend=args.backend)
-
-        def amp_compiled_step(x: torch.Tensor) -> torch.Tensor:
+        def amp_step(x: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = _loss(base2_c, x)
+                loss = _loss(base_c, x)
             loss.backward()
-            step2()
-            opt2.zero_grad(set_to_none=True)
+            step()
+            opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        rows["amp + comp. step"] = amp_compiled_step
+        return amp_step
+
+    rows["torch.amp bf16"] = amp_row(False)
+    if args.amp_compiled_step:
+        rows["amp + comp. step"] = amp_row(True)
 
     for preset in args.presets:
         model = _model(args).to(device)

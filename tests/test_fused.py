@@ -13,6 +13,7 @@ fuse. One small structure, so the file compiles a handful of fused steps (cached
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -119,7 +120,9 @@ def test_fused_plain_step_runs_the_step_hooks_and_follows_the_scheduler() -> Non
     calls: list[tuple[str, Any]] = []
     h1 = opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o)))
     h2 = opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o)))
-    with _no_scheduler_warning():
+    with warnings.catch_warnings():
+        # the fused step marks torch's step as run: no "lr_scheduler.step() before optimizer.step()"
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*optimizer.step")
         for batch in _data(3):
             _train(prec, model, opt, [batch])
             sched.step()
@@ -135,20 +138,6 @@ def test_fused_plain_step_runs_the_step_hooks_and_follows_the_scheduler() -> Non
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     h1.remove()
     h2.remove()
-
-
-class _no_scheduler_warning:
-    """Fail on torch's "lr_scheduler.step() before optimizer.step()" warning (the fused step must mark torch's step as run)."""
-
-    def __enter__(self) -> None:
-        import warnings
-
-        self._cm = warnings.catch_warnings()
-        self._cm.__enter__()
-        warnings.filterwarnings("error", message=".*lr_scheduler.step.*optimizer.step")
-
-    def __exit__(self, *exc: Any) -> None:
-        self._cm.__exit__(*exc)
 
 
 def test_fused_none_keeps_torch_step_eager_and_fuses_a_compiled_model() -> None:

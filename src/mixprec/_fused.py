@@ -5,8 +5,9 @@ bucket (``optim/_base.py``). :class:`FusedShadow` lends that step to a plain tor
 ``mixprec.optim`` optimizer (``compensation="none"``, FP32 arithmetic) bound to the torch
 optimizer's own ``param_groups`` and ``state``, so LR schedulers, checkpoints and an eager step
 all see one state. ``MasterWeightOptimizer`` steps its masters with it; ``MixedPrecision``
-steps the optimizers of policies without masters with it (``bf16-mixed``): the unscale, the
-skip on ``found_inf`` and the update then run in one kernel with no host sync.
+steps the optimizers of policies without masters with it (``bf16-mixed``): the update and the
+skip on ``found_inf`` then run in one kernel with no host sync (the gradients were unscaled and
+checked before, in ``prec.unscale_``).
 
 When (``fused=None``): on a GPU (CUDA/XPU with Triton) for the master and compensated steps,
 and on any device once :func:`runs_compiled` has seen the model's backward pass through a
@@ -100,6 +101,7 @@ class FusedShadow:
         self._devices: set[torch.device] = set()
         self._compile_seconds = 0.0  # of views replaced by a rebind
         self._unsupported = False
+        self._steps_on_device = False  # the state's step counters checked since the last torch step or rebind
 
     @property
     def compile_seconds(self) -> float:
@@ -110,6 +112,7 @@ class FusedShadow:
         """The ``mixprec.optim`` optimizer to step now, or ``None`` (step the torch optimizer itself)."""
         opt = self.optimizer
         if self.fused is False or self._unsupported or (self.fused is None and not self.prefer and not self.gpu_default):
+            self._steps_on_device = False  # torch's own step runs: it may create CPU step counters
             return None  # the last: a plain policy's eager model, the usual case, decided without a lookup
         view = self._view
         if view is not None and (view.state is not opt.state or view.param_groups is not opt.param_groups):
@@ -129,16 +132,21 @@ class FusedShadow:
             view._mirrors = self.mirrors
             self._view = view
             self._devices = {p.device for g in opt.param_groups for p in g["params"]}
+            self._steps_on_device = False
         view._prefer_fused = self.prefer
         devices = self._devices
         if not all(view.fused_enabled(d) for d in devices):
+            self._steps_on_device = False
             return None
-        if any(d.type != "cpu" for d in devices):
+        if not self._steps_on_device and any(d.type != "cpu" for d in devices):
+            # Only torch's own step (or its load_state_dict, which rebinds) makes such counters:
+            # checked once after either, not every step.
             for g in opt.param_groups:
                 for p in g["params"]:  # torch keeps CUDA steps on the CPU unless capturable; the fused step reads them on the device
                     st = opt.state.get(p)
                     if st and isinstance(st.get("step"), Tensor) and st["step"].device != p.device:
                         st["step"] = st["step"].to(p.device)
+        self._steps_on_device = True
         return view
 
     def step(self, view: Any, args: tuple[Any, ...], grad_scale: Tensor | None, found_inf: Tensor | None) -> Any:

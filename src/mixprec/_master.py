@@ -28,8 +28,6 @@ GradAccumulation = Literal["fp32", "compute"]
 WeightEdits = Literal["values", "versions"]
 _STATE_VERSION = 1
 _WARNED_UNFROZEN = False
-#: Wrapped optimizers the fused master-weight step implements (mixprec.optim's FP32 arithmetic).
-_FUSABLE = FUSABLE
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -123,7 +121,7 @@ class MasterWeightOptimizer(Optimizer):
     ) -> None:
         if fused is not None and not isinstance(fused, bool):
             raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")
-        if fused and type(optimizer) not in _FUSABLE:
+        if fused and type(optimizer) not in FUSABLE:
             raise ValueError(
                 f"fused=True: the fused master-weight step covers torch.optim.AdamW, Adam and SGD, got "
                 f"{type(optimizer).__module__}.{type(optimizer).__qualname__}; use fused=False (its own step)."
@@ -474,18 +472,18 @@ class MasterWeightOptimizer(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         self.master_grads()
         args = (closure,) if closure is not None else ()
-        shadow = self._fused_shadow()
+        view = self._fused_shadow()  # the mixprec.optim optimizer that runs the fused step, or None
         # With "values" the fused kernel compares every weight it steps with its rounded master as it
         # reads them (optim/_base.py, _sync_mirrors); weights without a gradient (not stepped) keep an
         # edit in the model until their next step or state_dict(), which sync them.
-        in_kernel = shadow is not None and self.weight_edits == "values"
-        if shadow is not None:
-            shadow._sync_mirrors = in_kernel
+        in_kernel = view is not None and self.weight_edits == "values"
+        if view is not None:
+            view._sync_mirrors = in_kernel
         if not in_kernel:
             self.sync_edits_()
-        if shadow is not None:
+        if view is not None:
             # One compiled kernel per bucket: update, skip on found_inf, copy back (into the mirrors).
-            result = self._shadow.step(shadow, args, grad_scale, found_inf)
+            result = self._shadow.step(view, args, grad_scale, found_inf)
             self._record_versions()
         else:
             with self._inner_guard.inside():  # the wrapped optimizer's step, below its refuse-guard
@@ -518,7 +516,7 @@ class MasterWeightOptimizer(Optimizer):
         parameters are registered as mirrors of their masters (the compiled step writes the
         rounded master into them).
         """
-        if self.fused is False or type(self.optimizer) not in _FUSABLE:
+        if self.fused is False or type(self.optimizer) not in FUSABLE:
             return None
         if self._shadow is None:
             self._shadow = FusedShadow(self.optimizer, self.fused, {id(m): p for p, m in self._half_pairs()})

@@ -333,6 +333,10 @@ class LowPrecisionOptimizer(Optimizer):
         )
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_plan_cache", {})  # pickles made before the bucket cache existed
+
     # ----- stochastic rounding: counter-based random bits ----------------------------------------------
     def _set_global_offsets(self, offsets: Mapping[Tensor, int]) -> None:
         """Internal hook: the global position of each given parameter's first local element.
@@ -420,8 +424,6 @@ class LowPrecisionOptimizer(Optimizer):
         """
         params = [p for p in group["params"] if p.grad is not None]
         sig = (tuple(map(id, params)), tuple((g.dtype, g.device, g.layout) for g in (p.grad for p in params)))
-        if "_plan_cache" not in self.__dict__:  # unpickled from a version without it
-            self._plan_cache = {}
         cached = self._plan_cache.get(gi)
         if cached is not None and cached[0] == sig:
             return cached[1]
