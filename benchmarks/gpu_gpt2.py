@@ -1,32 +1,44 @@
 #!/usr/bin/env python
-"""GPU benchmark: a GPT-2-small-shaped model (124M), mixprec vs the torch.amp baseline.
+"""GPU benchmark: a GPT-2-small-shaped model (124M), mixprec vs the torch.amp baseline, row by row.
 
 One command, one process::
 
     python benchmarks/gpu_gpt2.py                    # all defaults (about 1-2 minutes on an H100)
-    python benchmarks/gpu_gpt2.py --out results/     # also compare.json and the PNG plots
+    python benchmarks/gpu_gpt2.py --out results/     # also the JSON records and the PNG plots
     python benchmarks/gpu_gpt2.py --compile          # every row torch.compile'd (inductor), baselines too
+    python benchmarks/gpu_gpt2.py --budget 120       # start no row that would end after 120 s
+    python benchmarks/gpu_gpt2.py --profile          # per row: top CUDA kernels and CPU time, mixprec minus torch.amp
 
 The model is GPT-2 small's shape (12 layers, 12 heads, 768 wide, context 1024, vocabulary
 50304, tied embeddings: 124.5M parameters) in plain torch.nn with
 ``F.scaled_dot_product_attention``, trained with fused AdamW on character ids of Python's
-documentation. Rows: mixprec's presets and *two* torch.amp baselines (the PyTorch recipe
-loop: ``torch.autocast`` + ``torch.amp.GradScaler`` for fp16, ``torch.autocast`` alone for
-bf16), all from the same initial weights on the same batches, interleaved step by step in
-this one process (A B C ..., then B C ... A), with warm-up, CUDA synchronisation around every
-timed step, median and p10-p90 step times, MFU against the device's dense peak (table in
-``mixprec.bench._timing``; ``--peak-tflops`` for a GPU it does not list) and peak memory from
-the CUDA caching allocator.
+documentation.
 
-Without a CUDA device it says so and exits 0 (nothing to measure).
+Each preset runs beside its own torch.amp baseline (the PyTorch recipe loop: ``torch.autocast`` +
+``torch.amp.GradScaler`` for fp16 presets, ``torch.autocast`` alone for the others), from the same
+initial weights on the same batches, interleaved step by step in this one process, with warm-up,
+CUDA synchronisation around every timed step, median and p10-p90 step times, MFU against the
+device's dense peak (table in ``mixprec.bench._timing``; ``--peak-tflops`` for a GPU it does not
+list) and peak memory from the CUDA caching allocator. A pair's table and ratio are printed as soon
+as it finishes and appended to ``gpu_gpt2.json`` (``--out``), so a run stopped by a time limit keeps
+every finished row. Pairs run cheapest first (eager presets before FP8 and the compensated step).
+
+``--profile`` runs a few steps of each pair under ``torch.profiler`` and prints, per row, the CUDA
+kernels whose total time differs most from torch.amp's and the CPU time per step: where a gap comes
+from, measured.
+
+Without a CUDA device it says so and exits 0 (nothing to measure); ``--tiny`` checks the script on
+the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 try:
@@ -36,58 +48,51 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 import torch
 
-DEFAULT_PRESETS = "fp32,bf16-mixed,fp16-mixed,bf16-master,fp16-master,bf16-pure"
-if importlib.util.find_spec("torchao") is not None:  # FP8 rows (mixprec[fp8]); compared with torch-amp bf16 below
+# Cheapest and most asked-about first: a run cut short by a time limit keeps these.
+DEFAULT_PRESETS = "bf16-mixed,fp16-mixed,bf16-master,fp16-master,fp32,bf16-pure"
+if importlib.util.find_spec("torchao") is not None:  # FP8 rows (mixprec[fp8]); compared with torch-amp bf16
     DEFAULT_PRESETS += ",fp8-tensorwise,fp8-rowwise"
 
 
-def _ratio_lines(result: object) -> list[str]:
-    """mixprec vs torch.amp, per half dtype: median step time, throughput and peak memory ratios."""
+def _baseline_for(preset: str) -> str:
+    """The torch.amp recipe a preset is measured against: fp16 for fp16 presets, bf16 for the others."""
+    return "fp16" if preset.startswith("fp16") else "bf16"
+
+
+def _pair_line(result: object, preset: str, dt: str) -> str | None:
+    """``preset vs torch-amp dt: step time xR (a vs b ms), peak memory xM, MFU``: one line from a pair's result."""
     rows = {r.name: r for r in result.rows if r.status == "ok"}  # type: ignore[attr-defined]
-    lines = []
-    for dt in ("bf16", "fp16"):
-        base = rows.get(f"torch-amp-{dt}") or (rows.get("torch-amp") if result.settings["baseline"] == dt else None)  # type: ignore[attr-defined]
-        if base is None or not base.step_time_ms:
-            continue
-        for name in (f"{dt}-mixed", f"{dt}-master", f"{dt}-pure", *(("fp8-tensorwise", "fp8-rowwise") if dt == "bf16" else ())):
-            r = rows.get(name)
-            if r is None or not r.step_time_ms:
-                continue
-            t = r.step_time_ms["median"] / base.step_time_ms["median"]
-            m = (r.peak_memory_bytes or 0) / max(1, base.peak_memory_bytes or 1)
-            mfu = f", MFU {100 * r.mfu:.1f}% vs {100 * base.mfu:.1f}%" if r.mfu is not None and base.mfu is not None else ""
-            lines.append(
-                f"{name:12s} vs torch-amp {dt}: step time x{t:.3f} ({r.step_time_ms['median']:.1f} vs "
-                f"{base.step_time_ms['median']:.1f} ms), peak memory x{m:.3f}{mfu}"
-            )
-    bm = rows.get("bf16-mixed")  # issue 17's goal: FP8 against bf16-mixed
-    for name in ("fp8-tensorwise", "fp8-rowwise"):
-        r = rows.get(name)
-        if bm is not None and r is not None and bm.step_time_ms and r.step_time_ms:
-            mfu = f", MFU {100 * r.mfu:.1f}% vs {100 * bm.mfu:.1f}%" if r.mfu is not None and bm.mfu is not None else ""
-            lines.append(f"{name} vs bf16-mixed: step time x{r.step_time_ms['median'] / bm.step_time_ms['median']:.3f}{mfu}")
-    fp32 = rows.get("fp32")
-    if fp32 is not None and fp32.step_time_ms:
-        for name, r in rows.items():
-            if name != "fp32" and r.step_time_ms:
-                lines.append(f"{r.label:22s} speed-up over fp32: x{fp32.step_time_ms['median'] / r.step_time_ms['median']:.2f}")
-    return lines
+    r, base = rows.get(preset), rows.get("torch-amp")
+    if r is None or base is None or not r.step_time_ms or not base.step_time_ms:
+        return None
+    t = r.step_time_ms["median"] / base.step_time_ms["median"]
+    m = (r.peak_memory_bytes or 0) / max(1, base.peak_memory_bytes or 1)
+    mfu = f", MFU {100 * r.mfu:.1f}% vs {100 * base.mfu:.1f}%" if r.mfu is not None and base.mfu is not None else ""
+    comp = ""
+    if r.compile_seconds is not None and base.compile_seconds is not None:
+        comp = f", compile {r.compile_seconds:.1f} vs {base.compile_seconds:.1f} s"
+    return (f"{preset:14s} vs torch-amp {dt}: step time x{t:.3f} ({r.step_time_ms['median']:.2f} vs "
+            f"{base.step_time_ms['median']:.2f} ms), peak memory x{m:.3f}{mfu}{comp}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default=DEFAULT_PRESETS, help=f"mixprec presets (default {DEFAULT_PRESETS})")
-    p.add_argument("--baseline", default="fp16,bf16", help="torch-amp baseline rows (default: fp16,bf16)")
-    p.add_argument("--steps", type=int, default=60, help="training steps per row (default 60)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed warm-up steps (default 10)")
+    p.add_argument("--presets", default=DEFAULT_PRESETS, help=f"mixprec presets, run in this order (default {DEFAULT_PRESETS})")
+    p.add_argument("--steps", type=int, default=30, help="training steps per row (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--block-size", type=int, default=1024, help="context length (default 1024)")
     p.add_argument("--n-embd", type=int, default=768, help="model width, heads of 64 (default 768; FP8 gains from ~2048)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense peak TFLOP/s when the GPU is not in the table")
-    p.add_argument("--out", default=os.environ.get("OUT"), help="write compare.json and plots here (default: $OUT if set)")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="write gpu_gpt2.json, each pair's record and plots here (default: $OUT if set)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile every row's model, the torch-amp baselines' too (default backend inductor); "
                         "step times exclude compilation, reported per row as 'compile s'")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="start no pair that would end after this many seconds (estimated from the slowest pair so "
+                        "far); the pairs left out are named")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile a few steps of each pair: top CUDA kernels and CPU time, mixprec minus torch.amp")
     p.add_argument("--tiny", action="store_true", help="a 1-layer, 32-wide model on the CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
 
@@ -111,33 +116,160 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
     from mixprec.bench import BenchError, run_compare
     from mixprec.bench._report import print_report, write_json
 
-    print(f"gpu_gpt2: {device_name} | torch {torch.__version__} | presets {args.presets} | "
-          f"baseline torch-amp {args.baseline} | {args.steps} steps ({args.warmup} warm-up), batch "
-          f"{options['batch_size']}x{options['block_size']}" + (f" | compiled ({args.compile})" if args.compile else ""),
-          flush=True)
-    try:
-        result = run_compare(
-            "gpt", args.presets, baseline=args.baseline, steps=args.steps, warmup=args.warmup, device=device,
-            peak_tflops_override=args.peak_tflops, workload_options=options, compile=args.compile,
-        )
-    except BenchError as e:
-        print(f"gpu_gpt2: error: {e}", file=sys.stderr)
-        return 2
-    print_report(result)
-    print()
-    for line in _ratio_lines(result):
-        print(line)
-    if args.out:
-        out = Path(args.out)
-        write_json(result, out / "compare.json")
+    presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+    print(f"gpu_gpt2: {device_name} | torch {torch.__version__} | presets {','.join(presets)} | each beside its "
+          f"torch-amp baseline | {args.steps} steps ({args.warmup} warm-up), batch "
+          f"{options['batch_size']}x{options['block_size']}" + (f" | compiled ({args.compile})" if args.compile else "")
+          + (f" | budget {args.budget:.0f} s" if args.budget else ""), flush=True)
+    out = Path(args.out) if args.out else None
+    summary: dict = {"schema": "mixprec.gpu_gpt2/1", "device": device_name, "torch": torch.__version__,
+                     "settings": {k: v for k, v in vars(args).items() if k != "out"}, "pairs": [], "left_out": []}
+    t_start = time.perf_counter()
+    slowest = 0.0
+    failed = False
+    for i, preset in enumerate(presets):
+        elapsed = time.perf_counter() - t_start
+        if args.budget is not None and i and elapsed + slowest > args.budget:
+            summary["left_out"] = presets[i:]
+            print(f"gpu_gpt2: budget: {elapsed:.0f} s spent, the slowest pair took {slowest:.0f} s; left out: "
+                  f"{', '.join(presets[i:])}", flush=True)
+            break
+        dt = _baseline_for(preset)
+        t0 = time.perf_counter()
         try:
-            from mixprec.bench._plots import write_plots
+            result = run_compare(
+                "gpt", [preset], baseline=dt, steps=args.steps, warmup=args.warmup, device=device,
+                peak_tflops_override=args.peak_tflops, workload_options=options, compile=args.compile,
+            )
+        except BenchError as e:
+            print(f"gpu_gpt2: {preset}: error: {e}", file=sys.stderr, flush=True)
+            failed = True
+            continue
+        seconds = time.perf_counter() - t0
+        slowest = max(slowest, seconds)
+        print_report(result)
+        line = _pair_line(result, preset, dt)
+        print(f"{line or preset + ': no ratio (a row failed, see the table)'}  [{seconds:.0f} s]", flush=True)
+        pair = {"preset": preset, "baseline": f"torch-amp-{dt}", "seconds": seconds, "line": line,
+                "rows": result.to_dict()["rows"]}
+        if args.profile:
+            pair["profile"] = _profile_pair(preset, dt, options, device, args.compile)
+        summary["pairs"].append(pair)
+        if out is not None:
+            write_json(result, out / f"compare-{preset}.json")
+            (out / "gpu_gpt2.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    print()
+    for pair in summary["pairs"]:
+        if pair["line"]:
+            print(pair["line"])
+    if out is not None:
+        (out / "gpu_gpt2.json").parent.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_gpt2.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+        print(f"gpu_gpt2: wrote {out}/gpu_gpt2.json")
+    print(f"gpu_gpt2: {len(summary['pairs'])} of {len(presets)} pairs in {time.perf_counter() - t_start:.0f} s", flush=True)
+    return 1 if failed else 0
 
-            write_plots(result, out)
-        except BenchError as e:  # no matplotlib on this machine: the JSON is still there
-            print(f"gpu_gpt2: plots skipped: {e}")
-        print(f"gpu_gpt2: wrote {out}/compare.json")
-    return 0
+
+def _profile_pair(preset: str, dt: str, options: dict, device: str, compile_backend: str | None,
+                  steps: int = 5, top: int = 8) -> dict:
+    """Profile ``steps`` steps of ``preset`` and of its torch.amp recipe; print where the time differs.
+
+    Per row: the host time per step (``perf_counter`` around the loop without synchronising, so it
+    is the time the CPU spends issuing the step) and each CUDA kernel's total time per step. The
+    kernels printed are those whose time differs most between the two rows (mixprec minus torch.amp).
+    """
+    import copy
+    import itertools
+
+    import mixprec
+    from mixprec._tree import tree_map
+    from mixprec.bench import load_workload
+
+    wl = load_workload("gpt", **options)
+    batches = [tree_map(lambda t: t.to(device), b) for b in itertools.islice(iter(wl.batches), steps + 3)]
+    half = torch.float16 if dt == "fp16" else torch.bfloat16
+
+    def loop(kind: str):
+        model = copy.deepcopy(wl.model).to(device)
+        opt = wl.optimizer_fn(model.parameters())
+        if kind == "amp":
+            scaler = torch.amp.GradScaler(device) if dt == "fp16" else None
+            if compile_backend:
+                model = torch.compile(model, backend=compile_backend)
+
+            def amp_step(b) -> None:
+                with torch.autocast(device, dtype=half):
+                    loss = wl.loss_fn(model, b)
+                if scaler is None:
+                    loss.backward()
+                    opt.step()
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                opt.zero_grad(set_to_none=True)
+
+            return amp_step
+        prec = mixprec.MixedPrecision(preset)
+        model, opt = prec.prepare(model, opt)
+        if compile_backend:
+            model = torch.compile(model, backend=compile_backend)
+
+        def mp_step(b) -> None:
+            with prec.autocast():
+                loss = wl.loss_fn(model, b)
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad(set_to_none=True)
+
+        return mp_step
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    report: dict = {}
+    for kind in ("mixprec", "amp"):
+        step = loop(kind)
+        for b in batches[:3]:
+            step(b)
+        sync()
+        t0 = time.perf_counter()
+        for b in batches[3:]:
+            step(b)
+        host_ms = (time.perf_counter() - t0) * 1e3 / steps
+        sync()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for b in batches[3:]:
+                step(b)
+            sync()
+        kernels: dict[str, list[float]] = {}
+        for e in prof.key_averages():
+            dev_us = getattr(e, "device_time_total", 0.0) or 0.0
+            if dev_us > 0 and (getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA or device != "cuda"):
+                kernels[e.key] = [dev_us / steps, e.count / steps]
+        if device != "cuda":  # no kernels on a CPU: the aten ops' own CPU time stands in for them
+            kernels = {e.key: [e.self_cpu_time_total / steps, e.count / steps] for e in prof.key_averages()
+                       if e.key.startswith("aten::")}
+        report[kind] = {"host_ms_per_step": host_ms, "kernels_us_per_step": kernels}
+    mp, amp = report["mixprec"], report["amp"]
+    names = set(mp["kernels_us_per_step"]) | set(amp["kernels_us_per_step"])
+    diff = sorted(((mp["kernels_us_per_step"].get(k, [0, 0])[0] - amp["kernels_us_per_step"].get(k, [0, 0])[0], k)
+                   for k in names), key=lambda d: -abs(d[0]))
+    total = sum(d for d, _ in diff)
+    what = "CUDA kernel" if device == "cuda" else "aten op (CPU)"
+    print(f"profile {preset} minus torch-amp {dt}: host time per step {mp['host_ms_per_step']:.2f} - "
+          f"{amp['host_ms_per_step']:.2f} = {mp['host_ms_per_step'] - amp['host_ms_per_step']:+.2f} ms; "
+          f"{what} time per step {total:+.1f} us in all; largest differences:")
+    for d, k in diff[:top]:
+        n_mp = mp["kernels_us_per_step"].get(k, [0, 0])[1]
+        n_amp = amp["kernels_us_per_step"].get(k, [0, 0])[1]
+        print(f"    {d:+9.1f} us  ({n_mp:.0f} vs {n_amp:.0f} calls)  {k[:100]}")
+    report["top_differences"] = [{"name": k, "us_per_step": d} for d, k in diff[:top]]
+    return report
 
 
 if __name__ == "__main__":

@@ -118,8 +118,11 @@ class _ForwardPatch:
             self.module.forward = self.previous
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def _to_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+    return t.float() if t.dtype in _HALF else t
 
 
 def _to_dtype(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
@@ -145,9 +148,33 @@ def _island_forward(
     calls, which dynamo cannot trace (one graph break per island under ``torch.compile``),
     while a ``with`` block inside one function compiles into the graph. Hooks the user
     registers on the island still run around it, as they would around any ``forward``.
+
+    Eager calls take a shorter road (this runs once per norm layer per forward): one tensor in
+    and out without a tree walk, and autocast switched off by its flag (``torch.autocast``'s
+    context manager costs about a dozen Python calls) only where it is on; its cache and
+    nesting are the enclosing region's, which this does not leave.
     """
     fn = previous if previous is not None else functools.partial(type(module).forward, module)
-    out = _without_autocast(device_types, fn, tree_map(_to_fp32, args), tree_map(_to_fp32, kwargs))
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+        x = args[0]
+        args = (x.float(),) if x.dtype in _HALF else args
+    else:
+        args, kwargs = tree_map(_to_fp32, args), tree_map(_to_fp32, kwargs)
+    on = tuple(filter(torch.is_autocast_enabled, device_types))  # C calls only (hot path)
+    if not on:
+        out = fn(*args, **kwargs)
+    elif torch.compiler.is_compiling():
+        out = _without_autocast(on, fn, args, kwargs)
+    else:
+        for d in on:
+            torch.set_autocast_enabled(d, False)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            for d in on:
+                torch.set_autocast_enabled(d, True)
+    if type(out) is torch.Tensor:
+        return out.to(compute_dtype) if out.dtype != compute_dtype and out.dtype in _CASTABLE else out
     if out is None:
         return out
     return tree_map(functools.partial(_to_dtype, compute_dtype), out)
@@ -187,7 +214,11 @@ def _root_forward(
     the model's one graph. Hooks registered on the root run around it, as around any ``forward``.
     """
     if input_dtype is not None:
-        args, kwargs = _cast_inputs(input_dtype, module, args, kwargs)
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one tensor: no tree walk (hot path)
+            x = args[0]
+            args = (x.to(input_dtype),) if x.dtype != input_dtype and x.dtype in _CASTABLE else args
+        else:
+            args, kwargs = _cast_inputs(input_dtype, module, args, kwargs)
     out = previous(*args, **kwargs) if previous is not None else type(module).forward(module, *args, **kwargs)
     return _outputs_to(output_dtype, out)
 

@@ -95,13 +95,25 @@ class FusedShadow:
         self.fused = fused
         self.gpu_default = gpu_default
         self.mirrors: dict[int, Tensor] = dict(mirrors or {})
-        #: Set when the model was seen running compiled: ``fused=None`` then turns on on any device.
-        self.prefer = False
+        self._prefer = False
+        #: ``True`` once :meth:`view` found the torch optimizer's own step must run, for a reason that
+        #: lasts until :attr:`prefer` changes: callers on the step path read it instead of calling view().
+        self.off = False
         self._view: Any = None
         self._devices: set[torch.device] = set()
         self._compile_seconds = 0.0  # of views replaced by a rebind
         self._unsupported = False
         self._steps_on_device = False  # the state's step counters checked since the last torch step or rebind
+
+    @property
+    def prefer(self) -> bool:
+        """Set when the model was seen running compiled: ``fused=None`` then turns on on any device."""
+        return self._prefer
+
+    @prefer.setter
+    def prefer(self, value: bool) -> None:
+        self._prefer = bool(value)
+        self.off = False  # decided again at the next view()
 
     @property
     def compile_seconds(self) -> float:
@@ -111,8 +123,9 @@ class FusedShadow:
     def view(self) -> Any:
         """The ``mixprec.optim`` optimizer to step now, or ``None`` (step the torch optimizer itself)."""
         opt = self.optimizer
-        if self.fused is False or self._unsupported or (self.fused is None and not self.prefer and not self.gpu_default):
+        if self.fused is False or self._unsupported or (self.fused is None and not self._prefer and not self.gpu_default):
             self._steps_on_device = False  # torch's own step runs: it may create CPU step counters
+            self.off = True
             return None  # the last: a plain policy's eager model, the usual case, decided without a lookup
         view = self._view
         if view is not None and (view.state is not opt.state or view.param_groups is not opt.param_groups):
@@ -127,16 +140,18 @@ class FusedShadow:
                 if self.fused:
                     raise
                 self._unsupported = True  # e.g. differentiable=True: torch's step, always
+                self.off = True
                 return None
             view.state = opt.state  # shared: torch's AdamW/Adam/SGD state keys are mixprec's
             view._mirrors = self.mirrors
             self._view = view
             self._devices = {p.device for g in opt.param_groups for p in g["params"]}
             self._steps_on_device = False
-        view._prefer_fused = self.prefer
+        view._prefer_fused = self._prefer
         devices = self._devices
         if not all(view.fused_enabled(d) for d in devices):
             self._steps_on_device = False
+            self.off = True
             return None
         if not self._steps_on_device and any(d.type != "cpu" for d in devices):
             # Only torch's own step (or its load_state_dict, which rebinds) makes such counters:

@@ -8,6 +8,8 @@ applied step the masters are copied back into the model's half-precision paramet
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -20,7 +22,7 @@ from ._dtypes import dtype_name, parse_dtype
 from ._finite import unscale_and_check_
 from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
-from ._stepping import step_with_result
+from ._stepping import step_or_skip
 
 __all__ = ["GradAccumulation", "MasterWeightOptimizer", "WeightEdits"]
 
@@ -108,6 +110,10 @@ class MasterWeightOptimizer(Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    # The half (parameter, master) pairs and the same as two lists, cached off the step path;
+    # None: rebuild at the next use (class defaults: copies pickled before the cache existed).
+    _pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    _pair_lists: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def __init__(
         self,
@@ -160,6 +166,7 @@ class MasterWeightOptimizer(Optimizer):
         self._before_read: Callable[[], None] | None = None
         for group in optimizer.param_groups:
             group["params"] = [self._adopt(p) for p in group["params"]]
+        self._refresh_pairs()
         self._initial.clear()
         from ._stepping import install_step_guard
 
@@ -178,7 +185,7 @@ class MasterWeightOptimizer(Optimizer):
         d = self.__dict__.copy()
         for key in ("step", "_mixprec_step_guard"):  # a MixedPrecision run's routing guard
             d.pop(key, None)
-        d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None)
+        d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None, _pairs=None, _pair_lists=([], []))
         return d
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -198,6 +205,7 @@ class MasterWeightOptimizer(Optimizer):
         """Register ``p`` and return the tensor the wrapped optimizer should hold for it."""
         if any(p is q for q in self._model_params):
             raise ValueError("a parameter appears twice in the optimizer's param groups.")
+        self._pairs = None
         if not p.dtype.is_floating_point or p.dtype == self.master_dtype:
             self._model_params.append(p)
             self._masters.append(p)
@@ -265,6 +273,7 @@ class MasterWeightOptimizer(Optimizer):
             master = p.detach().to(self.master_dtype).clone()
             i = next(k for k, q in enumerate(self._model_params) if q is p)
             self._masters[i] = master
+            self._refresh_pairs()
             for group in self.optimizer.param_groups:
                 group["params"] = [master if q is p else q for q in group["params"]]
             self._attach(p, master)
@@ -274,9 +283,18 @@ class MasterWeightOptimizer(Optimizer):
 
     # ----- edits of the model's weights outside the step ----------------------------------------
     def _half_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
+        """(model parameter, master) of every parameter with a master of its own (cached: the step reads it)."""
+        if self._pairs is None:
+            self._refresh_pairs()
+        return self._pairs  # type: ignore[return-value]  # set by _refresh_pairs
+
+    def _refresh_pairs(self) -> None:
+        """Rebuild the cached pairs and :attr:`_pair_lists` (after parameters were adopted or unfrozen)."""
+        pairs = self._pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
+        self._pair_lists = ([p for p, _ in pairs], [m for _, m in pairs])
 
     def _record_versions(self) -> None:
+        """Remember each half parameter's (version, storage) after a copy (``weight_edits="versions"`` reads them)."""
         self._versions = [(p._version, p.data_ptr()) for p, _ in self._half_pairs()]
 
     @torch.no_grad()
@@ -290,8 +308,9 @@ class MasterWeightOptimizer(Optimizer):
 
         * ``"values"`` (default): all of them. The common idioms ``p.data.clamp_(...)`` (WGAN)
           and ``p.data.mul_(mask)`` (pruning) edit through ``.data``, which has a version counter
-          of its own, so only comparing the values sees them. Cost: three elementwise kernels
-          per half parameter per step (about 22 bytes of memory traffic per element).
+          of its own, so only comparing the values sees them. Cost: ten foreach ops per
+          (device, dtype) group and 32M elements, whatever the number of parameters
+          (:func:`carry_edits_`; about 40 bytes of memory traffic per element).
         * ``"versions"``: those whose version counter or storage changed since the last copy
           (in-place ops on the parameter itself: ``torch.no_grad()`` edits,
           ``nn.Embedding(max_norm=...)``, ``load_state_dict``). Free when nothing changed;
@@ -299,14 +318,25 @@ class MasterWeightOptimizer(Optimizer):
 
         No host sync in either mode.
         """
-        pairs = self._half_pairs()
-        if self.weight_edits == "versions" and len(pairs) == len(self._versions):
-            pairs = [(p, m) for (p, m), v in zip(pairs, self._versions) if (p._version, p.data_ptr()) != v]
-        from .optim._rounding import with_edits  # mixprec.optim sits above this module
+        self._sync_edits()
 
-        for p, m in pairs:
-            with_edits(m, p, out=m)
-        self._record_versions()
+    def _sync_edits(self) -> None:
+        """:meth:`sync_edits_` without its ``no_grad`` decorator (the step runs with grad mode off)."""
+        if self._pairs is None:
+            self._refresh_pairs()
+        if self.weight_edits == "versions":
+            if len(self._half_pairs()) == len(self._versions):
+                pairs = [(p, m) for (p, m), v in zip(self._half_pairs(), self._versions)
+                         if (p._version, p.data_ptr()) != v]
+            else:
+                pairs = self._half_pairs()
+            if pairs:
+                _carry_edits([m for _, m in pairs], [p for p, _ in pairs])
+            self._record_versions()
+        else:
+            params, masters = self._pair_lists
+            if params:
+                _carry_edits(masters, params)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group: its half-precision parameters get FP32 masters (taken from their current values)."""
@@ -318,6 +348,7 @@ class MasterWeightOptimizer(Optimizer):
         self.optimizer.add_param_group(group)
         new = self.optimizer.param_groups[n_before]
         new["params"] = [self._adopt(p) for p in new["params"]]
+        self._refresh_pairs()
 
     # ----- the optimizer surface ---------------------------------------------------------------
     @property
@@ -393,9 +424,7 @@ class MasterWeightOptimizer(Optimizer):
                 for (p, m), b in zip(pending, bufs):
                     m.grad = b if m.grad is None else m.grad.add_(b)
                     p.grad = self._views[id(p)]  # torch code reading p.grad now sees the FP32 gradient
-        elif self._hooks and any(
-            p.grad is not None and not isinstance(p.grad, MasterGradView) for p, _ in self._half_pairs()
-        ):
+        elif self._hooks and not _ONLY_VIEWS.issuperset(map(type, map(_GRAD, self._pair_lists[0]))):
             # The hooks moved every half gradient into its master and cleared it, so something wrote
             # .grad afterwards: DDP's reducer does (it reduced the gradient the hook had already taken,
             # and the masters hold this rank's unreduced gradient: the replicas would drift apart).
@@ -412,7 +441,8 @@ class MasterWeightOptimizer(Optimizer):
             for p, m in self._half_pairs():
                 if m.grad is not None and p.grad is not None and not isinstance(p.grad, MasterGradView):
                     p.grad = self._views[id(p)]
-        return [m.grad for m in self._masters if m.grad is not None]
+        self._grads_checked = True  # step() need not do this again before the next step
+        return [*filter(_NOT_NONE, map(_GRAD, self._masters))]  # C loops: no Python call per tensor
 
     def unscale_(self, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> torch.Tensor:
         """Unscale the master gradients in place and check them for inf/NaN.
@@ -431,6 +461,7 @@ class MasterWeightOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the masters' gradients and any gradient left on the model's parameters."""
+        self._grads_checked = False
         for t in (*self._masters, *self._model_params):
             if t.grad is not None:
                 if set_to_none:
@@ -448,10 +479,16 @@ class MasterWeightOptimizer(Optimizer):
     @torch.no_grad()
     def copy_to_model_(self) -> None:
         """Copy every master into its model parameter (rounding to the parameter's dtype)."""
-        pairs = self._half_pairs()
-        if pairs:
-            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
-        self._record_versions()
+        self._copy_to_model()
+
+    def _copy_to_model(self) -> None:
+        if self._pairs is None:
+            self._refresh_pairs()
+        params, masters = self._pair_lists
+        if params:
+            torch._foreach_copy_(params, masters)  # one foreach op: the copy-back of every weight
+        if self.weight_edits == "versions":
+            self._record_versions()
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the wrapped optimizer on the masters, then copy the masters back.
@@ -470,8 +507,27 @@ class MasterWeightOptimizer(Optimizer):
         """
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        self.master_grads()
+        if not self.__dict__.get("_grads_checked") or self.grad_accumulation == "compute":
+            self.master_grads()  # MixedPrecision's unscale already did, for this step
         args = (closure,) if closure is not None else ()
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad() without its context manager's Python calls (hot path)
+        try:
+            result = self._step(args, grad_scale, found_inf)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+        self._grads_checked = False
+        if self.grad_accumulation == "compute":
+            # The FP32 gradient buffers were transient: drop them so only the half gradients'
+            # 2 bytes per parameter persist between steps (16 B/param with AdamW, not 20).
+            for p, m in self._half_pairs():
+                m.grad = None
+                if isinstance(p.grad, MasterGradView):
+                    p.grad = None
+        return result
+
+    def _step(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> Any:
+        """Steps 3-4 of the class docstring: edits carried in, the update (skipping on the device), the copy back."""
         view = self._fused_shadow()  # the mixprec.optim optimizer that runs the fused step, or None
         # With "values" the fused kernel compares every weight it steps with its rounded master as it
         # reads them (optim/_base.py, _sync_mirrors); weights without a gradient (not stepped) keep an
@@ -480,28 +536,27 @@ class MasterWeightOptimizer(Optimizer):
         if view is not None:
             view._sync_mirrors = in_kernel
         if not in_kernel:
-            self.sync_edits_()
+            self._sync_edits()
         if view is not None:
             # One compiled kernel per bucket: update, skip on found_inf, copy back (into the mirrors).
             result = self._shadow.step(view, args, grad_scale, found_inf)
-            self._record_versions()
-        else:
-            with self._inner_guard.inside():  # the wrapped optimizer's step, below its refuse-guard
-                if found_inf is None and grad_scale is None:
-                    result = self.optimizer.step(*args)
-                else:
-                    if found_inf is None:
-                        device = grad_scale.device if grad_scale is not None else self._masters[0].device
-                        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                    result = step_with_result(self.optimizer, found_inf, grad_scale, args, {})[1]
-            self.copy_to_model_()
-        if self.grad_accumulation == "compute":
-            # The FP32 gradient buffers were transient: drop them so only the half gradients'
-            # 2 bytes per parameter persist between steps (16 B/param with AdamW, not 20).
-            for p, m in self._half_pairs():
-                m.grad = None
-                if isinstance(p.grad, MasterGradView):
-                    p.grad = None
+            if self.weight_edits == "versions":
+                self._record_versions()
+            return result
+        guard = self._inner_guard  # the wrapped optimizer's step, below its refuse-guard (inside(), inlined)
+        guard._depth += 1
+        try:
+            if found_inf is None and grad_scale is None:
+                result = self.optimizer.step(*args)
+            else:
+                if found_inf is None:
+                    device = grad_scale.device if grad_scale is not None else self._masters[0].device
+                    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+                # torch's AdamW/Adam/SGD step through their fused kernel: the skip stays on the device
+                result = step_or_skip(self.optimizer, found_inf, grad_scale, args, {}, twin=True)[1]
+        finally:
+            guard._depth -= 1
+        self._copy_to_model()
         return result
 
     @property
@@ -517,6 +572,8 @@ class MasterWeightOptimizer(Optimizer):
         rounded master into them).
         """
         if self.fused is False or type(self.optimizer) not in FUSABLE:
+            return None
+        if self._shadow is not None and self._shadow.off:  # decided: the wrapped optimizer's own step (no call)
             return None
         if self._shadow is None:
             self._shadow = FusedShadow(self.optimizer, self.fused, {id(m): p for p, m in self._half_pairs()})
@@ -610,6 +667,66 @@ class MasterWeightOptimizer(Optimizer):
         self._hooks.clear()
 
 
+_GRAD = operator.attrgetter("grad")
+_NOT_NONE = functools.partial(operator.is_not, None)
+_ONLY_VIEWS = frozenset({MasterGradView, type(None)})
+#: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (10 bytes per
+#: element) to 320 MiB whatever the model's size.
+EDIT_CHUNK = 1 << 25
+
+
+@torch.no_grad()
+def carry_edits_(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    """``masters[i] = where(weights[i] == round(masters[i]), masters[i], weights[i])`` for every i, in foreach ops.
+
+    The edit check of :meth:`MasterWeightOptimizer.sync_edits_` (the per-tensor form is
+    ``optim._rounding.with_edits``, which the fused step runs inside its kernel).
+
+    Algorithm, per (device, dtype) group and per pass of at most :data:`EDIT_CHUNK` elements
+    (ten foreach ops, whatever the number of tensors):
+
+    1. ``r = round(m) - w`` in the weights' dtype: exactly zero where the weight is untouched
+       (with gradual underflow, ``a - b == 0`` only when ``a == b``);
+    2. ``e = sign(|r|)`` in FP32: 1 where edited, 0 where not;
+    3. ``m = lerp(m, float(w), e)``: ``m + 0 * (w - m) = m`` and ``w - (w - m) * 0 = w``, both exact.
+
+    A NaN on either side gives NaN, as ``where`` does. One difference from ``where``: an FP16
+    master beyond the FP16 range (its weight is already inf) becomes NaN rather than staying finite.
+    No host sync.
+    """
+    _carry_edits(masters, weights)
+
+
+def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    """:func:`carry_edits_` without its ``no_grad`` decorator (the step runs with grad mode off)."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for m, w in zip(masters, weights):
+        ms, ws = groups.setdefault((w.device, w.dtype), ([], []))
+        ms.append(m)
+        ws.append(w)
+    for ms, ws in groups.values():
+        start, n = 0, 0
+        for i, w in enumerate(ws):
+            n += w.numel()
+            if n >= EDIT_CHUNK or i == len(ws) - 1:
+                _carry_edits_pass(ms[start:i + 1], ws[start:i + 1])
+                start, n = i + 1, 0
+
+
+def _carry_edits_pass(ms: list[torch.Tensor], ws: list[torch.Tensor]) -> None:
+    r = torch._foreach_neg(ws)  # a buffer of the weights' dtype (its values are overwritten next)
+    torch._foreach_copy_(r, ms)  # round(m)
+    torch._foreach_sub_(r, ws)  # 0 exactly where w == round(m)
+    torch._foreach_abs_(r)
+    torch._foreach_sign_(r)  # 1 where edited
+    e = torch._foreach_abs(ms)  # an FP32 buffer
+    torch._foreach_copy_(e, r)
+    del r
+    wf = torch._foreach_abs(ms)
+    torch._foreach_copy_(wf, ws)  # float(w), exact
+    torch._foreach_lerp_(ms, wf, e)
+
+
 def check_weight_edits(value: object) -> None:
     """Validate a ``weight_edits`` argument.
 
@@ -635,11 +752,16 @@ class _AccumulateInto:
         self.master = master
         self.view = view
 
-    @torch.no_grad()
     def __call__(self, param: torch.Tensor) -> None:
         g = param.grad
         if g is None or g is self.view:
             return
-        self.master.grad = g.to(self.master.dtype)
+        # Runs once per parameter per backward: torch.no_grad()'s decorator costs ~7 Python calls, and
+        # autograd runs hooks with grad mode off anyway unless create_graph=True.
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self.master.grad = g.to(self.master.dtype)
+        else:
+            self.master.grad = g.to(self.master.dtype)
         param.grad = self.view
 

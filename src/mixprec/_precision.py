@@ -38,7 +38,14 @@ from ._dtypes import parse_dtype
 from ._fused import FusedShadow, fusable_plain, runs_compiled
 from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_weight_edits
 from ._policy import Policy
-from ._prepare import check_fusable, check_prepare, model_params_of, optimizer_tensors, wrap_optimizers
+from ._prepare import (
+    check_fusable,
+    check_prepare,
+    model_params_of,
+    optimizer_tensors,
+    warn_host_reads,
+    wrap_optimizers,
+)
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, _ScalerBase, check_scaler_state
 from ._stepping import AppliedSteps, OptimizerRecord, install_step_guard, remove_step_guard, step_or_skip
 from ._tree import tree_leaves
@@ -198,10 +205,14 @@ class MixedPrecision:
     Every policy, also FP32 and BF16 ones without loss scaling, checks the gradients for
     inf/NaN and skips such a step, so a NaN never reaches the weights.
 
-    Host syncs: none in ``backward``/``clip_grad_norm_``; none in ``step`` when the optimizer
-    can skip on the device (``_step_supports_amp_scaling``: torch's ``fused=True`` optimizers,
-    ``mixprec.optim``, and ``MasterWeightOptimizer`` around either) or steps fused; otherwise
-    one read of ``found_inf`` per step. ``step(..., schedulers=...)`` adds one read of ``skipped``.
+    Host syncs: none in ``backward``/``clip_grad_norm_``; none in ``step`` for torch's AdamW, Adam
+    and SGD (foreach and for-loop forms step through their own fused kernel, which skips on
+    ``found_inf`` on the device: ``_stepping.FusedTwin``), ``mixprec.optim``, any optimizer with
+    ``_step_supports_amp_scaling``, and ``MasterWeightOptimizer`` around any of them; for any other
+    optimizer one read of ``found_inf`` per step, which ``prepare`` warns about on a GPU.
+    ``step(..., schedulers=...)`` adds one read of ``skipped``. The scaler's periodic check
+    (every ``check_interval`` steps) reads its counters from pinned memory copied one interval
+    earlier on CUDA, so it never waits for the GPU either.
     """
 
     _seen_compiled: bool | None = None  # class default: copies pickled before the attribute existed
@@ -336,6 +347,7 @@ class MixedPrecision:
             cast_fsdp_shards(model, self.policy, island_modules)
         cast_module(model, self.policy.replace(param_dtype=torch.float32, master_dtype=None) if fsdp_masters else self.policy)
         wrapped = wrap_optimizers(optimizers, self.policy, self.grad_accumulation, facts, originals, fused=self.fused)
+        warn_host_reads(wrapped, facts.device)
         if facts.fsdp:  # one stochastic-rounding seed on every rank, global positions of the shards
             from ._dist import agree_optimizers_
 
@@ -524,7 +536,7 @@ class MixedPrecision:
         """:meth:`unscale_` for a known record (the step's hot path enters here)."""
         optimizer = rec.optimizer
         if rec.stage == "unscaled":
-            return typing_cast(torch.Tensor, rec.found_inf)
+            return rec.found_inf  # type: ignore[return-value]  # set with the stage
         if rec.stage == "idle":
             if not self._has_grads(optimizer):
                 raise ValueError(
@@ -596,17 +608,17 @@ class MixedPrecision:
             guard._depth += 1
         try:
             shadow = rec.shadow
-            view = shadow.view() if shadow is not None else None
+            view = shadow.view() if shadow is not None and not shadow.off else None
             if view is not None:  # the compiled update: skips on found_inf inside the kernel, no host read
                 shadow.step(view, (), None, found_inf)
                 decided = found_inf
             else:
-                decided = step_or_skip(optimizer, found_inf, None, (), {})[0]  # found_inf itself: skipped iff set
+                decided = step_or_skip(optimizer, found_inf, None, (), {}, twin=True)[0]  # found_inf itself: skipped iff set
         finally:
             if guard is not None:
                 guard._depth -= 1
         rec.stage = "idle"
-        counter = typing_cast(AppliedSteps, self._applied_steps)  # set by prepare()
+        counter: AppliedSteps = self._applied_steps  # type: ignore[assignment]  # set by prepare()
         # StepInfo is frozen; filling its __dict__ directly skips the five object.__setattr__ calls
         # of the generated __init__ (same fields, same object).
         info = StepInfo.__new__(StepInfo)

@@ -174,6 +174,34 @@ def wrap_optimizers(
     return wrapped
 
 
+def warn_host_reads(optimizers: Sequence[Optimizer], device: torch.device) -> None:
+    """Warn, once per prepared optimizer, when its step on an accelerator costs a host read of ``found_inf``.
+
+    mixprec skips inf/NaN steps on the device for torch's AdamW/Adam/SGD (foreach, for-loop and
+    fused), ``mixprec.optim`` and any optimizer with ``_step_supports_amp_scaling``
+    (``_stepping.host_read_reason``). Any other optimizer is stepped after one read of
+    ``found_inf`` per step: a device sync on a GPU (on a CPU it costs nothing, and nothing is said).
+    A ``MasterWeightOptimizer`` whose fused step can run (a wrapped torch AdamW/Adam/SGD) skips in its kernel.
+    """
+    if device.type == "cpu":
+        return
+    from ._stepping import host_read_reason
+
+    for i, opt in enumerate(optimizers):
+        inner = opt.optimizer if isinstance(opt, MasterWeightOptimizer) else opt
+        reason = host_read_reason(inner)
+        if reason is None:
+            continue
+        warnings.warn(
+            f"optimizer {i}: {reason}, so mixprec reads found_inf on the host once per step to skip inf/NaN steps "
+            f"(a device sync on {device.type}: the CPU waits for the GPU every step, and the step cannot be captured "
+            "in a CUDA graph). torch.optim.AdamW, Adam and SGD, or an optimizer built with fused=True, keep the step "
+            "sync-free.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def warn_tiny_eps(optimizers: Sequence[Optimizer], dtype: torch.dtype) -> None:
     """Warn when an optimizer's ``eps`` vanishes in the parameters' half dtype (Adam-family NaNs).
 

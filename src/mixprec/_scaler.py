@@ -40,6 +40,8 @@ from ._finite import unscale_and_check_
 from ._scale_history import STATE_KEYS, ScaleHistory, fresh_statistics, loaded_statistics
 from ._tree import tree_map
 
+_dist_initialized = torch.distributed.is_initialized if torch.distributed.is_available() else (lambda: False)
+
 __all__ = [
     "DynamicScaler",
     "LossScaler",
@@ -589,7 +591,9 @@ class _ScalerBase:
             core.ensure(grads[0].device if grads else None)
         inv = None if self._kind == "noop" else core.inv_scale()
         found_inf = unscale_and_check_(grads, inv)
-        return agree_found_inf_(found_inf, self.process_group)
+        if self.process_group is not None or _dist_initialized():  # the test inline: no call when single-process
+            agree_found_inf_(found_inf, self.process_group)
+        return found_inf
 
     def update(self, found_inf: Tensor) -> None:
         """Record this step's ``found_inf`` (and, for :class:`DynamicScaler`, adapt the scale). No host sync.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -22,9 +23,13 @@ from torch import Tensor
 from ._finite import unscale_and_check_
 
 __all__ = [
+    "FUSED_TWINS",
     "AppliedSteps",
+    "FusedTwin",
     "OptimizerRecord",
     "StepGuard",
+    "fused_twin",
+    "host_read_reason",
     "install_step_guard",
     "remove_step_guard",
     "step_optimizer",
@@ -34,18 +39,163 @@ __all__ = [
 
 
 def step_with_result(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+                     kwargs: dict[str, Any], *, twin: bool = False) -> tuple[Tensor, Any]:
     """step_optimizer's body, also returning what ``optimizer.step`` returned (None when skipped)."""
-    flag, ret = step_or_skip(optimizer, found_inf, grad_scale, args, kwargs)
+    flag, ret = step_or_skip(optimizer, found_inf, grad_scale, args, kwargs, twin=twin)
     return flag > 0, ret
 
 
+#: torch optimizers whose ``fused=True`` kernel takes ``found_inf``/``grad_scale``: their foreach and
+#: for-loop forms step through it (:class:`FusedTwin`), so the skip stays on the device.
+FUSED_TWINS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+
+
+def host_read_reason(optimizer: Any) -> str | None:
+    """Why ``step_or_skip(..., twin=True)`` must read ``found_inf`` on the host for ``optimizer`` (``None``: it need not).
+
+    Decided from the optimizer's class and options, as at ``prepare``: it skips on the device when
+    it declares ``_step_supports_amp_scaling`` (torch's ``fused=True`` optimizers,
+    ``mixprec.optim``, ``MasterWeightOptimizer``) or when :class:`FusedTwin` can step it.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+    if type(optimizer) not in FUSED_TWINS:
+        return (f"{type(optimizer).__module__}.{type(optimizer).__qualname__} cannot skip a step on the device (it takes "
+                "no found_inf and has no fused form that does)")
+    return FusedTwin.unsupported(optimizer)
+
+
+class FusedTwin:
+    """Steps a torch ``AdamW``/``Adam``/``SGD`` (foreach or for-loop) through its own ``fused=True`` kernel.
+
+    torch's fused kernels take ``found_inf`` (and ``grad_scale``) and skip on the device; their
+    foreach and for-loop forms cannot, so stepping them after an inf/NaN check needs a host read
+    (``torch.amp.GradScaler`` does one per step). The fused kernel is the same update (torch's
+    AdamW/Adam/SGD, FP32 arithmetic) computed in one pass: equal to the foreach step to rounding
+    (a few ulp where multiply-adds are fused), not bit for bit. It is also fewer kernels.
+
+    Algorithm (each step): set ``fused=True``/``foreach=False`` on every param group, set
+    ``optimizer.found_inf``/``grad_scale`` (the attributes torch's ``step`` reads), call the
+    optimizer's own ``step``, put the groups' options back. Before the first step, and after
+    each ``load_state_dict``, the ``step`` counters move to their parameters' device (the fused
+    kernel reads them there; torch keeps them on the CPU for the foreach form). SGD with
+    momentum gets zero momentum buffers before its first step: torch's fused SGD leaves
+    uninitialised buffers behind when its first step is skipped, and with ``dampening=0`` a
+    zero buffer gives exactly the first step's ``buf = grad``.
+
+    The optimizer's ``state_dict()`` keeps the options the user gave (the switch lasts for the
+    step only). Torch's step hooks run as around any ``step``.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self._ready = False  # step counters on the device, momentum buffers made
+        self._groups = -1  # len(param_groups) when last made ready (add_param_group makes it unready)
+        self._damped = False  # SGD with dampening != 0 whose momentum buffers do not exist yet
+        self.sparse = False  # a step met sparse gradients (the fused SGD refuses them): host reads from then on
+        optimizer.register_load_state_dict_post_hook(_unready)
+
+    @staticmethod
+    def unsupported(optimizer: Any) -> str | None:
+        """Why ``optimizer``'s fused kernel cannot step it (``None``: it can)."""
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        devices = _get_fused_kernels_supported_devices()
+        name = type(optimizer).__name__
+        for g in optimizer.param_groups:
+            if g.get("differentiable"):
+                return f"{name}(differentiable=True) has no fused form"
+            for p in g["params"]:
+                if not p.is_floating_point() or p.device.type not in devices:
+                    return (f"{name}'s fused kernel takes floating parameters on {sorted(devices)}, got a {p.dtype} "
+                            f"parameter on {p.device.type}")
+                if p.layout != torch.strided:
+                    return f"{name}'s fused kernel takes no sparse tensors"
+                if type(p) not in (Tensor, torch.nn.Parameter):
+                    # FSDP2's DTensor shards: torch's DTensor has no sharding rule for every fused kernel
+                    return f"{name}'s fused kernel is not used on {type(p).__name__} parameters (FSDP2 shards)"
+        return None
+
+    def _make_ready(self) -> None:
+        """Step counters onto their parameters' devices; zero momentum buffers (SGD, ``dampening=0``)."""
+        opt = self.optimizer
+        is_sgd = isinstance(opt, torch.optim.SGD)
+        for g in opt.param_groups:
+            make_buffers = is_sgd and g.get("momentum", 0) and not g.get("dampening", 0)
+            for p in g["params"]:
+                st = opt.state.get(p)
+                if st:
+                    step = st.get("step")
+                    if isinstance(step, Tensor) and step.device != p.device:
+                        st["step"] = step.to(p.device, torch.float32)
+                if make_buffers and (not st or st.get("momentum_buffer") is None):
+                    opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self._ready = True
+        self._groups = len(opt.param_groups)
+        self._damped = is_sgd and self._missing_damped_buffers()
+
+    def _missing_damped_buffers(self) -> bool:
+        opt = self.optimizer
+        return any(g.get("momentum", 0) and g.get("dampening", 0)
+                   and any(opt.state.get(p, {}).get("momentum_buffer") is None for p in g["params"])
+                   for g in opt.param_groups)
+
+    def needs_host_read(self) -> bool:
+        """Whether this step must be decided on the host: sparse gradients seen, or SGD with
+        ``dampening`` != 0 before its first applied step (its first step is ``buf = grad``, not a
+        dampened zero buffer). No host sync to answer."""
+        if self.sparse:
+            return True
+        if not self._ready or self._groups != len(self.optimizer.param_groups):
+            self._make_ready()
+        if self._damped:
+            self._damped = self._missing_damped_buffers()
+        return self._damped
+
+    def step(self, found_inf: Tensor, grad_scale: Tensor | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The optimizer's own ``step`` through its fused kernel, skipping on ``found_inf`` on the device."""
+        opt = self.optimizer
+        groups = opt.param_groups
+        saved = [(g.get("fused"), g.get("foreach")) for g in groups]
+        for g in groups:
+            g["fused"], g["foreach"] = True, False
+        opt.grad_scale, opt.found_inf = grad_scale, found_inf
+        try:
+            return _own_step(opt)(*args, **kwargs)
+        finally:
+            del opt.grad_scale, opt.found_inf
+            for g, (fused, foreach) in zip(groups, saved):
+                g["fused"], g["foreach"] = fused, foreach
+
+
+def _unready(optimizer: Any) -> None:
+    """``load_state_dict`` post-hook: the loaded state may hold CPU step counters again."""
+    twin = optimizer.__dict__.get("_mixprec_twin")
+    if twin is not None:
+        twin._ready = False
+
+
+def fused_twin(optimizer: Any) -> FusedTwin | None:
+    """The optimizer's :class:`FusedTwin` (made on first use), or ``None`` where it cannot have one."""
+    twin = optimizer.__dict__.get("_mixprec_twin")
+    if twin is None:
+        if type(optimizer) not in FUSED_TWINS or FusedTwin.unsupported(optimizer) is not None:
+            return None
+        twin = optimizer._mixprec_twin = FusedTwin(optimizer)
+    return twin
+
+
 def step_or_skip(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+                 kwargs: dict[str, Any], *, twin: bool = False) -> tuple[Tensor, Any]:
     """Step or skip; return the flag that decided (non-zero: skipped) and what ``step`` returned.
 
     The flag is ``found_inf`` itself when ``grad_scale`` is ``None``, so a caller that already
     holds ``found_inf`` pays no kernel for a ``skipped`` it may never read.
+
+    The skip, in order of preference: the optimizer's own (``_step_supports_amp_scaling``: it is
+    handed ``found_inf``/``grad_scale``); with ``twin`` (mixprec's presets), torch's fused
+    kernel of a foreach/for-loop AdamW/Adam/SGD (:class:`FusedTwin`); otherwise one host read.
+    ``GradScaler`` passes ``twin=False``: it steps what it is given exactly as torch.amp does.
     """
     if getattr(optimizer, "_step_supports_amp_scaling", False):
         sentinel = object()
@@ -53,7 +203,7 @@ def step_or_skip(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, a
         optimizer.grad_scale = grad_scale
         optimizer.found_inf = found_inf
         try:
-            ret = optimizer.step(*args, **kwargs)
+            ret = _own_step(optimizer)(*args, **kwargs)
         finally:
             for name, value in zip(("grad_scale", "found_inf"), old):
                 if value is sentinel:
@@ -64,6 +214,15 @@ def step_or_skip(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, a
                 else:
                     setattr(optimizer, name, value)
         return found_inf, ret
+    if twin:
+        fused = optimizer.__dict__.get("_mixprec_twin") or fused_twin(optimizer)
+        if fused is not None and not fused.needs_host_read():
+            try:
+                return found_inf, fused.step(found_inf, grad_scale, args, kwargs)
+            except RuntimeError as e:  # torch's fused SGD refuses sparse gradients before it changes anything
+                if "sparse" not in str(e):
+                    raise
+                fused.sparse = True
     if grad_scale is not None:
         # the optimizer cannot unscale: do it here, fused, and fold its flag in
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -71,7 +230,15 @@ def step_or_skip(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, a
     # Host sync: this optimizer cannot skip on the device, so the host decides whether to call it.
     if found_inf.item() > 0:
         return found_inf, None
-    return found_inf, optimizer.step(*args, **kwargs)
+    return found_inf, _own_step(optimizer)(*args, **kwargs)
+
+
+def _own_step(optimizer: Any) -> Callable[..., Any]:
+    """``optimizer.step``, or below its :class:`StepGuard` when mixprec is already stepping it (two calls fewer)."""
+    guard = optimizer.__dict__.get("_mixprec_step_guard")
+    if guard is not None and guard._depth > 0:
+        return functools.partial(guard.raw_step, optimizer)
+    return optimizer.step
 
 
 def step_optimizer(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None = None, *args: Any,

@@ -24,29 +24,64 @@ def test_skips_cleanly_without_cuda() -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_tiny_cpu_run_prints_ratios_and_writes_json(tmp_path: Path) -> None:
+def test_tiny_cpu_run_prints_each_pair_as_it_finishes_and_writes_json(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-mixed,fp16-mixed",
          "--out", str(tmp_path)],
         capture_output=True, text=True, env=ENV, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "bf16-mixed   vs torch-amp bf16: step time x" in proc.stdout
-    assert "fp16-mixed   vs torch-amp fp16: step time x" in proc.stdout
-    d = json.loads((tmp_path / "compare.json").read_text())
-    assert [r["name"] for r in d["rows"]] == ["bf16-mixed", "fp16-mixed", "torch-amp-fp16", "torch-amp-bf16"]
-    assert d["workload"]["options"]["tie"] is True
+    out = proc.stdout
+    first = out.index("bf16-mixed     vs torch-amp bf16: step time x")
+    # the first pair's ratio is printed before the second pair's table: a run cut short keeps it
+    assert first < out.index("fp16-mixed     vs torch-amp fp16: step time x") < out.rindex("torch-amp fp16")
+    assert out.index("torch-amp bf16") < first
+    d = json.loads((tmp_path / "gpu_gpt2.json").read_text())
+    assert [p["preset"] for p in d["pairs"]] == ["bf16-mixed", "fp16-mixed"]
+    assert [p["baseline"] for p in d["pairs"]] == ["torch-amp-bf16", "torch-amp-fp16"]
+    assert d["left_out"] == []
+    pair = json.loads((tmp_path / "compare-bf16-mixed.json").read_text())
+    assert [r["name"] for r in pair["rows"]] == ["bf16-mixed", "torch-amp"]
+    assert pair["workload"]["options"]["tie"] is True
+
+
+def test_budget_leaves_out_the_pairs_that_would_not_fit(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-mixed,fp16-mixed,fp32",
+         "--budget", "0.001", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=ENV, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "left out: fp16-mixed, fp32" in proc.stdout
+    d = json.loads((tmp_path / "gpu_gpt2.json").read_text())
+    assert [p["preset"] for p in d["pairs"]] == ["bf16-mixed"] and d["left_out"] == ["fp16-mixed", "fp32"]
+
+
+def test_profile_prints_the_differences(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-master", "--profile",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, env=ENV, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "profile bf16-master minus torch-amp bf16: host time per step" in proc.stdout
+    prof = json.loads((tmp_path / "gpu_gpt2.json").read_text())["pairs"][0]["profile"]
+    assert prof["mixprec"]["host_ms_per_step"] > 0 and prof["top_differences"]
+    # the master step's foreach edit check is among what mixprec runs and torch.amp does not
+    assert "aten::_foreach_lerp_" in prof["mixprec"]["kernels_us_per_step"]
 
 
 def test_tiny_cpu_run_compiled(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-mixed,bf16-master",
-         "--baseline", "bf16", "--compile", "aot_eager", "--out", str(tmp_path)],
+         "--compile", "aot_eager", "--out", str(tmp_path)],
         capture_output=True, text=True, env=ENV, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "compiled (aot_eager)" in proc.stdout and "compile s" in proc.stdout
-    assert "bf16-master  vs torch-amp bf16: step time x" in proc.stdout
-    d = json.loads((tmp_path / "compare.json").read_text())
-    assert d["settings"]["compile"] == "aot_eager"
-    assert all(r["status"] == "ok" and r["compiled"] == "aot_eager" and r["compile_seconds"] is not None for r in d["rows"])
+    assert "bf16-master    vs torch-amp bf16: step time x" in proc.stdout
+    for preset in ("bf16-mixed", "bf16-master"):
+        d = json.loads((tmp_path / f"compare-{preset}.json").read_text())
+        assert d["settings"]["compile"] == "aot_eager"
+        assert all(r["status"] == "ok" and r["compiled"] == "aot_eager" and r["compile_seconds"] is not None
+                   for r in d["rows"])

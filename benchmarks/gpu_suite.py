@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Every GPU check of mixprec in one call, most important first, printing as it goes (issue 26).
+
+    python benchmarks/gpu_suite.py                  # about 8 minutes at most on an H100
+    python benchmarks/gpu_suite.py --budget 300     # fewer checks: each starts only if it fits
+    PYTHONPATH=src python benchmarks/gpu_suite.py   # from a checkout that is not installed
+
+In order (each with its own time limit, cut to what is left of ``--budget``):
+
+1. ``syncs``: host syncs per step for every preset and both torch.amp recipes
+   (``torch.cuda.set_sync_debug_mode("warn")``, a 4-block GPT-shaped model, torch's foreach and
+   fused AdamW, ``prec.step`` and ``optimizer.step()``), with the CPU proxies beside them (aten ops
+   and Python calls per step against torch.amp's).
+2. ``capture``: ``tests/test_gpu_step.py`` (no sync in 20 steps; forward + backward + step
+   captured in a CUDA graph, replays equal eager steps, a planted overflow included).
+3. ``gpt2-eager``: ``gpu_gpt2.py`` (GPT-2 124M, each preset beside its torch.amp recipe).
+4. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
+5. ``step``: ``step_overhead.py --device cuda --fused`` (the optimizer step alone).
+6. ``cuda-tests``: every CUDA-marked test (``pytest -m cuda``).
+
+Everything a step prints goes to this process's output as it comes; ``--out`` (default ``$OUT``)
+also gets ``gpu_suite.txt`` (the whole log) and the JSON of the GPT-2 runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+
+def _syncs() -> int:
+    """Check 1, in this process: host syncs per step (warnings counted) and the CPU proxies, per recipe."""
+    from mixprec.bench._step_cost import make_recipe, measure_recipe
+
+    recipes = ["amp-bf16", "amp-fp16", "fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure",
+               "bf16-master*"]  # *: the default compiled (Inductor) master step; the others step eagerly
+    print(f"{'recipe':12s} {'optimizer':9s} {'route':15s} {'syncs/step':>10s}")
+    bad = 0
+    for recipe in recipes:
+        compiled = recipe.endswith("*")
+        recipe = recipe.rstrip("*")
+        for kind in (("foreach",) if compiled else ("foreach", "fused")):
+            for route in (("prec.step", "optimizer.step") if not recipe.startswith("amp") else ("-",)):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    it, _ = make_recipe(recipe, 4, fused=kind == "fused", foreach=True if kind == "foreach" else None,
+                                        direct=route == "optimizer.step", device="cuda",
+                                        fused_step=None if compiled else False)
+                    for _ in range(3):
+                        it()
+                torch.cuda.synchronize()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        for _ in range(20):
+                            it()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                n = sum("synchroniz" in str(w.message) for w in caught) / 20
+                bad += n > 0 and not recipe.startswith("amp")
+                print(f"{recipe + ('*' if compiled else ''):12s} {kind:9s} {route:15s} {n:10.2f}", flush=True)
+    print("\nCPU proxies (12 blocks, fused AdamW; extra = preset minus its torch.amp recipe):")
+    for preset in ("bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master"):
+        base = "amp-fp16" if preset.startswith("fp16") else "amp-bf16"
+        b = measure_recipe(*make_recipe(base, 12, fused=True))
+        c = measure_recipe(*make_recipe(preset, 12, fused=True))
+        print(f"{preset:12s} aten ops {c.ops:6.0f} (extra {c.ops - b.ops:+.0f}), host reads {c.host_reads:.0f}, "
+              f"Python calls {c.python_calls:6.0f} (x{c.python_calls / b.python_calls:.2f})", flush=True)
+    return 1 if bad else 0
+
+
+STEPS: list[tuple[str, float, list[str] | None]] = [
+    ("syncs", 90, None),
+    ("capture", 90, [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gpu_step.py"]),
+    ("gpt2-eager", 150, [sys.executable, "benchmarks/gpu_gpt2.py", "--budget", "{budget}", "--out", "{out}/eager"]),
+    ("gpt2-compiled", 180, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,bf16-master",
+                            "--budget", "{budget}", "--out", "{out}/compiled"]),
+    ("step", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--fused", "--rounds", "5"]),
+    ("cuda-tests", 90, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"]),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole suite (default 480)")
+    ap.add_argument("--only", default="", help="comma-separated step names to run (default: all)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_suite_out", help="where logs and JSON go")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_suite: no CUDA device here; these checks need a GPU. Skipped.")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "gpu_suite.txt").open("w", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    only = {s for s in args.only.split(",") if s}
+    print(f"gpu_suite: {torch.cuda.get_device_name()} | torch {torch.__version__} | budget {args.budget:.0f} s", flush=True)
+    t0 = time.perf_counter()
+    results: list[tuple[str, str]] = []
+    for name, limit, cmd in STEPS:
+        if only and name not in only:
+            continue
+        left = args.budget - (time.perf_counter() - t0)
+        if left < 20:
+            results.append((name, "left out (budget)"))
+            continue
+        limit = min(limit, left)
+        print(f"\n=== {name} (limit {limit:.0f} s) ===", flush=True)
+        start = time.perf_counter()
+        if cmd is None:
+            try:
+                rc = _syncs()
+            except Exception as e:  # one check failing must not lose the others
+                print(f"gpu_suite: {name}: {type(e).__name__}: {e}", flush=True)
+                rc = 1
+            status = "ok" if rc == 0 else "FAILED"
+        else:
+            argv_ = [a.format(budget=int(limit - 15), out=out) for a in cmd]
+            proc = subprocess.Popen(argv_, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:  # streamed: a step stopped by its limit keeps what it printed
+                    print(line, end="", flush=True)
+                    log.write(line)
+                    if time.perf_counter() - start > limit:
+                        proc.kill()
+                        break
+                rc = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = -9
+            status = "ok" if rc == 0 else ("stopped at its limit" if rc in (-9, 137) else f"FAILED (exit {rc})")
+        results.append((name, f"{status} in {time.perf_counter() - start:.0f} s"))
+        log.flush()
+    print("\n=== summary ===")
+    for name, status in results:
+        print(f"{name:14s} {status}")
+        log.write(f"{name:14s} {status}\n")
+    log.close()
+    return 0 if all(s.startswith("ok") for _, s in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The skip-or-step protocol (``_stepping``): torch's AdamW/Adam/SGD skip on the device through their fused twin."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec._master import EDIT_CHUNK, carry_edits_
+from mixprec._prepare import warn_host_reads
+from mixprec._stepping import FusedTwin, host_read_reason, step_or_skip
+from mixprec.bench._step_cost import StepCounter
+from mixprec.optim._rounding import with_edits
+
+OPTIMIZERS = {
+    "adamw": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
+    "adam-amsgrad-wd": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, amsgrad=True, **kw),
+    "adamw-maximize": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, maximize=True, **kw),
+    "sgd": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, **kw),
+    "sgd-nesterov": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3, **kw),
+}
+
+
+def _params(seed: int = 0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((7, 5), (5,), (3, 2, 2))]
+
+
+def _grads(step: int, params: list[nn.Parameter], bad: bool = False) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    if bad:
+        params[1].grad[0] = float("nan")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("foreach", [True, False])
+def test_twin_equals_torchs_fused_bitwise_and_foreach_to_rounding(name: str, foreach: bool) -> None:
+    """Steps with a skip in the middle: bit for bit torch's fused=True optimizer, torch's own form to FP32 rounding."""
+    ps, fused_ps, own_ps = _params(), _params(), _params()
+    opt = OPTIMIZERS[name](ps, foreach=foreach)
+    fused = OPTIMIZERS[name](fused_ps, fused=True)
+    own = OPTIMIZERS[name](own_ps, foreach=foreach)
+    for step in range(6):
+        bad = step == 2
+        for params in (ps, fused_ps, own_ps):
+            _grads(step, params, bad)
+        found_inf = torch.tensor(float(bad))
+        flag, _ = step_or_skip(opt, found_inf, None, (), {}, twin=True)
+        assert flag is found_inf
+        fused.found_inf, fused.grad_scale = found_inf, None
+        fused.step()
+        if not bad:
+            own.step()
+    for p, q, r in zip(ps, fused_ps, own_ps):
+        assert torch.equal(p, q)
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    # the optimizer keeps the options it was built with (the switch lasts for the step only)
+    assert all(g["fused"] in (None, False) and g["foreach"] is foreach for g in opt.param_groups)
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+
+
+def test_twin_skips_with_no_host_read_and_leaves_weights_and_state_alone() -> None:
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+    _grads(0, ps)
+    step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
+    before = copy.deepcopy((list(ps), opt.state_dict()))
+    _grads(1, ps, bad=True)
+    with StepCounter((opt,)) as c:
+        step_or_skip(opt, torch.tensor(1.0), None, (), {}, twin=True)
+    assert c.host_reads == 0
+    for p, q in zip(ps, before[0]):
+        assert torch.equal(p, q)
+    for k, st in opt.state_dict()["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, before[1]["state"][k][key]), key
+
+
+def test_without_twin_the_host_decides() -> None:
+    """GradScaler's path (twin=False) steps a foreach optimizer after one host read, as torch.amp does."""
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+    _grads(0, ps)
+    with StepCounter((opt,)) as c:
+        step_or_skip(opt, torch.tensor(0.0), None, (), {})
+    assert c.host_reads == 1
+
+
+def test_sgd_with_dampening_reads_the_host_until_its_first_applied_step() -> None:
+    """A zero momentum buffer is torch's first step (buf = grad) only without dampening; with it, the host decides."""
+    ps, ref_ps = _params(), _params()
+    opt = torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.5)
+    ref = torch.optim.SGD(ref_ps, lr=1e-2, momentum=0.9, dampening=0.5)
+    reads = []
+    for step in range(4):
+        bad = step == 0
+        _grads(step, ps, bad)
+        _grads(step, ref_ps, bad)
+        with StepCounter((opt,)) as c:
+            step_or_skip(opt, torch.tensor(float(bad)), None, (), {}, twin=True)
+        reads.append(c.host_reads)
+        if not bad:
+            ref.step()
+    assert reads == [1, 1, 0, 0]  # skipped first step, first applied step, then on the device
+    for p, q in zip(ps, ref_ps):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_state_loaded_after_steps_keeps_stepping_on_the_twin() -> None:
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2)
+    for step in range(2):
+        _grads(step, ps)
+        step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
+    sd = copy.deepcopy(opt.state_dict())
+    ref_ps = [nn.Parameter(p.detach().clone()) for p in ps]
+    ref = torch.optim.AdamW(ref_ps, lr=1e-2, fused=True)
+    ref.load_state_dict(copy.deepcopy(sd))  # each its own copy: torch's load keeps same-device tensors as given
+    opt.load_state_dict(sd)
+    assert opt.__dict__["_mixprec_twin"]._ready is False  # the load post-hook: step counters checked again
+    _grads(5, ps)
+    _grads(5, ref_ps)
+    step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
+    ref.step()
+    for p, q in zip(ps, ref_ps):
+        assert torch.equal(p, q)
+
+
+def test_host_read_reason_names_what_cannot_skip_on_the_device() -> None:
+    ps = _params()
+    assert host_read_reason(torch.optim.AdamW(ps)) is None
+    assert host_read_reason(torch.optim.SGD(ps, lr=0.1, fused=True)) is None
+    assert "torch.optim.rmsprop.RMSprop cannot skip a step on the device" in host_read_reason(torch.optim.RMSprop(ps))
+    assert "differentiable=True" in host_read_reason(torch.optim.Adam(ps, differentiable=True))
+    assert FusedTwin.unsupported(torch.optim.AdamW([nn.Parameter(torch.zeros(2, dtype=torch.complex64))])) is not None
+
+
+def test_prepare_warns_once_about_a_host_read_on_a_gpu_only() -> None:
+    ps = _params()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_host_reads([torch.optim.RMSprop(ps)], torch.device("cpu"))  # a read on a CPU costs nothing: silent
+        warn_host_reads([torch.optim.AdamW(ps)], torch.device("cuda"))  # skips on the device: silent
+    with pytest.warns(UserWarning, match=re.escape(
+            "optimizer 0: torch.optim.rmsprop.RMSprop cannot skip a step on the device (it takes no found_inf and has "
+            "no fused form that does), so mixprec reads found_inf on the host once per step")):
+        warn_host_reads([torch.optim.RMSprop(ps)], torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_carry_edits_equals_the_elementwise_where(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The foreach edit check is ``where(w == round(m), m, w)`` element for element, over several passes too."""
+    import mixprec._master as master_mod
+
+    monkeypatch.setattr(master_mod, "EDIT_CHUNK", 50)  # several passes over these tensors
+    assert EDIT_CHUNK >= 1 << 20
+    g = torch.Generator().manual_seed(0)
+    masters = [torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 4, (n,), generator=g) for n in (40, 7, 90, 1)]
+    masters[0][:4] = torch.tensor([0.0, -0.0, 1e-40, -3.0e-42])  # zeros and FP32 subnormals
+    if dtype == torch.bfloat16:
+        masters[2][:2] = torch.tensor([3.0e38, -3.3e38])  # near FP32's largest: finite in BF16
+    weights = [m.to(dtype) for m in masters]
+    weights[0][5:9] = torch.tensor([1.0, -2.5, 0.0, 7.0], dtype=dtype)  # edited elements
+    weights[2].mul_(torch.rand(90, generator=g) > 0.3)  # a pruning mask
+    weights[3].fill_(float("nan"))  # a NaN edit
+    want = [with_edits(m, w) for m, w in zip(masters, weights)]
+    got = [m.clone() for m in masters]
+    carry_edits_(got, weights)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
