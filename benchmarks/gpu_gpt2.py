@@ -39,7 +39,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 try:
     import mixprec  # noqa: F401
@@ -181,48 +183,18 @@ def _profile_pair(preset: str, dt: str, options: dict, device: str, compile_back
     import copy
     import itertools
 
-    import mixprec
     from mixprec._tree import tree_map
     from mixprec.bench import load_workload
+    from mixprec.bench._step_cost import recipe_step
 
     wl = load_workload("gpt", **options)
     batches = [tree_map(lambda t: t.to(device), b) for b in itertools.islice(iter(wl.batches), steps + 3)]
-    half = torch.float16 if dt == "fp16" else torch.bfloat16
 
-    def loop(kind: str):
+    def loop(kind: str) -> Callable[[Any], None]:
         model = copy.deepcopy(wl.model).to(device)
-        opt = wl.optimizer_fn(model.parameters())
-        if kind == "amp":
-            scaler = torch.amp.GradScaler(device) if dt == "fp16" else None
-            if compile_backend:
-                model = torch.compile(model, backend=compile_backend)
-
-            def amp_step(b) -> None:
-                with torch.autocast(device, dtype=half):
-                    loss = wl.loss_fn(model, b)
-                if scaler is None:
-                    loss.backward()
-                    opt.step()
-                else:
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                opt.zero_grad(set_to_none=True)
-
-            return amp_step
-        prec = mixprec.MixedPrecision(preset)
-        model, opt = prec.prepare(model, opt)
-        if compile_backend:
-            model = torch.compile(model, backend=compile_backend)
-
-        def mp_step(b) -> None:
-            with prec.autocast():
-                loss = wl.loss_fn(model, b)
-            prec.backward(loss)
-            prec.step(opt)
-            opt.zero_grad(set_to_none=True)
-
-        return mp_step
+        recipe = f"amp-{dt}" if kind == "amp" else preset
+        return recipe_step(recipe, model, wl.optimizer_fn(model.parameters()), wl.loss_fn, device,
+                           compile_backend=compile_backend)[0]
 
     def sync() -> None:
         if device == "cuda":

@@ -71,14 +71,12 @@ class StepCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-def python_calls(fn: Callable[[], Any]) -> int:
-    """The number of Python function calls ``fn()`` makes (``sys.setprofile`` ``"call"`` events, ``fn`` included)."""
-    count = 0
+def _profiled(fn: Callable[[], Any], on_call: Callable[[Any], None]) -> None:
+    """Run ``fn()`` with ``on_call(frame)`` called for every Python function call it makes (``sys.setprofile``)."""
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
         if event == "call":
-            count += 1
+            on_call(frame)
 
     old = sys.getprofile()
     sys.setprofile(profile)
@@ -86,7 +84,13 @@ def python_calls(fn: Callable[[], Any]) -> int:
         fn()
     finally:
         sys.setprofile(old)
-    return count
+
+
+def python_calls(fn: Callable[[], Any]) -> int:
+    """The number of Python function calls ``fn()`` makes (``sys.setprofile`` ``"call"`` events, ``fn`` included)."""
+    frames: list[None] = []
+    _profiled(fn, lambda frame: frames.append(None))
+    return len(frames)
 
 
 def files_on_path(fn: Callable[[], Any], package: str = "mixprec") -> list[str]:
@@ -94,19 +98,13 @@ def files_on_path(fn: Callable[[], Any], package: str = "mixprec") -> list[str]:
     marker = f"/{package}/"
     seen: dict[str, None] = {}
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            name = frame.f_code.co_filename
-            i = name.rfind(marker)
-            if i >= 0:
-                seen.setdefault(name[i + len(marker):], None)
+    def on_call(frame: Any) -> None:
+        name = frame.f_code.co_filename
+        i = name.rfind(marker)
+        if i >= 0:
+            seen.setdefault(name[i + len(marker):], None)
 
-    old = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(old)
+    _profiled(fn, on_call)
     return list(seen)
 
 
@@ -144,8 +142,6 @@ def make_recipe(
     Returns:
         ``(iteration, optimizers)``: ``iteration()`` runs forward, backward, step and ``zero_grad``.
     """
-    import mixprec
-
     device = torch.device(device)
     net = (model if model is not None else gpt_model(n_layer)).to(device)
     gen = torch.Generator().manual_seed(1)
@@ -159,16 +155,40 @@ def make_recipe(
     else:
         opt = torch.optim.AdamW(net.parameters(), eps=1e-4, **options)  # eps an FP16 number: fp16-pure too
 
-    def loss_of(out: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]).float().flatten(0, 1), batch[1].flatten())
 
+    step, optimizers = recipe_step(recipe, net, opt, loss_fn, device, direct=direct, fused_step=fused_step)
+    return (lambda: step((x, y))), optimizers
+
+
+def recipe_step(
+    recipe: str, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    device: torch.device | str, *, direct: bool = False, fused_step: bool | None = None,
+    compile_backend: str | None = None,
+) -> tuple[Callable[[Any], None], tuple[Any, ...]]:
+    """``step(batch)``: one training iteration of ``model`` under a preset or a torch.amp recipe (see :func:`make_recipe`).
+
+    Args:
+        recipe, direct, fused_step: As :func:`make_recipe`.
+        model, opt: FP32 model on ``device`` and its torch optimizer (a preset prepares both).
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+        compile_backend: ``torch.compile`` the model (after ``prepare``) with this backend.
+
+    Returns:
+        ``(step, optimizers)``.
+    """
+    import mixprec
+
+    device_type = torch.device(device).type
     if recipe.startswith("amp-"):
         dtype = torch.float16 if recipe == "amp-fp16" else torch.bfloat16
-        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
+        net: Any = torch.compile(model, backend=compile_backend) if compile_backend else model
 
-        def amp_iteration() -> None:
-            with torch.autocast(device.type, dtype=dtype):
-                loss = loss_of(net(x))
+        def amp_step(batch: Any) -> None:
+            with torch.autocast(device_type, dtype=dtype):
+                loss = loss_fn(net, batch)
             if scaler is None:
                 loss.backward()
                 opt.step()
@@ -178,14 +198,15 @@ def make_recipe(
                 scaler.update()
             opt.zero_grad(set_to_none=True)
 
-        return amp_iteration, (opt,)
+        return amp_step, (opt,)
 
     prec = mixprec.MixedPrecision(recipe, fused=fused_step)
-    net, popt = prec.prepare(net, opt)
+    model, popt = prec.prepare(model, opt)
+    compiled: Any = torch.compile(model, backend=compile_backend) if compile_backend else model
 
-    def iteration() -> None:
+    def step(batch: Any) -> None:
         with prec.autocast():
-            loss = loss_of(net(x))
+            loss = loss_fn(compiled, batch)
         prec.backward(loss)
         if direct:
             popt.step()
@@ -193,7 +214,7 @@ def make_recipe(
             prec.step(popt)
         popt.zero_grad(set_to_none=True)
 
-    return iteration, (popt,)
+    return step, (popt,)
 
 
 def measure_recipe(iteration: Callable[[], None], optimizers: tuple[Any, ...], *, warmup: int = 3,
