@@ -636,7 +636,6 @@ ERRORS = [
     ({"opt_level": "O1", "keep_batchnorm_fp32": True}, "keep_batchnorm_fp32 should be None"),
     ({"opt_level": "O2", "keep_batchnorm_fp32": "yes"}, "keep_batchnorm_fp32 must be a bool"),
     ({"opt_level": "O1", "master_weights": True}, "master_weights with O1 has no meaning"),
-    ({"opt_level": "O0", "master_weights": True}, "FP32 weights already are the masters"),
     ({"opt_level": "O3", "min_loss_scale": 1.0}, "min_loss_scale/max_loss_scale bound a dynamic loss scale"),
     ({"opt_level": "O2", "min_loss_scale": 2.0**20}, "min_loss_scale=1048576.0 is above the initial loss scale"),
     ({"opt_level": "O2", "loss_scale": "big"}, "loss_scale='big'; use 'dynamic', a number"),
@@ -678,13 +677,6 @@ def test_scale_loss_misuse_raises():
         pass
 
 
-def test_optimizer_spanning_two_models_is_refused():
-    m1, m2 = _model(1), _model(2)
-    opt = torch.optim.SGD([*m1.parameters(), *m2.parameters()], lr=LR)
-    with pytest.raises(ValueError, match="optimizer 0 holds parameters of several models"):
-        amp.initialize([m1, m2], opt, opt_level="O2", verbosity=0)
-
-
 @pytest.mark.parametrize("name", ["register_half_function", "register_float_function", "register_promote_function"])
 def test_o1_function_registries_are_refused_with_the_explicit_cast(name):
     with pytest.raises(ValueError, match=re.escape(f"amp.{name} is not supported")):
@@ -693,9 +685,7 @@ def test_o1_function_registries_are_refused_with_the_explicit_cast(name):
         amp.half_function(lambda x: x)
 
 
-def test_apex_private_state_is_refused_with_the_public_call():
-    with pytest.raises(AttributeError, match=re.escape("amp.state_dict()['loss_scaler0']['loss_scale']")):
-        amp._amp_state.loss_scalers[0].loss_scale()  # what some Apex code logged
+def test_missing_attribute_names_the_module():
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         amp.no_such_thing  # noqa: B018 - the attribute access is the test
 
@@ -789,3 +779,244 @@ def test_docs_tables_name_every_refused_option_and_level():
         assert f"| `{level}` |" in text
     for name in ("register_half_function", "delay_overflow_check", "patch_torch_functions=False", "_amp_state"):
         assert name in text
+
+
+# ----- Apex's own patterns (issue 28) --------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_state_dict_is_fp32_at_every_opt_level_and_loads_both_ways(level):
+    """Apex's O2/O3 state_dict hook: model.state_dict() is FP32, loads into an FP32 model and back."""
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR), opt_level=level, verbosity=0)
+    half = level in ("O2", "O3")
+    assert (model[0].weight.dtype == torch.float16) is half
+    sd = model.state_dict()
+    assert all(v.dtype == torch.float32 for k, v in sd.items() if v.is_floating_point()), {k: v.dtype for k, v in sd.items()}
+    assert model[0].state_dict()["weight"].dtype == torch.float32  # a submodule's too
+    fp32 = _model(seed=3)
+    fp32.load_state_dict(sd)  # into an FP32 model
+    _assert_bitwise([fp32[0].weight.detach()], [model[0].weight.detach().float()])
+    model.load_state_dict(_model(seed=5).state_dict())  # FP32 values back into the (half) model
+    want = _model(seed=5)[0].weight.detach().to(model[0].weight.dtype)
+    _assert_bitwise([model[0].weight.detach()], [want])
+    if level == "O2":  # the masters take the loaded values at the next step (the edit check), then step
+        x, y = _batches(1, overflow_at=())[0]
+        with amp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        master = opt.master_for(model[0].weight)
+        grad = master.grad.clone()
+        opt.step()
+        expect = want.float() - LR * grad
+        torch.testing.assert_close(master, expect, rtol=0, atol=1e-6)
+
+
+def _run_o2(seed: int, batches, model=None):
+    model = _model(seed) if model is None else model
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), opt_level="O2",
+                                verbosity=0)
+    return model, opt
+
+
+def _o2_step(model, opt, batch):
+    x, y = batch
+    with amp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_two_initialize_calls_interleaved_equal_two_separate_runs():
+    """A second initialize (a copy for evaluation, a checkpoint restored beside) leaves the first run working."""
+    ba, bb = _batches(6, overflow_at=(2,)), _batches(6, overflow_at=(4,), seed=9)
+    alone = []
+    for seed, batches in ((0, ba), (1, bb)):
+        model, opt = _run_o2(seed, batches)
+        for batch in batches:
+            _o2_step(model, opt, batch)
+        alone.append((_params(model), amp.state_dict()))
+    ma, oa = _run_o2(0, ba)
+    mb, ob = _run_o2(1, bb)  # the latest initialize: amp.state_dict() is its scalers', as Apex's global state
+    for batch_a, batch_b in zip(ba, bb):
+        _o2_step(ma, oa, batch_a)
+        _o2_step(mb, ob, batch_b)
+    _assert_bitwise(_params(ma), alone[0][0])
+    _assert_bitwise(_params(mb), alone[1][0])
+    assert amp.state_dict() == alone[1][1]
+    with pytest.raises(ValueError, match="returned by different amp.initialize calls"), \
+            amp.scale_loss(F.mse_loss(ma(ba[0][0]), ba[0][1]), [oa, ob]):
+        pass
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(4, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.fc(x)))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_encoder_and_decoder_on_one_optimizer_with_two_losses(level, capsys):
+    """One optimizer over two models, one scaler per loss: an overflow in loss 1 backs off scaler 1 only and skips the step."""
+    torch.manual_seed(0)
+    enc, dec = _Encoder(), nn.Linear(8, 3)
+    opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=LR, momentum=0.9)
+    [enc, dec], opt = amp.initialize([enc, dec], opt, opt_level=level, num_losses=2, verbosity=1)
+    capsys.readouterr()
+    if level == "O2":
+        assert enc.fc.weight.dtype == dec.weight.dtype == torch.float16 and enc.norm.weight.dtype == torch.float32
+    batches = _batches(5, overflow_at=(2,))
+    for i, (x, y) in enumerate(batches):
+        before = _params(enc) + _params(dec)
+        h = enc(x)
+        assert h.dtype == torch.float32  # each model keeps its own output cast
+        aux = h.pow(2).mean()  # loss 0: never overflows
+        with amp.scale_loss(aux, opt, loss_id=0) as scaled:
+            scaled.backward(retain_graph=True)
+        with amp.scale_loss(F.mse_loss(dec(h), y), opt, loss_id=1) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        after = _params(enc) + _params(dec)
+        changed = any(not torch.equal(a, b) for a, b in zip(after, before))
+        assert changed is (i != 2), i  # the overflowing step is skipped for both models, as Apex did
+    sd = amp.state_dict()
+    assert sd["loss_scaler0"]["loss_scale"] == 2.0**16 and sd["loss_scaler0"]["unskipped"] == 5
+    assert sd["loss_scaler1"]["loss_scale"] == 2.0**15 and sd["loss_scaler1"]["unskipped"] == 2
+    assert "Gradient overflow.  Skipping step, loss scaler 1 reducing loss scale to 32768.0" in capsys.readouterr().out
+
+
+class _Mixed(nn.Module):
+    """FP32 and FP16 parameters side by side (what allow_incoming_model_not_fp32 lets in)."""
+
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.w32 = nn.Parameter(k + torch.arange(3, dtype=torch.float32))
+        self.w16 = nn.Parameter(1.0 + k + torch.arange(3, dtype=torch.float16))
+
+    def forward(self, x):
+        return (x * self.w32 * self.w16.float()).sum()
+
+
+def test_half_models_are_refused_without_the_switch():
+    model = _Mixed(1.0)
+    with pytest.raises(ValueError, match=re.escape("Found param w16 with type torch.float16, expected torch.float32")):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR), opt_level="O2", verbosity=0)
+    assert model.w32.dtype == torch.float32
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_uncast_models_with_the_switch_train_as_plain_torch(level, monkeypatch):
+    """cast_model_type=False and the switch: the models keep their dtypes; two models on one optimizer, two scales."""
+    monkeypatch.setattr(amp._amp_state, "allow_incoming_model_not_fp32", True)
+    x = torch.ones(3)
+
+    def run(use_amp: bool):
+        m0, m1 = _Mixed(1.0), _Mixed(2.0)
+        opt = torch.optim.SGD([{"params": m0.parameters(), "lr": 0.25}, {"params": m1.parameters(), "lr": 0.5}],
+                              momentum=0.125)
+        if use_amp:
+            [m0, m1], opt = amp.initialize([m0, m1], opt, opt_level=level, verbosity=0, cast_model_type=False,
+                                           num_losses=2)
+            amp._amp_state.loss_scalers[0]._loss_scale = 4.0
+            amp._amp_state.loss_scalers[1]._loss_scale = 8.0
+            assert (m0.w32.dtype, m0.w16.dtype) == (torch.float32, torch.float16)
+        grads = []
+        for _ in range(3):
+            for m in (m0, m1):
+                m.zero_grad()
+            if use_amp:
+                for i, m in enumerate((m0, m1)):
+                    with amp.scale_loss(m(x), opt, loss_id=i) as scaled:
+                        scaled.backward()
+                grads.append([p.grad.float().clone() for p in amp.master_params(opt)])
+            else:
+                m0(x).backward()
+                m1(x).backward()
+                grads.append([p.grad.float().clone() for p in (*m0.parameters(), *m1.parameters())])
+            opt.step()
+        return grads, [p.detach().float().clone() for p in (*m0.parameters(), *m1.parameters())]
+
+    (g_amp, w_amp), (g_ref, w_ref) = run(True), run(False)
+    flat = lambda grads, weights: [g for step in grads for g in step] + weights
+    for a, b in zip(flat(g_amp, w_amp), flat(g_ref, w_ref)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)  # FP16 weights: half-precision steps on both sides
+    if level == "O1":
+        amp._amp_state.handle._deactivate()
+
+
+def test_o2_with_cast_model_type_false_is_fp32_training_with_a_dynamic_scale():
+    batches = _batches(4, overflow_at=())
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), opt_level="O2",
+                                cast_model_type=False, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not isinstance(opt, mixprec.MasterWeightOptimizer)  # FP32 weights are their own masters
+    assert amp._amp_state.opt_properties.cast_model_type is False
+    assert amp._amp_state.loss_scalers[0].dynamic and amp._amp_state.loss_scalers[0].loss_scale() == 2.0**16
+    ref = _model()
+    # fused=True: mixprec steps torch's foreach SGD through its fused kernel (the skip stays on the device)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9, fused=True)
+    for x, y in batches:
+        with amp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_bitwise(_params(model), _params(ref))  # a power-of-two scale on FP32 gradients is exact
+
+
+def test_amp_state_reads_and_writes_round_trip_through_state_dict():
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR), opt_level="O2", num_losses=2,
+                                verbosity=0)
+    st = amp._amp_state
+    st.loss_scalers[1]._loss_scale = 128.0
+    st.loss_scalers[0]._unskipped = 7
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 7},
+                                "loss_scaler1": {"loss_scale": 128.0, "unskipped": 0}}
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3},
+                         "loss_scaler1": {"loss_scale": 2.0, "unskipped": 1}})
+    assert [s.loss_scale() for s in st.loss_scalers] == [512.0, 2.0]
+    assert [s._unskipped for s in st.loss_scalers] == [3, 1]
+    assert st.opt_properties.opt_level == "O2" and st.opt_properties.master_weights is True
+    assert st.handle.is_active()
+    st.verbosity = 0
+    assert amp._state is not None and amp._state.verbosity == 0
+    x, y = _batches(1, overflow_at=())[0]
+    with amp.scale_loss(F.mse_loss(model(x), y), opt, loss_id=1) as scaled:
+        assert float(scaled) == pytest.approx(2.0 * float(F.mse_loss(model(x), y).float()), rel=1e-3)  # the set scale is used
+        scaled.backward()
+    with pytest.raises(AttributeError):
+        st.hard_override = True  # Apex's error-to-warning switch: not honoured, so not settable
+    with pytest.raises(ValueError, match="_loss_scale=-1.0"):
+        st.loss_scalers[0]._loss_scale = -1.0
+
+
+@pytest.mark.parametrize("level", ["O0", "O3"])
+def test_static_scale_unskipped_counts_applied_steps_only(level):
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4), opt_level=level,
+                                verbosity=0)
+    for i, (x, y) in enumerate(_batches(5, overflow_at=())):
+        loss = F.mse_loss(model(x), y)
+        with amp.scale_loss(loss * float("inf") if i == 1 else loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": 4}
+
+
+def test_handle_deactivate_turns_o1_autocast_off():
+    model = _model(norm=False)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR), opt_level="O1", verbosity=0)
+    seen = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    x = torch.randn(2, 4)
+    model(x)
+    amp._amp_state.handle._deactivate()
+    assert not amp._amp_state.handle.is_active()
+    model(x)
+    assert seen == [torch.float16, torch.float32]

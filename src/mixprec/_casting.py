@@ -23,7 +23,15 @@ from torch.utils.hooks import RemovableHandle
 from ._policy import Policy
 from ._tree import tree_map
 
-__all__ = ["cast_module", "cast_tree", "is_prepared", "island_modules", "strip_forward_patches", "uncast_module"]
+__all__ = [
+    "cast_module",
+    "cast_root",
+    "cast_tree",
+    "is_prepared",
+    "island_modules",
+    "strip_forward_patches",
+    "uncast_module",
+]
 
 T = TypeVar("T")
 _CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -263,7 +271,7 @@ def _compile_target(model: nn.Module) -> nn.Module:
     return inner
 
 
-def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
+def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = False) -> nn.Module:
     """Cast ``model`` in place for ``policy`` and install its input/output/island hooks.
 
     Algorithm:
@@ -298,6 +306,10 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
     Args:
         model: The model (its parameters normally FP32).
         policy: A :class:`Policy` or anything :meth:`Policy.parse` accepts.
+        keep_dtypes: Cast nothing (steps 2-3 skipped) and leave the inputs as they come (no input
+            cast in step 5); islands whose parameters are all FP32 still compute in FP32, and
+            outputs are still cast. What ``mixprec.apex`` does for Apex's uncast models
+            (``cast_model_type=False``, or O1's ``None``), whose parameters Apex did not touch.
 
     Returns:
         ``model`` itself.
@@ -322,19 +334,22 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
         )
     root = _compile_target(model)
     islands = dict(island_modules(root, policy))
+    if keep_dtypes:  # an island whose parameters stay half cannot compute in FP32: not an island then
+        islands = {n: m for n, m in islands.items()
+                   if all(p.dtype == torch.float32 for p in m.parameters() if p.dtype.is_floating_point)}
     target = policy.param_dtype
     with torch.no_grad():
-        for module in islands.values():
+        for module in islands.values() if not keep_dtypes else ():
             for p in module.parameters():
                 if p.dtype in _CASTABLE and p.dtype != torch.float32:
                     p.data = p.data.float()
             _cast_buffers(module, torch.float32, skip=set())
         # After the islands' casts: _cast_buffers replaces buffers by new tensors.
         island_tensor_ids = {id(t) for m in islands.values() for t in (*m.parameters(), *m.buffers())}
-        for p in model.parameters():
+        for p in model.parameters() if not keep_dtypes else ():
             if id(p) not in island_tensor_ids and p.dtype in _CASTABLE and p.dtype != target:
                 p.data = p.data.to(target)
-        if policy.buffers == "param":
+        if policy.buffers == "param" and not keep_dtypes:
             _cast_buffers(model, target, skip=island_tensor_ids)
 
     handles: list[RemovableHandle | _ForwardPatch] = []
@@ -342,11 +357,26 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
     if policy.compute_dtype != torch.float32:
         for module in islands.values():
             handles.append(_patched_forward(module, _island_forward, policy.compute_dtype, devices))
-    input_dtype = policy.param_dtype if policy.param_dtype != torch.float32 and root not in islands.values() else None
+    half_inputs = policy.param_dtype != torch.float32 and root not in islands.values() and not keep_dtypes
+    input_dtype = policy.param_dtype if half_inputs else None
     handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype))
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model
+
+
+def cast_root(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = False) -> _ForwardPatch:
+    """Install only the root's input/output casts of :func:`cast_module` on ``model``; return the handle.
+
+    For a model whose parameters a :func:`cast_module` of a container around it already cast
+    (``mixprec.apex``: the models one optimizer spans are prepared together, and each keeps the
+    entry and exit casts of its own ``forward``, as Apex patched each model's). ``remove()`` on
+    the handle undoes it.
+    """
+    policy = Policy.parse(policy)
+    root = _compile_target(model)
+    half = policy.param_dtype != torch.float32 and not policy.is_fp32_island(root, "")
+    return _patched_forward(root, _root_forward, policy.param_dtype if half else None, policy.output_dtype)
 
 
 def uncast_module(model: nn.Module) -> nn.Module:

@@ -216,6 +216,10 @@ class MixedPrecision:
     """
 
     _seen_compiled: bool | None = None  # class default: copies pickled before the attribute existed
+    #: ``prepare`` leaves the model's dtypes as they are (``cast_module(keep_dtypes=True)``); set by
+    #: ``mixprec.apex`` for Apex's uncast models. The policy then only says what the run does
+    #: (masters for the half parameters there are, loss scaling, autocast).
+    _keep_dtypes: bool = False
 
     def __init__(
         self,
@@ -324,7 +328,7 @@ class MixedPrecision:
             )
         if on_check_fail not in ("warn", "raise"):
             raise ValueError(f"on_check_fail={on_check_fail!r}; use 'warn' or 'raise'.")
-        facts = check_prepare(model, optimizers, self.policy, self.grad_accumulation)
+        facts = check_prepare(model, optimizers, self.policy, self.grad_accumulation, keep_dtypes=self._keep_dtypes)
         if self.fused and not facts.fsdp and self.policy.compensation == "none":
             check_fusable(optimizers, self.policy.has_masters)  # before anything is cast: prepare changes nothing when it raises
         if check_batch is not None:
@@ -345,7 +349,8 @@ class MixedPrecision:
             from ._dist import cast_fsdp_shards
 
             cast_fsdp_shards(model, self.policy, island_modules)
-        cast_module(model, self.policy.replace(param_dtype=torch.float32, master_dtype=None) if fsdp_masters else self.policy)
+        cast_module(model, self.policy.replace(param_dtype=torch.float32, master_dtype=None) if fsdp_masters else self.policy,
+                    keep_dtypes=self._keep_dtypes)
         wrapped = wrap_optimizers(optimizers, self.policy, self.grad_accumulation, facts, originals, fused=self.fused)
         warn_host_reads(wrapped, facts.device)
         if facts.fsdp:  # one stochastic-rounding seed on every rank, global positions of the shards

@@ -50,9 +50,13 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def check_prepare(
-    model: nn.Module, optimizers: Sequence[Optimizer], policy: Policy, grad_accumulation: GradAccumulation
+    model: nn.Module, optimizers: Sequence[Optimizer], policy: Policy, grad_accumulation: GradAccumulation,
+    *, keep_dtypes: bool = False,
 ) -> PrepareFacts:
     """Validate ``prepare(model, *optimizers)`` before anything is changed.
+
+    ``keep_dtypes``: the model is taken with the dtypes it has (``mixprec.apex``'s models that
+    Apex did not cast): half parameters are accepted under any policy, without a warning.
 
     Raises:
         TypeError: not an ``nn.Module``; an optimizer that is not a ``torch.optim.Optimizer`` or is
@@ -98,7 +102,7 @@ def check_prepare(
     check_disjoint(optimizers)
     floating = [p for p in model_params if p.dtype.is_floating_point]
     half = sorted({dtype_name(p.dtype) for p in floating if p.dtype != torch.float32})
-    if half and policy.param_dtype == torch.float32:
+    if half and policy.param_dtype == torch.float32 and not keep_dtypes:
         raise ValueError(
             f"the model has {'/'.join(half)} parameters but policy {policy.label!r} keeps "
             "parameters in FP32 (they are the masters); call model.float() before prepare(), or choose a policy "
@@ -106,7 +110,7 @@ def check_prepare(
         )
     device = model_device(model)
     check_device_support(policy.compute_dtype, device)
-    if half and policy.has_masters:
+    if half and policy.has_masters and not keep_dtypes:
         warnings.warn(
             f"the model already has {'/'.join(half)} parameters, so its FP32 masters start from rounded values; "
             "prepare the FP32 model instead to keep the full-precision initial weights.",

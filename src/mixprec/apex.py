@@ -21,8 +21,10 @@ How the pieces map (docs/apex.md has the full table):
   ``fp16-master`` (FP16 model, FP32 masters in a :class:`~mixprec.MasterWeightOptimizer`, norms
   in FP32), O3 pure FP16 (``keep_batchnorm_fp32=False``: no FP32 islands; with ``True`` it is the
   ``fp16-pure`` preset). ``cast_model_type=torch.bfloat16`` gives the BF16 variants.
-* Each model is prepared by its own :class:`~mixprec.MixedPrecision` (casting, FP32 islands,
-  masters, the guarded ``optimizer.step()``). Its own scaler is a :class:`~mixprec.NoOpScaler`
+* Each model (or the models one optimizer spans, together) is prepared by its own
+  :class:`~mixprec.MixedPrecision` (casting, FP32 islands, masters, the guarded
+  ``optimizer.step()``). Each ``initialize`` is a run of its own; ``_amp_state`` is the
+  compatibility surface of Apex's private state (``loss_scalers[i].loss_scale()``, ...). Its own scaler is a :class:`~mixprec.NoOpScaler`
   (it only checks for inf/NaN, ORed with the overflow flags of the step's ``scale_loss`` blocks,
   so that every optimizer of an overflowing block skips, as in Apex): the loss scales live here,
   one mixprec scaler per ``loss_id`` (``num_losses``), because Apex unscales at the end of every
@@ -57,8 +59,9 @@ import dataclasses
 import math
 import types
 import warnings
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -66,7 +69,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ._autocast import autocast, tf32
-from ._casting import cast_module
+from ._casting import cast_module, cast_root
 from ._master import MasterWeightOptimizer
 from ._policy import Policy
 from ._precision import MixedPrecision
@@ -201,6 +204,10 @@ class _AmpState:
     precs: list[MixedPrecision] = dataclasses.field(default_factory=list)
     optimizers: dict[int, _OptimizerState] = dataclasses.field(default_factory=dict)
     device_types: tuple[str, ...] = ()
+    #: What initialize installed on the models beyond prepare (O1's autocast hooks, O2/O3's FP32
+    #: state_dict hooks, per-model casts): removed by ``_amp_state.handle._deactivate()``.
+    handles: list[Any] = dataclasses.field(default_factory=list)
+    active: bool = True
 
     def record(self, optimizer: Any, what: str) -> _OptimizerState:
         rec = self.optimizers.get(id(optimizer))
@@ -222,9 +229,10 @@ class _AmpPrecision(MixedPrecision):
     gradients overflowed). The flags are ORed on the device (no host sync).
     """
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, keep_dtypes: bool = False) -> None:
         super().__init__(policy, scaler=NoOpScaler(on_failure="ignore"))
         self.amp_records: dict[int, _OptimizerState] = {}
+        self._keep_dtypes = keep_dtypes  # Apex's uncast models (cast_model_type None/False): prepared as they are
 
     def unscale_(self, optimizer: Optimizer) -> Tensor:
         """``MixedPrecision.unscale_``'s ``found_inf``, ORed with the overflow flags of this step's blocks."""
@@ -236,7 +244,31 @@ class _AmpPrecision(MixedPrecision):
         return torch.stack(flags).amax().to(found_inf.dtype)
 
 
-_state: _AmpState | None = None
+_state: _AmpState | None = None  # the latest initialize (amp.state_dict(), _amp_state)
+#: Every optimizer initialize returned -> its run: runs of several initialize calls stay independent.
+_owners: weakref.WeakKeyDictionary[Any, _AmpState] = weakref.WeakKeyDictionary()
+
+
+def _state_of(optimizers: list[Any], what: str) -> _AmpState | None:
+    """The run the optimizers belong to (``None``: not returned by any initialize).
+
+    Raises:
+        ValueError: optimizers of two different ``initialize`` calls in one ``scale_loss``.
+    """
+    states: dict[int, _AmpState] = {}
+    for o in optimizers:
+        try:
+            st = _owners.get(o)
+        except TypeError:  # not weak-referenceable: nothing initialize returned
+            st = None
+        if st is not None:
+            states[id(st)] = st
+    if len(states) > 1:
+        raise ValueError(
+            f"{what}: these optimizers were returned by different amp.initialize calls, whose loss scalers are "
+            "separate; scale each run's loss with its own optimizers."
+        )
+    return next(iter(states.values()), None)
 
 
 def _require(what: str) -> _AmpState:
@@ -275,14 +307,12 @@ def _override(props: dict[str, Any], name: str, value: Any) -> None:
     """Apply one user override with Apex's consistency rules (Apex raised too, unless hard_override)."""
     level = props["opt_level"]
     if name == "cast_model_type":
-        if value is False:
-            value = None
-        if value is not None and value not in (_F32, _F16, _BF16):
+        if value is not False and value not in (_F32, _F16, _BF16):
             raise ValueError(
                 f"cast_model_type={value!r}; use torch.float16 (O2/O3), torch.bfloat16 (their BF16 variant), "
                 "torch.float32 or None."
             )
-        if level == "O1" and value not in (None, _F32):
+        if level == "O1" and value not in (False, _F32):
             raise ValueError(
                 "O1 inserts casts around Torch functions rather than model weights, so with O1 the model weights "
                 f"stay FP32; cast_model_type was {value}. To cast the model use opt_level='O2' or 'O3' "
@@ -342,24 +372,34 @@ def _parse_loss_scale(value: Any) -> str | float:
     return scale
 
 
-def _policy_for(props: Mapping[str, Any], cast_model_outputs: Any) -> Policy:
-    """The mixprec policy that the final properties describe (no property is dropped)."""
+def _policy_for(props: Mapping[str, Any], cast_model_outputs: Any,
+                half_present: Sequence[torch.dtype] = ()) -> tuple[Policy, bool]:
+    """The mixprec policy that the final properties describe (no property is dropped), and whether the models stay uncast.
+
+    ``cast_model_type`` ``None``/``False`` (O1's default, or an override) leaves the models as they
+    are, as Apex did: ``True`` is returned and ``MixedPrecision`` prepares them without casting.
+    Master weights are then made for the half-precision parameters there are (``half_present``,
+    under ``allow_incoming_model_not_fp32``); FP32 parameters are their own masters, as in Apex.
+    """
     cast = props["cast_model_type"]
+    keep = cast is None or cast is False
     if props["patch_torch_functions"]:
         param, compute = _F32, _F16  # O1: FP32 weights, torch.autocast in FP16
-    elif cast in (None, _F32):
+    elif cast in (None, False, _F32):
         param = compute = _F32
     else:
         param = compute = cast
     master = _F32 if props["master_weights"] else None
     if master is not None and param == _F32:
-        raise ValueError(
-            "master_weights=True with an FP32 model: FP32 weights already are the masters. For FP16 weights with "
-            "FP32 masters use opt_level='O2' (or cast_model_type=torch.float16 with master_weights=True)."
-        )
-    keep = props["keep_batchnorm_fp32"]
+        if keep and half_present:
+            # Apex's FP32 masters of an uncast model's FP16 (or BF16) parameters; FP32 ones are their own
+            param = _F16 if _F16 in half_present else _BF16
+            compute = param if not props["patch_torch_functions"] else compute
+        else:
+            master = None  # FP32 weights already are the masters: what Apex's copies would hold, without the copy
+    islands_keep = props["keep_batchnorm_fp32"]
     # Half weights: keep_batchnorm_fp32 decides the FP32 islands; FP32 weights: the norm islands of the presets.
-    islands: tuple[str, ...] = ("norm",) if param == _F32 or keep else ()
+    islands: tuple[str, ...] = ("norm",) if param == _F32 or islands_keep else ()
     ls = props["loss_scale"]
     if ls == "dynamic":
         init = min(_INIT_SCALE, props["max_loss_scale"])
@@ -374,10 +414,11 @@ def _policy_for(props: Mapping[str, Any], cast_model_outputs: Any) -> Policy:
     # A half model without FP32 islands is Apex's model.half(): BatchNorm's running statistics follow the
     # weights (b=param), as F.batch_norm needs them in the weights' dtype.
     buffers = "param" if param != _F32 and not islands else "keep"
-    return Policy(
+    policy = Policy(
         param_dtype=param, compute_dtype=compute, output_dtype=output, master_dtype=master,
         loss_scale=kind, init_scale=init_scale, fp32_islands=islands, buffers=buffers,  # type: ignore[arg-type]
     )
+    return policy, keep
 
 
 def _make_scaler(loss_scale: str | float, min_loss_scale: float | None, max_loss_scale: float) -> AmpScaler:
@@ -442,32 +483,39 @@ def initialize(
 
     Apex's signature and return shapes: ``model, optimizer = amp.initialize(model, optimizer, ...)``,
     lists in where lists were passed, only the model(s) when ``optimizers`` is ``None``. Call it
-    once, after building the models and optimizers and before wrapping the model in DDP. Calling
-    it again starts a new run (the previous models and optimizers are left as they are).
+    after building the models and optimizers and before wrapping the model in DDP. Calling it
+    again starts a new, independent run: the earlier runs' optimizers keep their own loss
+    scalers and keep working (``amp.state_dict()`` and ``_amp_state`` follow the latest run).
 
     Algorithm:
         1. Start from the opt level's properties, apply the overrides that are not ``None`` with
            Apex's consistency rules, and print both tables at ``verbosity >= 1``.
         2. Map the properties to one :class:`mixprec.Policy` (printed as ``mixprec policy``).
-        3. Each model with optimizers is prepared by its own ``MixedPrecision(policy,
+        3. The models an optimizer spans are prepared together (one model, or a container of
+           them, each keeping its own input/output casts) by one ``MixedPrecision(policy,
            scaler=NoOpScaler())`` whose check also counts the blocks' overflows; a model
-           without one is only cast (``cast_module``). Under O1
-           each model's forward runs in ``torch.autocast`` (FP16), entered by a forward pre-hook.
+           without an optimizer is only cast (``cast_module``). ``cast_model_type`` ``None``/
+           ``False`` leaves the models uncast. Under O1 each model's forward runs in
+           ``torch.autocast`` (FP16), entered by a forward pre-hook; at O2/O3 each module's
+           ``state_dict()`` returns FP32 tensors (Apex's hook).
         4. ``num_losses`` loss scalers are built (dynamic: ``DynamicScaler`` with Apex's rule;
            static: ``StaticScaler``).
 
     Args:
-        models: An ``nn.Module`` or a list of them, with FP32 parameters.
-        optimizers: An optimizer, a list of them, or ``None`` (inference). Each optimizer must
-            hold the parameters of one model.
+        models: An ``nn.Module`` or a list of them, with FP32 parameters (half ones too once
+            ``_amp_state.allow_incoming_model_not_fp32`` is set, as in Apex).
+        optimizers: An optimizer, a list of them, or ``None`` (inference). An optimizer may hold
+            the parameters of several models.
         enabled: ``False`` returns everything unchanged and makes ``scale_loss`` yield the loss.
         opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O).
         cast_model_type: Override: ``torch.float16``, ``torch.bfloat16`` (O2/O3 in BF16),
-            ``torch.float32``.
+            ``torch.float32``, or ``False`` (leave the models as they are; at O2 the FP32 masters
+            are then the FP32 parameters themselves, plus masters of any half ones).
         patch_torch_functions: Override: only ``True`` with O1 (it is O1's default).
         keep_batchnorm_fp32: Override: ``True``/``False`` (or the strings): normalization layers
             stay FP32 in a half-precision model.
-        master_weights: Override: FP32 master weights for a half-precision model.
+        master_weights: Override: FP32 master weights for the half-precision parameters (FP32
+            parameters are their own).
         loss_scale: Override: ``"dynamic"`` or a static scale (number or numeric string).
         cast_model_outputs: Dtype the models' floating outputs are cast to (default FP32).
         num_losses: Number of loss scalers; ``scale_loss(..., loss_id=i)`` uses scaler ``i``.
@@ -482,7 +530,8 @@ def initialize(
     Raises:
         ValueError: an unknown opt level (``"01"`` is answered with "Did you mean 'O1'?"), an
             override Apex refused or mixprec cannot express (the message names what to use), an
-            optimizer whose parameters span several models or none, ``num_losses < 1``, and
+            optimizer holding parameters of none of the models, half-precision parameters without
+            ``_amp_state.allow_incoming_model_not_fp32``, ``num_losses < 1``, and
             whatever ``MixedPrecision.prepare`` refuses (nothing is changed when it raises).
         TypeError: models or optimizers of the wrong type.
     """
@@ -519,48 +568,87 @@ def initialize(
     _check_scale_limits(props["loss_scale"], min_loss_scale, max_loss_scale)
     props["max_loss_scale"] = float(max_loss_scale)
     # 2. policy
-    policy = _policy_for(props, cast_model_outputs)
+    half_present = sorted({p.dtype for m in models_list for p in m.parameters()
+                           if p.dtype.is_floating_point and p.dtype != _F32}, key=str)
+    if half_present and not _amp_state.allow_incoming_model_not_fp32:
+        name, param = next((n, p) for m in models_list for n, p in m.named_parameters()
+                           if p.dtype.is_floating_point and p.dtype != _F32)
+        raise ValueError(
+            f"Found param {name} with type {param.dtype}, expected torch.float32. When using amp.initialize, you do "
+            "not need to call .half() on your model before passing it, no matter what optimization level you choose "
+            "(Apex's check). Pass the FP32 model, or set amp._amp_state.allow_incoming_model_not_fp32 = True before "
+            "amp.initialize to take the model with the dtypes it has, as Apex allowed."
+        )
+    policy, keep = _policy_for(props, cast_model_outputs, half_present)
     _maybe_print(state, "After processing overrides, optimization options are:", True)
     _print_options(state, props)
-    _maybe_print(state, f"{'mixprec policy':22} : {policy.label}", True)
+    _maybe_print(state, f"{'mixprec policy':22} : {policy.label}" + (" (models left uncast)" if keep else ""), True)
     state.properties = {k: props[k] for k in _OPTION_NAMES}
     state.policy = policy
 
-    # 3. models and optimizers: every optimizer to the one model that owns its parameters
+    # 3. models and optimizers: the models an optimizer spans are prepared together (one MixedPrecision)
     owner_of = {id(p): i for i, m in enumerate(models_list) for p in m.parameters()}
-    per_model: list[list[int]] = [[] for _ in models_list]
+    group_of = list(range(len(models_list)))  # union-find over models joined by an optimizer
+
+    def find(i: int) -> int:
+        while group_of[i] != i:
+            i = group_of[i]
+        return i
+
     for j, opt in enumerate(opts_list):
         owners = {owner_of.get(id(p), -1) for g in opt.param_groups for p in g["params"]}
-        if len(owners) != 1 or -1 in owners:
-            what = "parameters that belong to none of the models passed" if -1 in owners else \
-                "parameters of several models"
+        if -1 in owners:
             raise ValueError(
-                f"amp.initialize: optimizer {j} holds {what}. mixprec prepares each model with its own "
-                "MixedPrecision: give each model its own optimizer(s), or put the models in one nn.Module and pass that."
+                f"amp.initialize: optimizer {j} holds parameters that belong to none of the models passed; build "
+                "each optimizer from the parameters of the models you pass to amp.initialize."
             )
-        per_model[owners.pop()].append(j)
+        first, *rest = sorted(owners)
+        for i in rest:
+            group_of[find(i)] = find(first)
+    components: dict[int, list[int]] = {}
+    for i in range(len(models_list)):
+        components.setdefault(find(i), []).append(i)
+    opts_of: dict[int, list[int]] = {root: [] for root in components}
+    for j, opt in enumerate(opts_list):
+        any_param = next(p for g in opt.param_groups for p in g["params"])
+        opts_of[find(owner_of[id(any_param)])].append(j)
+
+    if not keep and policy.param_dtype == _F32 and half_present:
+        for m in models_list:  # Apex's model.to(torch.float32) of an incoming half model (O0)
+            m.to(_F32)
     scalers = [_make_scaler(props["loss_scale"], min_loss_scale, float(max_loss_scale)) for _ in range(num_losses)]
     returned: list[Any] = list(opts_list)
     device_types: set[str] = set()
-    for i, model in enumerate(models_list):
-        device = _model_device(model)
-        device_types.add(device.type)
-        if per_model[i]:
-            prec = _AmpPrecision(policy)
-            _, *wrapped = prec.prepare(model, *(opts_list[j] for j in per_model[i]))
+    for root, members in components.items():
+        models_here = [models_list[i] for i in members]
+        device = _model_device(models_here[0])
+        device_types.update(_model_device(m).type for m in models_here)
+        # One model, or the models one optimizer spans in a container (their own forwards are untouched
+        # by it; each model gets its own input/output casts below, as Apex patched each model's forward).
+        target = models_here[0] if len(models_here) == 1 else nn.ModuleList(models_here)
+        if opts_of[root]:
+            prec = _AmpPrecision(policy, keep)
+            _, *wrapped = prec.prepare(target, *(opts_list[j] for j in opts_of[root]))
             state.precs.append(prec)
-            for j, opt in zip(per_model[i], wrapped):
+            for j, opt in zip(opts_of[root], wrapped):
                 returned[j] = opt
                 rec = _OptimizerState(opt, prec)
                 state.optimizers[id(opt)] = rec
                 prec.amp_records[id(opt)] = rec
+                _owners[opt] = state
                 _install_step(rec, state)
             region = prec.autocast()
         else:
-            cast_module(model, policy)
+            cast_module(target, policy, keep_dtypes=keep)
             region = autocast(policy, device.type)
-        if props["patch_torch_functions"]:
-            _autocast_forward(model, region)
+        if target is not models_here[0]:
+            for m in models_here:
+                state.handles.append(cast_root(m, policy, keep_dtypes=keep))
+        for m in models_here:
+            if props["patch_torch_functions"]:
+                state.handles.extend(_autocast_forward(m, region))
+            elif not keep and policy.param_dtype != _F32:
+                state.handles.extend(_fp32_state_dict(m))
     state.scalers = scalers
     state.device_types = tuple(sorted(device_types))
     _state = state
@@ -571,14 +659,30 @@ def initialize(
     return out_models, (returned if isinstance(optimizers, (list, tuple)) else returned[0])
 
 
+def _fp32_state_dict(model: nn.Module) -> list[Any]:
+    """Apex's O2/O3 ``state_dict`` hook: ``model.state_dict()`` (and every submodule's) returns FP32 tensors.
+
+    Checkpoints then load into an FP32 model, and back into this one (``load_state_dict`` copies
+    FP32 values into the half parameters, rounding; under O2 the FP32 masters take every changed
+    value at the next step, through the master optimizer's edit check).
+    """
+
+    def to_fp32(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and isinstance(value, Tensor) and value.dtype in (_F16, _BF16):
+                state_dict[key] = value.float()
+
+    return [m.register_state_dict_post_hook(to_fp32) for m in model.modules()]
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device("cpu")
 
 
-def _autocast_forward(model: nn.Module, region: contextlib.AbstractContextManager[Any]) -> None:
-    """O1: run the model's forward inside ``region`` (torch.autocast in FP16), also when it raises."""
+def _autocast_forward(model: nn.Module, region: contextlib.AbstractContextManager[Any]) -> list[Any]:
+    """O1: run the model's forward inside ``region`` (torch.autocast in FP16), also when it raises; the hook handles."""
 
     def enter(module: nn.Module, args: Any) -> None:
         region.__enter__()
@@ -586,8 +690,7 @@ def _autocast_forward(model: nn.Module, region: contextlib.AbstractContextManage
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         region.__exit__(None, None, None)
 
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(leave, always_call=True)
+    return [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
 
 
 def _install_step(rec: _OptimizerState, state: _AmpState) -> None:
@@ -696,7 +799,10 @@ def scale_loss(
             ``loss_id``; ``delay_overflow_check=True``; ``delay_unscale=True`` after a block that
             already unscaled this step's gradients (they would mix scaled and unscaled).
     """
-    state = _require("amp.scale_loss")
+    latest = _require("amp.scale_loss")
+    opts = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    owner = _state_of(opts, "amp.scale_loss")
+    state = owner if owner is not None else latest
     if not state.enabled:
         yield loss
         return
@@ -707,7 +813,6 @@ def scale_loss(
         )
     if not isinstance(loss, Tensor):
         raise TypeError(f"scale_loss needs the loss tensor, got {type(loss).__name__}")
-    opts = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
     records = [state.record(o, "amp.scale_loss") for o in opts]
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(state.scalers):
         raise ValueError(
@@ -798,17 +903,42 @@ def disable_casts() -> Iterator[None]:
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """The loss scalers' state in Apex's format: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
 
-    ``unskipped`` counts the clean ``scale_loss`` blocks since the last overflow or growth
-    (static scalers: all blocks). Save it with the model's and the returned optimizer's state
-    dicts (under O2 the optimizer's holds the FP32 masters). Host sync: reads the scales.
+    ``unskipped`` means what Apex's meant: for a dynamic scale, the clean ``scale_loss`` blocks
+    since the last overflow or growth (the growth counter); for a static scale, the blocks that
+    were not skipped (Apex skipped none under a static scale, so it counted every block; mixprec
+    skips a block's step when its gradients are inf/NaN, and does not count it). The scalers of
+    the latest ``initialize`` call, as Apex's module-level state held. Save it with the model's
+    and the returned optimizer's state dicts (under O2 the optimizer's holds the FP32 masters).
+    Host sync: reads the scales.
     """
     state = _require("amp.state_dict()")
     out: dict[str, Any] = OrderedDict() if destination is None else destination
     for i, scaler in enumerate(state.scalers):
-        sd = scaler.state_dict()
-        unskipped = sd["_growth_tracker"] if isinstance(scaler, DynamicScaler) else sd["steps"]
-        out[f"loss_scaler{i}"] = {"loss_scale": float(sd["scale"]), "unskipped": int(unskipped)}
+        scale, unskipped = _scaler_entry(scaler)
+        out[f"loss_scaler{i}"] = {"loss_scale": scale, "unskipped": unskipped}
     return out
+
+
+def _scaler_entry(scaler: AmpScaler) -> tuple[float, int]:
+    """``(loss_scale, unskipped)`` of one scaler, as Apex counted (see :func:`state_dict`). Host sync."""
+    sd = scaler.state_dict()
+    if isinstance(scaler, DynamicScaler):
+        return float(sd["scale"]), int(sd["_growth_tracker"])
+    return float(sd["scale"]), int(sd["steps"]) - int(sd["skipped_steps"])
+
+
+def _set_entry(scaler: AmpScaler, loss_scale: float | None = None, unskipped: int | None = None) -> None:
+    """Set a scaler's scale and/or Apex counter (``load_state_dict``, ``_amp_state.loss_scalers[i]._loss_scale = s``)."""
+    full = scaler.state_dict()
+    if loss_scale is not None:
+        full["scale"] = float(loss_scale)
+    if unskipped is not None:
+        if isinstance(scaler, DynamicScaler):
+            full["_growth_tracker"] = int(unskipped)
+        else:  # a static scaler counts its blocks: that many clean ones, none skipped
+            full.update(steps=int(unskipped), skipped_steps=0, consecutive_skips=0, floor_streak=0,
+                        last_overflow_step=None)
+    scaler.load_state_dict(full)
 
 
 def load_state_dict(state_dict: Mapping[str, Any]) -> None:
@@ -838,23 +968,120 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
             f"amp.load_state_dict: the state dict has {len(entries)} loss scaler(s), this run uses {len(state.scalers)} "
             f"(num_losses); loading the first {min(len(entries), len(state.scalers))}.", stacklevel=2)
     for scaler, entry in zip(state.scalers, entries):
-        full = scaler.state_dict()
-        full["scale"] = float(entry["loss_scale"])
-        if isinstance(scaler, DynamicScaler):
-            full["_growth_tracker"] = int(entry["unskipped"])
-        else:
-            full["steps"] = int(entry["unskipped"])
-        scaler.load_state_dict(full)
+        _set_entry(scaler, entry["loss_scale"], entry["unskipped"])
 
 
-def __getattr__(name: str) -> Any:
-    """Refuse Apex's private ``_amp_state`` with the public call to use (module attribute access, PEP 562)."""
-    if name == "_amp_state":
-        raise AttributeError(
-            "mixprec.apex has no _amp_state (Apex's private state). Read a loss scale with "
-            "amp.state_dict()['loss_scaler0']['loss_scale'] (loss_scalerN for loss_id N)."
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# --------------------------------------------------------------------------------------------------
+# _amp_state: Apex's private module state, as far as Apex-era code reads and writes it
+# --------------------------------------------------------------------------------------------------
+class _LossScalerView:
+    """``_amp_state.loss_scalers[i]``: Apex's ``LossScaler`` surface over mixprec loss scaler ``i``.
+
+    ``loss_scale()`` (what training scripts log), ``_loss_scale`` (tests set it: the scaler's
+    scale is set on the device), ``_unskipped`` (see :func:`state_dict`) and ``dynamic``. Reading
+    either value is a host sync.
+    """
+
+    __slots__ = ("_scaler",)
+
+    def __init__(self, scaler: AmpScaler) -> None:
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        """The current loss scale (host sync)."""
+        return _scaler_entry(self._scaler)[0]
+
+    @property
+    def _loss_scale(self) -> float:
+        return _scaler_entry(self._scaler)[0]
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"_loss_scale={value!r}; a loss scale is a positive finite number.")
+        _set_entry(self._scaler, loss_scale=float(value))
+
+    @property
+    def _unskipped(self) -> int:
+        return _scaler_entry(self._scaler)[1]
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        _set_entry(self._scaler, unskipped=int(value))
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the scale adapts (``loss_scale="dynamic"``)."""
+        return isinstance(self._scaler, DynamicScaler)
+
+
+class _Handle:
+    """``_amp_state.handle``: Apex's ``AmpHandle`` of the latest ``initialize`` (``_deactivate``, ``is_active``)."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: _AmpState) -> None:
+        self._run = run
+
+    def is_active(self) -> bool:
+        """Whether what ``initialize`` installed on the models is still there."""
+        return self._run.enabled and self._run.active
+
+    def _deactivate(self) -> None:
+        """Remove what ``initialize`` installed on the models beyond ``prepare``: O1's autocast around each
+        model's forward (the models then run in FP32, as after Apex's ``_deactivate``), O2/O3's FP32
+        ``state_dict`` hooks and per-model casts. The optimizers keep working."""
+        for h in reversed(self._run.handles):
+            h.remove()
+        self._run.handles.clear()
+        self._run.active = False
+
+
+class _AmpStateView:
+    """``mixprec.apex._amp_state``: what Apex-era code reads and writes of Apex's private ``_amp_state``.
+
+    A compatibility surface, not mixprec's API (use :func:`state_dict` and ``MixedPrecision``):
+
+    * ``loss_scalers``: ``[_LossScalerView]`` of the latest ``initialize`` (``loss_scale()``,
+      a settable ``_loss_scale``, ``_unskipped``, ``dynamic``);
+    * ``opt_properties``: the latest run's properties (``opt_level``, ``cast_model_type``,
+      ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``, ...), read-only;
+    * ``handle``: ``_deactivate()`` and ``is_active()``;
+    * ``verbosity``: the latest run's, settable;
+    * ``allow_incoming_model_not_fp32``: set it to ``True`` before ``initialize`` to pass models that
+      already hold FP16/BF16 parameters (refused otherwise, as in Apex).
+
+    Other attributes of Apex's (``hard_override``, which downgraded Apex's errors to warnings) do
+    not exist: setting one raises rather than being silently ignored.
+    """
+
+    __slots__ = ("allow_incoming_model_not_fp32",)
+
+    def __init__(self) -> None:
+        self.allow_incoming_model_not_fp32 = False
+
+    @property
+    def loss_scalers(self) -> list[_LossScalerView]:
+        return [_LossScalerView(s) for s in _require("amp._amp_state.loss_scalers").scalers]
+
+    @property
+    def opt_properties(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(**_require("amp._amp_state.opt_properties").properties)
+
+    @property
+    def handle(self) -> _Handle:
+        return _Handle(_require("amp._amp_state.handle"))
+
+    @property
+    def verbosity(self) -> int:
+        return _require("amp._amp_state.verbosity").verbosity
+
+    @verbosity.setter
+    def verbosity(self, value: int) -> None:
+        _require("amp._amp_state.verbosity").verbosity = int(value)
+
+
+_amp_state = _AmpStateView()
 
 
 # --------------------------------------------------------------------------------------------------
