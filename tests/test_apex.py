@@ -1020,3 +1020,42 @@ def test_handle_deactivate_turns_o1_autocast_off():
     assert not amp._amp_state.handle.is_active()
     model(x)
     assert seen == [torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize(("saved", "restored", "before"), [("O2", "O0", False), ("O2", "O3", True), ("O0", "O2", True),
+                                                           ("O1", "O2", False), ("O2", "O2", True)])
+def test_optimizer_state_loads_across_opt_levels(saved, restored, before):
+    """An optimizer's state_dict() is torch's format at every level (O2 adds its masters): Apex's checkpoints
+    restore into another level, before or after initialize."""
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), opt_level=saved,
+                                verbosity=0)
+    for batch in _batches(3, overflow_at=()):
+        _o2_step(model, opt, batch)
+    ck = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    assert set(ck["optimizer"]) >= {"state", "param_groups"}
+    assert ("masters" in ck["optimizer"]) is (saved == "O2")
+    r_model = _model(seed=4)
+    r_opt = torch.optim.SGD(r_model.parameters(), lr=LR, momentum=0.9)
+    if before:
+        r_model, r_opt = amp.initialize(r_model, r_opt, opt_level=restored, verbosity=0)
+    r_model.load_state_dict(ck["model"])
+    r_opt.load_state_dict(ck["optimizer"])
+    if not before:
+        r_model, r_opt = amp.initialize(r_model, r_opt, opt_level=restored, verbosity=0)
+    want = opt.state_dict()["state"]
+    got = r_opt.state_dict()["state"]
+    for k in want:
+        a, b = got[k]["momentum_buffer"], want[k]["momentum_buffer"]
+        exact = a.dtype == b.dtype  # an O3 run holds its state in FP16, as torch's load casts it
+        torch.testing.assert_close(a.to(b.dtype), b, rtol=0 if exact else 1e-3, atol=0 if exact else 1e-4)
+    if restored == "O2":
+        masters = {id(p): m for p, m in zip(r_opt.model_params, r_opt.masters)}
+        if saved == "O2":  # the exact masters came along
+            for a, b in zip(r_opt.masters, opt.masters):
+                assert torch.equal(a, b)
+        elif before:  # masters from the loaded (rounded) weights, as Apex rebuilt them
+            assert torch.equal(masters[id(r_model[0].weight)], r_model[0].weight.float())
+        else:  # loaded into the FP32 model first: the masters are its exact FP32 weights
+            assert torch.equal(masters[id(r_model[0].weight)], ck["model"]["0.weight"])
+    _o2_step(r_model, r_opt, _batches(1, overflow_at=())[0])  # and it trains on

@@ -249,3 +249,27 @@ def test_which_gradient_buffers_persist(mode):
         assert all(m.grad is not None for _, m in half)
     else:  # the transient FP32 buffers and the consumed half gradients are gone
         assert all(p.grad is None and m.grad is None for p, m in half)
+
+
+def test_state_the_optimizer_already_has_moves_to_the_masters():
+    """An optimizer with state (earlier steps, a loaded checkpoint) keeps it when prepare wraps it: keyed by the masters."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    buffers = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    prec = mixprec.MixedPrecision("bf16-master")
+    model, mwo = prec.prepare(model, opt)
+    assert list(mwo.state) == mwo.masters  # nothing orphaned under the (now BF16) model parameters
+    for m, b in zip(mwo.masters, buffers):
+        assert torch.equal(mwo.state[m]["momentum_buffer"], b)
+    sd = mwo.state_dict()  # torch can name every state entry
+    assert len(sd["optimizer"]["state"]) == 2
+    with prec.autocast():
+        loss = model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum()
+    prec.backward(loss)
+    prec.step(mwo)
+    assert not any(torch.equal(mwo.state[m]["momentum_buffer"], b) for m, b in zip(mwo.masters, buffers))

@@ -168,6 +168,7 @@ class MasterWeightOptimizer(Optimizer):
             group["params"] = [self._adopt(p) for p in group["params"]]
         self._refresh_pairs()
         self._initial.clear()
+        self._rekey_state()
         from ._stepping import install_step_guard
 
         # The wrapped optimizer steps the masters only from inside step(): called directly it would
@@ -236,6 +237,21 @@ class MasterWeightOptimizer(Optimizer):
         self._views[id(p)] = view
         if self.grad_accumulation == "fp32":
             self._hooks.append(p.register_post_accumulate_grad_hook(_AccumulateInto(master, view)))
+
+    def _rekey_state(self) -> None:
+        """Move state the wrapped optimizer already holds (a loaded checkpoint, earlier steps) to the masters.
+
+        Its state is keyed by tensor: state kept under a model parameter that now has a master would
+        be orphaned (never stepped, and ``state_dict()`` could not name it). Floating state tensors
+        take the master dtype, as ``Optimizer.load_state_dict`` would give them.
+        """
+        state = self.optimizer.state
+        for p, m in self._half_pairs():
+            st = state.pop(p, None)
+            if st is None:
+                continue
+            state[m] = {k: v.to(self.master_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step"
+                        else v for k, v in st.items()}
 
     def grad_view(self, param: torch.Tensor) -> MasterGradView:
         """The ``.grad`` view of a half-precision model parameter (see :class:`MasterGradView`).

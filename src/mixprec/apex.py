@@ -733,6 +733,48 @@ def _install_step(rec: _OptimizerState, state: _AmpState) -> None:
     step.__doc__, clear.__doc__ = guarded.__doc__, zero_grad.__doc__
     opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
     opt.zero_grad = types.MethodType(clear, opt)  # type: ignore[method-assign]
+    opt.state_dict = types.MethodType(_apex_state_dict, opt)  # type: ignore[method-assign]
+    opt.load_state_dict = types.MethodType(_apex_load_state_dict, opt)  # type: ignore[method-assign]
+
+
+#: The keys a MasterWeightOptimizer's own state dict adds to torch's (see _apex_state_dict).
+_MASTER_KEYS = ("version", "masters", "master_dtype", "grad_accumulation")
+
+
+def _apex_state_dict(self: Any) -> dict[str, Any]:
+    """``state_dict()`` of an optimizer ``initialize`` returned: torch's format, whatever the opt level.
+
+    As Apex's: it loads into the plain torch optimizer of any opt level (an O2 checkpoint restored
+    into an O0 run, or before ``initialize``). Under O2 the FP32 masters ride along under extra
+    keys (``masters``, ... ; torch's ``load_state_dict`` ignores them), so an O2 run resumes with
+    its exact masters (Apex rebuilt them from the rounded weights).
+    """
+    if not isinstance(self, MasterWeightOptimizer):
+        return type(self).state_dict(self)
+    sd = MasterWeightOptimizer.state_dict(self)
+    return {**sd["optimizer"], **{k: sd[k] for k in _MASTER_KEYS}}
+
+
+def _apex_load_state_dict(self: Any, state_dict: Mapping[str, Any]) -> None:
+    """``load_state_dict`` of an optimizer ``initialize`` returned: any opt level's state (see :func:`_apex_state_dict`).
+
+    A state without masters (saved at O0/O1/O3, or by a plain torch optimizer) loaded under O2:
+    the masters are taken from the model's current weights, as Apex did (load the model first).
+    """
+    masters: Mapping[str, Any] | None
+    if "optimizer" in state_dict and "masters" in state_dict:  # MasterWeightOptimizer's own format
+        inner, masters = state_dict["optimizer"], state_dict
+    else:
+        inner = {k: v for k, v in state_dict.items() if k not in _MASTER_KEYS}
+        masters = state_dict if "masters" in state_dict else None
+    if not isinstance(self, MasterWeightOptimizer):
+        type(self).load_state_dict(self, inner)
+        return
+    if masters is not None:
+        MasterWeightOptimizer.load_state_dict(self, {**{k: masters[k] for k in _MASTER_KEYS if k in masters}, "optimizer": inner})
+        return
+    self.optimizer.load_state_dict(inner)
+    self.load_master_values_({p: p.detach() for p in self.model_params})
 
 
 def _report_skip(state: _AmpState, rec: _OptimizerState, overflows: list[tuple[int, Tensor]]) -> None:
