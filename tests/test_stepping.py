@@ -175,3 +175,20 @@ def test_carry_edits_equals_the_elementwise_where(dtype: torch.dtype, monkeypatc
     for a, b in zip(got, want):
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_an_optimizer_without_a_twin_is_checked_once_until_a_group_is_added(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = FusedTwin.unsupported
+    monkeypatch.setattr(FusedTwin, "unsupported", staticmethod(lambda opt: calls.append(1) or real(opt)))
+    bad = nn.Parameter(torch.zeros(2, dtype=torch.complex64))  # no fused kernel for complex parameters
+    bad.grad = torch.ones(2, dtype=torch.complex64)
+    opt = torch.optim.SGD([bad], lr=0.1)
+    for _ in range(3):
+        step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
+    assert opt.__dict__["_mixprec_twin"] is False and len(calls) == 1  # the per-parameter check ran once
+    ps = _params()
+    _grads(0, ps)
+    opt.add_param_group({"params": ps})
+    step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
+    assert len(calls) == 2  # checked again for the new group (still complex: the host decides)

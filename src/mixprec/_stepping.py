@@ -176,10 +176,17 @@ def _unready(optimizer: Any) -> None:
 
 
 def fused_twin(optimizer: Any) -> FusedTwin | None:
-    """The optimizer's :class:`FusedTwin` (made on first use), or ``None`` where it cannot have one."""
+    """The optimizer's :class:`FusedTwin` (made on first use), or ``None`` where it cannot have one.
+
+    The answer is kept on the optimizer (``_mixprec_twin``; ``False`` for none), so the per-parameter
+    check runs once, not every step; a param group added later is checked again.
+    """
     twin = optimizer.__dict__.get("_mixprec_twin")
-    if twin is None:
+    if twin is False and optimizer.__dict__.get("_mixprec_twin_groups") == len(optimizer.param_groups):
+        return None
+    if not twin:
         if type(optimizer) not in FUSED_TWINS or FusedTwin.unsupported(optimizer) is not None:
+            optimizer._mixprec_twin, optimizer._mixprec_twin_groups = False, len(optimizer.param_groups)
             return None
         twin = optimizer._mixprec_twin = FusedTwin(optimizer)
     return twin
@@ -216,7 +223,7 @@ def step_or_skip(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, a
         return found_inf, ret
     if twin:
         fused = optimizer.__dict__.get("_mixprec_twin") or fused_twin(optimizer)
-        if fused is not None and not fused.needs_host_read():
+        if fused and not fused.needs_host_read():
             try:
                 return found_inf, fused.step(found_inf, grad_scale, args, kwargs)
             except RuntimeError as e:  # torch's fused SGD refuses sparse gradients before it changes anything
