@@ -284,7 +284,7 @@ def test_seeds_gap_mean_spread_and_noise_are_recomputed_from_the_runs(seeds_resu
     assert row.gap_mean == pytest.approx(statistics.mean(gaps), rel=1e-9, abs=1e-15)
     assert row.gap_std == pytest.approx(statistics.stdev(gaps), rel=1e-9, abs=1e-15)
     assert (row.gap_min, row.gap_max) == (min(row.gaps), max(row.gaps))
-    assert (row.within_noise, row.verdict) == seed_verdict(row.gap_mean, r.noise)
+    assert (row.within_noise, row.verdict) == seed_verdict(row.gap_mean, r.noise, gap_std=row.gap_std, n=3)
     assert r.row("fp32").gap_mean == 0.0 and r.row("fp32").verdict.startswith("reference")
     # the JSON: the first seed's record plus the documented seeds section
     d = json.loads(json.dumps(r.to_dict(), allow_nan=False))
@@ -309,6 +309,23 @@ def test_seed_verdict_on_constructed_numbers() -> None:
     assert seed_verdict(0.05, 0.02, k=3.0)[0] is True
     within, text = seed_verdict(0.01, 0.0)
     assert within is None and "identical across seeds" in text
+
+
+def test_seed_verdict_accounts_for_the_number_of_seeds() -> None:
+    """The mean gap's 95 % interval (Student's t) against the band ±k * noise; no verdict from too few seeds."""
+    # 5 seeds, t(4) = 2.776: half-width 2.776 * 0.005 / sqrt(5) = 0.0062
+    assert seed_verdict(0.01, 0.02, gap_std=0.005, n=5) == (
+        True, "within noise (gap +0.0100 ± 0.0062 (95 %, 5 seeds) vs band ±0.0400)")
+    assert seed_verdict(0.05, 0.02, gap_std=0.005, n=5)[0] is False  # 0.0438 .. 0.0562: wholly outside
+    # the same mean, a wider spread: the interval 0.0238 .. 0.0562 straddles the band edge 0.04
+    within, text = seed_verdict(0.04, 0.02, gap_std=0.013, n=5)
+    assert within is None and text.startswith("no verdict: the interval straddles the band")
+    # with more seeds the same spread pins the mean down: 30 seeds, t(29) ~ 2.045 -> half-width 0.0049
+    assert seed_verdict(0.05, 0.02, gap_std=0.013, n=30)[0] is False
+    # two seeds: never a verdict, whatever the numbers (a point estimate from two runs screened nothing)
+    for gap in (0.0, 0.001, 0.5):
+        within, text = seed_verdict(gap, 0.02, gap_std=0.0, n=2)
+        assert within is None and text.startswith("no verdict: 2 seeds are too few (a verdict needs >= 3;")
 
 
 def test_seeds_need_two_distinct_integers() -> None:

@@ -25,7 +25,9 @@ Is the gap real? :func:`run_compare_seeds` (``mixprec compare --seeds 0,1,2``) r
 comparison once per seed (a built-in workload's initial weights, batch order and RNG streams) and
 reports, per row, the loss gap to FP32 of the same seed as a mean over seeds with its spread (sample
 std), against the FP32 noise floor (the sample std of FP32's own loss across the seeds): "within
-noise" when ``|gap mean| <= k * noise`` (``k`` = :data:`NOISE_K` = 2). Its JSON record is the first
+noise" when the mean gap's 95 % interval over the seeds lies inside ``±k * noise`` (``k`` =
+:data:`NOISE_K` = 2), "outside noise" when it lies outside, no verdict when it straddles the band or with
+fewer than :data:`MIN_SEEDS` (3) seeds. Its JSON record is the first
 seed's ``mixprec.compare/1`` record plus a ``seeds`` section: ``seeds`` (the list), ``metric``
 (``val_loss`` or ``final_train_loss``), ``noise``, ``k``, ``rule``, ``rows`` (name, label, kind,
 values and gaps per seed, gap_mean, gap_std, gap_min, gap_max, within_noise, verdict), ``runs``

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._environment import environment
-from ._runner import CompareResult, RowResult, SeedsResult
+from ._runner import MIN_SEEDS, CompareResult, RowResult, SeedsResult
 
 __all__ = ["environment", "format_seeds_table", "format_table_plain", "print_report", "print_seeds_report", "write_json"]
 
@@ -192,7 +192,8 @@ def format_seeds_table(result: SeedsResult) -> str:
     seeds = ",".join(str(s) for s in result.seeds)
     noise = "-" if result.noise is None else f"{result.noise:.4f}"
     lines = [f"Is the gap real? {len(result.seeds)} seeds ({seeds}); fp32 noise (std of its {result.metric} across "
-             f"seeds) {noise}; within noise when |gap mean| <= {result.k:g} x noise"]
+             f"seeds) {noise}; within noise when the gap's 95 % interval lies inside ±{result.k:g} x noise "
+             f"(no verdict with fewer than {MIN_SEEDS} seeds)"]
     lines.append("  ".join(h.ljust(widths[i]) for i, h in enumerate(header)).rstrip())
     lines.append("  ".join("-" * widths[i] for i in range(len(header))))
     for c in cells:

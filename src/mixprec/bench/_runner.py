@@ -54,6 +54,7 @@ from ._workloads import BUILTIN_WORKLOADS, BenchError, Workload, load_workload
 __all__ = [
     "ALL_PRESETS",
     "BASELINE",
+    "MIN_SEEDS",
     "NOISE_K",
     "CompareResult",
     "RowResult",
@@ -871,10 +872,21 @@ def _notes(dev: torch.device, rows: list[RowResult], emulate: bool, amp_dtypes: 
 
 
 # ----- several seeds: is the gap real? ------------------------------------------------------------
-#: A row is "within noise" when ``|mean gap to fp32| <= NOISE_K * fp32 noise``. Two standard
-#: deviations is the usual "indistinguishable" band for a handful of runs (about 95 % of a normal
-#: spread); with 3 seeds the noise estimate is itself rough, so read the verdict as a screen, not a test.
+#: The noise band is ``±NOISE_K * fp32 noise``: two standard deviations of FP32 against itself, the
+#: usual "indistinguishable" band (about 95 % of a normal spread).
 NOISE_K = 2.0
+#: Fewer seeds give no verdict: with 2 seeds the 95 % interval of a mean is ±12.7 standard errors
+#: (Student's t), wide enough to call almost any gap "within noise".
+MIN_SEEDS = 3
+# Student's t, two-sided 95 % (0.975 quantile), by degrees of freedom; 1.96 beyond the table.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def _t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (the table's next lower entry: conservative)."""
+    return _T975[max(k for k in _T975 if k <= df)] if df < 120 else 1.96
 
 
 @dataclasses.dataclass
@@ -936,7 +948,9 @@ class SeedsResult:
             runs.append({"seed": seed, "workload": d["workload"], "settings": d["settings"], "rows": d["rows"]})
         return _json_safe({
             "seeds": list(self.seeds), "metric": self.metric, "noise": self.noise, "k": self.k,
-            "rule": f"within noise when |gap_mean| <= k * noise; noise = sample std of fp32's {self.metric} across seeds",
+            "rule": (f"within noise when gap_mean ± t95(n-1) * gap_std / sqrt(n) lies inside ±k * noise, outside when "
+                     f"it lies outside, else no verdict; none with fewer than {MIN_SEEDS} seeds; noise = sample std "
+                     f"of fp32's {self.metric} across seeds"),
             "rows": [r.to_dict() for r in self.rows], "runs": runs, "notes": list(self.notes),
         })
 
@@ -979,21 +993,42 @@ def parse_seeds(spec: str | Sequence[int]) -> list[int]:
     return out
 
 
-def seed_verdict(gap_mean: float, noise: float, k: float = NOISE_K) -> tuple[bool | None, str]:
-    """Whether a mean gap to FP32 is within ``k`` times FP32's seed-to-seed noise, and the sentence that says so.
+def seed_verdict(gap_mean: float, noise: float, k: float = NOISE_K, *, gap_std: float = 0.0,
+                 n: int | None = None) -> tuple[bool | None, str]:
+    """Whether a mean gap to FP32 is within the noise band ``±k * noise``, and the sentence that says so.
+
+    With ``n`` (the number of seeds) the verdict accounts for how well ``n`` seeds pin the mean
+    down: the gap's 95 % interval is ``gap_mean ± t(n-1) * gap_std / sqrt(n)`` (Student's t).
+    "within noise" when the whole interval lies inside the band, "outside noise" when it lies
+    wholly outside, no verdict when it straddles the band (more seeds narrow it) or when there
+    are fewer than :data:`MIN_SEEDS` seeds. Without ``n`` the mean alone is compared (a screen).
 
     Example:
         >>> seed_verdict(0.01, 0.02)
         (True, 'within noise (gap +0.0100 vs noise 0.0200)')
-        >>> seed_verdict(0.05, 0.02)[0]
-        False
+        >>> seed_verdict(0.05, 0.02, gap_std=0.002, n=4)
+        (False, 'outside noise (gap +0.0500 ± 0.0032 (95 %, 4 seeds) vs band ±0.0400)')
+        >>> seed_verdict(0.01, 0.02, gap_std=0.01, n=2)[0] is None
+        True
     """
     if not (math.isfinite(gap_mean) and math.isfinite(noise)):
         return None, "no verdict (non-finite loss)"
     if noise <= 0:
         return None, "no verdict (fp32 loss identical across seeds: does the workload take a seed?)"
-    within = abs(gap_mean) <= k * noise
-    return within, f"{'within' if within else 'outside'} noise (gap {gap_mean:+.4f} vs noise {noise:.4f})"
+    if n is None:
+        within = abs(gap_mean) <= k * noise
+        return within, f"{'within' if within else 'outside'} noise (gap {gap_mean:+.4f} vs noise {noise:.4f})"
+    if n < MIN_SEEDS:
+        return None, (f"no verdict: {n} seeds are too few (a verdict needs >= {MIN_SEEDS}; the 95 % interval of a "
+                      f"{n}-seed mean is ±{_t975(n - 1):.1f} standard errors); gap {gap_mean:+.4f}, noise {noise:.4f}")
+    half = _t975(n - 1) * gap_std / math.sqrt(n)
+    band = k * noise
+    what = f"gap {gap_mean:+.4f} ± {half:.4f} (95 %, {n} seeds) vs band ±{band:.4f}"
+    if abs(gap_mean) + half <= band:
+        return True, f"within noise ({what})"
+    if abs(gap_mean) - half > band:
+        return False, f"outside noise ({what})"
+    return None, f"no verdict: the interval straddles the band, more seeds would narrow it ({what})"
 
 
 def _std(xs: Sequence[float]) -> float:
@@ -1023,8 +1058,10 @@ def run_compare_seeds(
     minus FP32's loss *of the same seed* (validation loss when the workload has held-out batches,
     else the final training loss). Reported per row: the mean gap over seeds and its spread (the
     sample standard deviation across seeds). The noise floor is FP32 against itself: the sample
-    standard deviation of FP32's loss across the seeds. Verdict: ``within noise`` when
-    ``|mean gap| <= k * noise`` (``k`` = :data:`NOISE_K` = 2 by default), else ``outside noise``.
+    standard deviation of FP32's loss across the seeds. Verdict (:func:`seed_verdict`): ``within
+    noise`` when the mean gap's 95 % interval over the seeds lies inside ``±k * noise`` (``k`` =
+    :data:`NOISE_K` = 2 by default), ``outside noise`` when it lies outside, no verdict when it
+    straddles the band or with fewer than :data:`MIN_SEEDS` seeds.
 
     Args:
         workload: As :func:`run_compare`. A user workload seeds itself: unless its function takes
@@ -1048,7 +1085,7 @@ def run_compare_seeds(
         >>> from mixprec.bench import run_compare_seeds
         >>> r = run_compare_seeds("gpt", "bf16-mixed", seeds=[0, 1, 2], steps=20)   # doctest: +SKIP
         >>> r.row("bf16-mixed").verdict                                            # doctest: +SKIP
-        'within noise (gap -0.0012 vs noise 0.0150)'
+        'within noise (gap -0.0012 ± 0.0021 (95 %, 3 seeds) vs band ±0.0300)'
     """
     seed_list = parse_seeds(seeds)
     if "seed" in kwargs:
@@ -1111,13 +1148,15 @@ def run_compare_seeds(
             elif noise is None:
                 row.verdict = "no verdict (fp32 loss non-finite)"
             else:
-                row.within_noise, row.verdict = seed_verdict(row.gap_mean, noise, k)
+                row.within_noise, row.verdict = seed_verdict(row.gap_mean, noise, k, gap_std=row.gap_std,
+                                                             n=len(g))
         rows.append(row)
     if noise is not None:
         notes.append(
             f"Seeds {','.join(str(s) for s in seed_list)}: gap = {metric} minus fp32's {metric} of the same seed; "
             f"spread = std of the gap across seeds; noise = std of fp32's {metric} across seeds ({noise:.4f}); "
-            f"within noise when |gap mean| <= {k:g} x noise."
+            f"within noise when the gap's 95 % interval (Student's t over the seeds) lies inside ±{k:g} x noise, "
+            f"outside when it lies outside; no verdict with fewer than {MIN_SEEDS} seeds."
         )
     return SeedsResult(seeds=seed_list, runs=runs, rows=rows, metric=metric, noise=noise, k=k, notes=notes)
 

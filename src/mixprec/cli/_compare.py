@@ -34,8 +34,10 @@ speed-ups.
 
 --seeds 0,1,2 runs the whole comparison once per seed (initial weights, batch order, dropout) and
 reports, per row, the loss gap to fp32 (same seed) as a mean over seeds with its spread (std), and a
-verdict: "within noise" when |gap mean| <= 2 x the noise of fp32 against itself (the std of fp32's loss
-across the seeds), else "outside noise". fp32 is added to the presets when missing. The JSON gets a
+verdict: "within noise" when the gap's 95% interval over the seeds (Student's t) lies inside +-2 x the
+noise of fp32 against itself (the std of fp32's loss across the seeds), "outside noise" when it lies
+outside, no verdict when it straddles that band or with fewer than 3 seeds. fp32 is added to the
+presets when missing. The JSON gets a
 "seeds" section; the loss plot shows a min-max band across seeds per row.
 """
 
