@@ -11,8 +11,8 @@ The graph is read statically from each module's AST:
 A cycle among module-level or lazy edges fails (DESIGN.md section 2: "no import cycles"): a lazy
 import that closes a cycle hides a layering mistake (the lower module needs something of the
 upper one), even though Python can run it. The exceptions are listed in ``ALLOWED_CYCLES``, each
-with its reason (none today). Cycles that need a type-only edge never run and are reported as a
-warning, not a failure.
+with its reason (none today). Cycles that need a type-only edge never run, but fail too unless
+listed in ``ALLOWED_TYPE_CYCLES``: a lower module should not name an upper one's types.
 
 ``from . import x`` is an edge to the submodule ``x`` when there is one, else to the package's
 ``__init__`` (it needs a name the package defines); ``from .x import y`` is an edge to ``x`` (and
@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +40,8 @@ PACKAGE = "mixprec"
 #: ``format_cycles`` prints them (smallest name first) -> why. Empty: the package has none. An entry
 #: must name a cycle that exists (``test_allowed_cycles_are_real``), so a fixed one is removed here.
 ALLOWED_CYCLES: dict[tuple[str, ...], str] = {}
+#: Cycles that close through a TYPE_CHECKING import and are kept on purpose, with the reason (none today).
+ALLOWED_TYPE_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def edges(modules: dict[str, Path]) -> list[Edge]:
 def test_no_import_cycle_at_module_level(modules, edges):
     cycles = find_cycles([e for e in edges if e.kind == "module"])
     assert not cycles, (
-        f"{len(cycles)} import cycle(s) among module-level imports (DESIGN.md section 2: core -> distributed -> "
+        f"{len(cycles)} import cycle(s) among module-level imports (ARCHITECTURE.md, Layering: core -> distributed -> "
         f"integrations, bench, cli; no cycles). Move the shared code down a layer (e.g. mixprec._dist), or import "
         f"the upper module inside the function that needs it:\n{format_cycles(cycles, modules)}"
     )
@@ -255,13 +256,23 @@ def test_allowed_cycles_are_real(edges):
     assert not stale, f"ALLOWED_CYCLES lists cycles the package no longer has; remove them: {stale}"
 
 
-def test_cycles_through_type_only_imports_are_reported(modules, edges):
-    """Cycles that close only through a TYPE_CHECKING import never run: legal, reported as a warning."""
+def _type_only_cycles(edges: list[Edge]) -> list[list[Edge]]:
     cycles = find_cycles([e for e in edges if e.kind in ("module", "lazy", "type")])
-    typed = [c for c in cycles if any(e.kind == "type" for e in c)]
-    if typed:
-        warnings.warn(f"{len(typed)} import cycle(s) through type-only imports (allowed):\n"
-                      f"{format_cycles(typed, modules)}", UserWarning, stacklevel=1)
+    return [c for c in cycles if any(e.kind == "type" for e in c)
+            and tuple(e.source for e in c) not in ALLOWED_TYPE_CYCLES]
+
+
+def test_cycles_through_type_only_imports_fail_unless_allowed(modules, edges):
+    """A cycle that closes only through a TYPE_CHECKING import never runs, but a lower module still names an
+    upper one's types: move the type (a Protocol) down, or list the cycle in ALLOWED_TYPE_CYCLES with its reason."""
+    typed = _type_only_cycles(edges)
+    assert not typed, f"{len(typed)} import cycle(s) through type-only imports:\n{format_cycles(typed, modules)}"
+
+
+def test_the_type_only_check_can_fail():
+    """The check above sees a planted cycle (so its passing means something)."""
+    planted = [Edge("mixprec._low", "mixprec._high", "type", 1), Edge("mixprec._high", "mixprec._low", "module", 1)]
+    assert len(_type_only_cycles(planted)) == 1
 
 
 def test_the_graph_sees_the_package(modules, edges):

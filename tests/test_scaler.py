@@ -369,13 +369,24 @@ def test_noop_is_identity_but_checks():
     assert s.loss_scale.item() == 1.0
 
 
-def test_static_scale_and_unscale_use_a_float64_reciprocal():
+def test_static_scale_unscales_by_the_fp32_reciprocal_as_torch_amp():
+    """Unscaling multiplies by the correctly rounded FP32 ``1/scale`` (torch.amp's float64 round trip gives the
+    same bits), not divides: with scale 3 the two differ in the last bit for a third of these gradients."""
     s = StaticScaler(3.0)
     assert s.scale(torch.tensor(2.0)).item() == 6.0
-    g = torch.tensor([3.0, 1.0])
+    g0 = torch.tensor([67.28687286376953, 50.031368255615234, 72.92965698242188, 3.0])
+    g = g0.clone()
     s.unscale_([g])
-    inv = torch.tensor(3.0, dtype=torch.float64).reciprocal().float()
-    assert torch.equal(g, torch.tensor([3.0, 1.0]) * inv)
+    inv = torch.tensor(3.0, dtype=torch.float64).reciprocal().float()  # torch.amp's reciprocal
+    assert torch.equal(g, g0 * inv)
+    assert not torch.equal(g, g0 / 3.0)  # a division would differ: the test can tell the two apart
+    ref = torch.amp.GradScaler("cpu", init_scale=3.0)
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = g0.clone()
+    opt = torch.optim.SGD([p], lr=0.1)
+    ref.scale(torch.tensor(1.0))  # torch.amp makes its scale tensor here
+    ref.unscale_(opt)
+    assert torch.equal(g, p.grad)  # bit for bit torch.amp's unscale
     run(s, [1, 1, 0])
     assert s.loss_scale.item() == 3.0  # static: never changes
 

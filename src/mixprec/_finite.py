@@ -108,7 +108,7 @@ def unscale_and_check_(
 
     Args:
         tensors: Floating tensors (typically gradients) to unscale in place.
-        inv_scale: 0-d float32 tensor ``1/scale`` (compute it in float64: ``scale.double().reciprocal().float()``),
+        inv_scale: 0-d float32 tensor ``1/scale``, correctly rounded (``_scaler.ScaleCore.inv_scale``: bit for bit torch.amp's),
             or ``None`` to check only.
         found_inf: Optional 0-d float32 tensor to accumulate into (set to 1.0 when a non-finite
             value is found, never cleared). Created (0.0) on the first tensor's device when ``None``.

@@ -395,7 +395,7 @@ class GradScaler:
         """Divide this optimizer's gradients in place by the scale and check them for inf/NaN.
 
         Once per optimizer per iteration, after all its gradients were accumulated (as torch).
-        One fused kernel per (device, dtype) group; ``1/scale`` computed in float64. Sparse
+        One fused kernel per (device, dtype) group; ``1/scale`` the correctly rounded FP32 reciprocal (torch.amp's bits). Sparse
         gradients are unscaled through their values. No host sync.
 
         Args:

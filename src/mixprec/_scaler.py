@@ -572,7 +572,7 @@ class _ScalerBase:
         Parameters are replaced by their ``.grad`` (``None`` skipped; FP16 sparse gradients are
         coalesced first); other tensors are taken as gradients. One fused
         ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group, with
-        ``1/scale`` computed in float64. When ``torch.distributed`` is initialised the flag is
+        ``1/scale`` the correctly rounded FP32 reciprocal (torch.amp's bits). When ``torch.distributed`` is initialised the flag is
         all-reduced (MAX) over ``process_group``, so every rank skips the same steps (a
         collective: every rank must call it). No host sync.
 
