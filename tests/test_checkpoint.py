@@ -77,7 +77,7 @@ def test_round_trip_is_exact_and_marked(preset, tmp_path):
     path = tmp_path / "c.pt"
     save({**prec.state_dict(), "epoch": 3, "data": {"position": 17, "files": ["a", "b"]}}, path)
     raw = torch.load(path, weights_only=True)
-    assert raw["format"] == FORMAT and raw["format_version"] == 1 and raw["checksum"]["algorithm"] == "crc32"
+    assert raw["format"] == FORMAT and raw["format_version"] == 1 and raw["checksum"]["algorithm"] == "crc32-v2"
     state = load(path, expected_policy=preset)
     assert state["epoch"] == 3 and state["data"] == {"position": 17, "files": ["a", "b"]}
     assert equal_tree({k: v for k, v in state.items() if k not in ("epoch", "data")}, prec.state_dict())
@@ -302,6 +302,43 @@ def test_flipped_bits_are_caught_by_the_checksum(trained):
     bad.write_bytes(data.replace(lr, struct.pack(">d", 3e-2)))
     with pytest.raises(CheckpointError, match=re.escape("is corrupted")):
         load(bad)
+
+
+def test_every_flipped_byte_of_the_pickle_is_refused_or_harmless(tmp_path):
+    """Each byte of data.pkl flipped (one bit) in turn: the load is refused, or loads a state equal to the saved one.
+
+    Before containers were in the checksum, a flip could rename a key whose value is an empty dict
+    (``"tied": {}`` loaded as ``"uied"``) without an error.
+    """
+    import zipfile
+
+    prec, model, opt = make("bf16-mixed")  # no tied weights: "tied" is an empty dict
+    train(prec, model, opt, 0, 2)
+    path = tmp_path / "small.pt"
+    save(prec.state_dict(), path)
+    want = load(path)
+    assert want["tied"] == {}
+    data = path.read_bytes()
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+    assert info.compress_type == zipfile.ZIP_STORED
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])  # local header
+    start = info.header_offset + 30 + name_len + extra_len
+    assert data[start] == 0x80  # the pickle's PROTO opcode: the member's first byte
+    bad = tmp_path / "bad.pt"
+    refused = harmless = 0
+    for i in range(start, start + info.compress_size):
+        corrupt = bytearray(data)
+        corrupt[i] ^= 0x01
+        bad.write_bytes(bytes(corrupt))
+        try:
+            got = load(bad)
+        except CheckpointError:
+            refused += 1
+            continue
+        assert equal_tree(got, want), f"byte {i - start} of data.pkl flipped: a different state loaded without an error"
+        harmless += 1
+    assert refused > 0.5 * info.compress_size and harmless > 0  # (harmless: e.g. the informational torch_version)
 
 
 def ctypes_buffer(t: torch.Tensor) -> bytes:

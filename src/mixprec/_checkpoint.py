@@ -18,13 +18,15 @@ File format (a ``torch.save`` zip file holding one dict)::
         "format_version": 1,                # of this envelope; load refuses newer ones
         "mixprec_version": "0.1.0",         # informational
         "torch_version": "2.13.0+cpu",      # informational
-        "checksum": {"algorithm": "crc32", "value": int, "tensors": int, "bytes": int},
+        "checksum": {"algorithm": "crc32-v2", "value": int, "tensors": int, "bytes": int},
         "state": {...},                     # MixedPrecision.state_dict() (+ your own extra keys)
     }
 
 The checksum covers every entry of ``state`` in order: each tensor's dtype, shape and bytes
 (torch does not check the zip's CRCs, so a flipped bit in a tensor would otherwise load
-silently) and the ``repr`` of every other value with its key path.
+silently), the ``repr`` of every other value with its key path, and every container (kind and
+length, with its key path: an empty dict's key is covered too). Files written before containers
+were covered (``"algorithm": "crc32"``) are verified the old way.
 
 A file written by ``torch.save(prec.state_dict(), path)`` (no envelope) loads too, without the
 checksum check.
@@ -133,7 +135,7 @@ def save(state: Any, path: PathLike) -> None:
         "format_version": FORMAT_VERSION,
         "mixprec_version": _mixprec_version(),
         "torch_version": str(torch.__version__),  # TorchVersion is a str subclass weights_only refuses
-        "checksum": {"algorithm": "crc32", "value": crc, "tensors": n_tensors, "bytes": n_bytes},
+        "checksum": {"algorithm": CHECKSUM, "value": crc, "tensors": n_tensors, "bytes": n_bytes},
         "state": state,
     }
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(target) + f"{_host()}.{os.getpid()}.", suffix=".tmp", dir=directory)
@@ -250,8 +252,13 @@ def _mixprec_version() -> str:
 
 
 # ----- the checksum ---------------------------------------------------------------------------------
-def _walk(obj: Any, path: str, check_types: bool) -> Iterator[tuple[str, Any]]:
-    """Yield ``(key path, leaf)`` in a deterministic order; raise TypeError for unloadable values."""
+def _walk(obj: Any, path: str, check_types: bool, dicts: bool = True) -> Iterator[tuple[str, Any]]:
+    """Yield ``(key path, leaf)`` in a deterministic order; raise TypeError for unloadable values.
+
+    Containers are entries too (their kind and length), so an empty one, and its key, is covered:
+    a renamed key whose value is ``{}`` changes the checksum. ``dicts=False`` is the walk of
+    checksums written before dicts were recorded (``"crc32"``; now ``"crc32-v2"``).
+    """
     if isinstance(obj, torch.Tensor):
         if check_types and type(obj) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(
@@ -263,10 +270,12 @@ def _walk(obj: Any, path: str, check_types: bool) -> Iterator[tuple[str, Any]]:
     elif isinstance(obj, (dict, OrderedDict)):
         if check_types and type(obj) not in (dict, OrderedDict):
             raise TypeError(f"mixprec.save: {path} is a {type(obj).__name__}; use a plain dict.")
+        if dicts:
+            yield path, ("dict", len(obj))
         for k, v in obj.items():
             if check_types and not isinstance(k, (str, int, float, bool, type(None))):
                 raise TypeError(f"mixprec.save: {path} has a key of type {type(k).__name__}; use str or int keys.")
-            yield from _walk(v, f"{path}[{k!r}]", check_types)
+            yield from _walk(v, f"{path}[{k!r}]", check_types, dicts)
     elif isinstance(obj, (list, tuple)):
         if check_types and type(obj) not in (list, tuple):
             raise TypeError(
@@ -275,7 +284,7 @@ def _walk(obj: Any, path: str, check_types: bool) -> Iterator[tuple[str, Any]]:
             )
         yield path, ("list" if isinstance(obj, list) else "tuple", len(obj))
         for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}[{i}]", check_types)
+            yield from _walk(v, f"{path}[{i}]", check_types, dicts)
     elif type(obj) in _LEAVES or (not check_types and isinstance(obj, _LEAVES)):
         yield path, obj  # exact types: weights_only refuses subclasses (IntEnum, TorchVersion, ...)
     else:
@@ -298,10 +307,14 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
     return (ctypes.c_char * n).from_address(t.data_ptr()), t  # keep ``t`` alive while the buffer is read
 
 
-def _checksum(state: Mapping[str, Any], *, check_types: bool = False) -> tuple[int, int, int]:
+#: The checksum :func:`save` writes; ``"crc32"`` (dicts not recorded) is still verified on load.
+CHECKSUM = "crc32-v2"
+
+
+def _checksum(state: Mapping[str, Any], *, check_types: bool = False, algorithm: str = CHECKSUM) -> tuple[int, int, int]:
     """CRC32 over every entry of ``state`` (see the module docstring); returns (crc, tensors, bytes)."""
     crc, n_tensors, n_bytes = 0, 0, 0
-    for path, leaf in _walk(state, "state", check_types):
+    for path, leaf in _walk(state, "state", check_types, dicts=algorithm != "crc32"):
         if isinstance(leaf, torch.Tensor):
             n_tensors += 1
             crc = zlib.crc32(f"{path}:T:{leaf.dtype}:{tuple(leaf.shape)}".encode(), crc)
@@ -409,12 +422,13 @@ def load(
 
 
 def _verify(file: str, state: Any, checksum: Any) -> None:
-    if not isinstance(checksum, Mapping) or checksum.get("algorithm") != "crc32":
+    algorithm = checksum.get("algorithm") if isinstance(checksum, Mapping) else None
+    if algorithm not in (CHECKSUM, "crc32"):
         raise CheckpointError(f"the checkpoint {file!r} has an unknown checksum {checksum!r}; upgrade mixprec.")
     if not isinstance(state, Mapping):
         return  # reported by the caller
     try:
-        crc, n_tensors, n_bytes = _checksum(state)
+        crc, n_tensors, n_bytes = _checksum(state, algorithm=algorithm)
     except TypeError as e:
         raise CheckpointError(f"the checkpoint {file!r} is damaged: {e}") from e
     if (crc, n_tensors, n_bytes) != (checksum.get("value"), checksum.get("tensors"), checksum.get("bytes")):
