@@ -8,7 +8,7 @@ import pytest
 import torch
 
 # Two-core CI machines: a second busy process makes every parallel op spin-wait (~4 ms per op,
-# shared/MACHINE-NOTES.md), so tests run single-threaded.
+# measured), so tests run single-threaded.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

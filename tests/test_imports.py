@@ -8,7 +8,7 @@ The graph is read statically from each module's AST:
 * *lazy* edges run when a function is called: imports inside ``def`` bodies;
 * *type-only* edges sit under ``if TYPE_CHECKING:``.
 
-A cycle among module-level or lazy edges fails (DESIGN.md section 2: "no import cycles"): a lazy
+A cycle among module-level or lazy edges fails (ARCHITECTURE.md, "Layering": no import cycles): a lazy
 import that closes a cycle hides a layering mistake (the lower module needs something of the
 upper one), even though Python can run it. The exceptions are listed in ``ALLOWED_CYCLES``, each
 with its reason (none today). Cycles that need a type-only edge never run, but fail too unless
@@ -26,6 +26,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -388,3 +389,64 @@ def test_checker_finds_module_level_cycles_and_classifies_lazy_ones(tmp_path):
     # and without the module-level cycle there is none
     mods = _write_package(tmp_path, {"_b.py": "x = 1\n"})
     assert find_cycles([e for e in import_graph(mods) if e.kind == "module"]) == []
+
+
+# ----- ARCHITECTURE.md's module order, kept true ------------------------------------------------------------------
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "ARCHITECTURE.md"
+#: Imports inside functions from a core module to a module after it (or above the core), kept on purpose: optional or
+#: heavy features loaded only when used. Each is named in ARCHITECTURE.md's "Layering".
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    ("mixprec._precision", "mixprec.numerics"): "prepare(check_batch=...) runs the pre-flight check; f8_layers=auto plans",
+}
+
+
+def _core_order() -> list[str]:
+    """The core modules in ARCHITECTURE.md's "Core, bottom to top" table, as dotted names (a package: its name)."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("Core, bottom to top"):text.index("On top of the core")]
+    names = re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
+    return ["mixprec." + n.removesuffix(".py").removesuffix("/") for n in names]
+
+
+def _layer_of(module: str, order: list[str]) -> int | None:
+    """Position of ``module`` (or of the core package holding it) in ``order``; None for modules above the core."""
+    for i, name in enumerate(order):
+        if module == name or module.startswith(name + "."):
+            return i
+    return None
+
+
+def test_architecture_lists_every_core_module(modules):
+    order = _core_order()
+    core = {m for m in modules if m.count(".") == 1 and m.split(".")[1].startswith("_") and m.split(".")[1] not in
+            ("__init__", "__main__")} | {"mixprec.optim"}
+    assert set(order) == core, f"missing from ARCHITECTURE.md: {sorted(core - set(order))}; gone: {sorted(set(order) - core)}"
+
+
+def test_core_modules_import_only_modules_above_them(edges):
+    """ARCHITECTURE.md: "a module imports only modules above it in this list" (module-level and lazy imports)."""
+    order = _core_order()
+    bad = []
+    for e in edges:
+        if e.kind == "type":
+            continue
+        src = _layer_of(e.source, order)
+        if src is None:
+            continue  # modules on top of the core may import any core module
+        dst = _layer_of(e.target, order)
+        if dst == src:
+            continue  # inside one package (optim)
+        upward = (dst is None and e.target.startswith("mixprec.")) or (dst is not None and dst > src)
+        top = next((n for n in order if e.source == n or e.source.startswith(n + ".")), e.source)
+        target_top = e.target if dst is None else order[dst]
+        if upward and (top, ".".join(target_top.split(".")[:2])) not in ALLOWED_UPWARD:
+            bad.append(f"{e.source} -> {e.target} ({e.kind}, line {e.line})")
+    assert not bad, ("core modules importing a module listed after them in ARCHITECTURE.md (move the piece down, or "
+                     "reorder the table if the order is wrong):\n" + "\n".join(sorted(set(bad))))
+
+
+def test_allowed_upward_imports_are_real(edges):
+    order = _core_order()
+    seen = {(e.source if _layer_of(e.source, order) is None else order[_layer_of(e.source, order)],  # type: ignore[index]
+             ".".join(e.target.split(".")[:2])) for e in edges}
+    assert set(ALLOWED_UPWARD) <= seen, sorted(set(ALLOWED_UPWARD) - seen)

@@ -15,7 +15,7 @@ import mixprec
 SRC = Path(mixprec.__file__).resolve().parent
 
 EXPECTED = {
-    # the training loop (DESIGN.md section 3)
+    # the training loop
     "Policy", "MixedPrecision", "StepInfo", "autocast", "cast_module", "uncast_module", "cast_tree",
     "LossScaler", "NoOpScaler", "StaticScaler", "DynamicScaler", "GradScaler", "MasterWeightOptimizer",
     "all_finite", "NumericsError", "save", "load", "EMA",
@@ -66,11 +66,67 @@ def test_star_import_gives_exactly_all():
     assert not set(MOVED) & set(ns)
 
 
-def test_submodules_have_their_own_all():
-    for mod in (mixprec.optim, mixprec.numerics, mixprec.distributed, mixprec.checkpoint):
-        assert mod.__all__, mod.__name__
-        for name in mod.__all__:
-            assert hasattr(mod, name), f"{mod.__name__}.{name}"
+#: Every public submodule and its reviewed ``__all__``: adding or removing a name must change this table.
+SUBMODULE_ALL: dict[str, set[str]] = {
+    "mixprec.optim": {"Adam", "AdamW", "Compensation", "LowPrecisionOptimizer", "SGD", "from_torch", "kahan_add_",
+                      "stochastic_round"},
+    "mixprec.numerics": {"AuditResult", "AuditRow", "CheckResult", "CheckThresholds", "FP32Rerun", "Fp8CastStats",
+                         "Fp8LayerDecision", "Fp8Plan", "Log2Histogram", "ModuleNumerics", "NumericsMonitor",
+                         "NumericsReport", "ParamComparison", "ParamNumerics", "ScaleRange", "TensorStats", "Thresholds",
+                         "TraceResult", "audit", "check", "fp8_cast_stats", "fp8_plan", "preflight", "tensor_stats",
+                         "thresholds", "trace_nonfinite"},
+    "mixprec.distributed": {"agree_found_inf_", "fsdp_mixed_precision", "fully_shard", "is_distributed",
+                            "reduce_dtype_for", "resolve_group", "wrap_ddp"},
+    "mixprec.checkpoint": CHECKPOINT_ALL,
+    "mixprec.integrations": set(),
+    "mixprec.integrations.accelerate": {"MixprecAccelerator", "as_mixed_precision", "attach", "check_accelerator"},
+    "mixprec.integrations.lightning": {"MixprecFabricPrecision", "MixprecPrecision"},
+    "mixprec.integrations.transformers": {"MIXPREC_NAME", "MixprecTrainer", "MixprecTrainerMixin", "check_training_args"},
+    "mixprec.bench": {"ALL_PRESETS", "BASELINE", "BUILTIN_WORKLOADS", "BenchError", "CompareResult", "DENSE_PEAK_TFLOPS",
+                      "FP16Emulation", "LiveTensorTracker", "MIN_SEEDS", "NOISE_K", "RowResult", "SeedRow", "SeedsResult",
+                      "Workload", "default_presets", "load_workload", "model_state_bytes", "parse_presets",
+                      "parse_seeds", "peak_tflops", "resolve_device", "run_compare", "run_compare_seeds",
+                      "seed_verdict"},
+    "mixprec.apex": {"disable_casts", "float_function", "half_function", "initialize", "load_state_dict",
+                     "master_params", "promote_function", "register_float_function", "register_half_function",
+                     "register_promote_function", "scale_loss", "state_dict"},
+    "mixprec.cli": {"build_parser", "main"},
+}
+
+
+def public_submodules() -> set[str]:
+    """Every module of the package whose dotted name has no private (``_``) part."""
+    out = set()
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if len(parts) > 1 and not any(p.startswith("_") for p in parts[1:]):
+            out.add(".".join(parts))
+    return out
+
+
+def test_every_public_submodule_is_in_the_table():
+    assert public_submodules() == set(SUBMODULE_ALL)
+
+
+@pytest.mark.parametrize("name", sorted(SUBMODULE_ALL))
+def test_submodule_all_is_the_reviewed_set(name):
+    mod = importlib.import_module(name)
+    got = set(mod.__all__)
+    assert got == SUBMODULE_ALL[name], f"added: {sorted(got - SUBMODULE_ALL[name])}, removed: {sorted(SUBMODULE_ALL[name] - got)}"
+    assert len(mod.__all__) == len(got), "duplicate names in __all__"
+    for attr in mod.__all__:
+        assert hasattr(mod, attr), f"{name}.{attr}"
+
+
+def test_architecture_names_every_public_submodule():
+    text = (SRC.parents[1] / "ARCHITECTURE.md").read_text()
+    intro = text.split("## The data path")[0]
+    named = set(re.findall(r"`(mixprec(?:\.[a-z][a-z_]*)+)`", intro)) | {
+        f"mixprec.integrations.{m}" for m in re.findall(r"`integrations\.([a-z_]+)`", intro)}
+    assert named == set(SUBMODULE_ALL), (
+        f"ARCHITECTURE.md's intro omits {sorted(set(SUBMODULE_ALL) - named)}, or names {sorted(named - set(SUBMODULE_ALL))}")
 
 
 def test_checkpoint_module_is_the_reviewed_set():

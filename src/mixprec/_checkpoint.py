@@ -47,6 +47,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from ._master import model_params_of
 from ._policy import Policy
 
 __all__ = [
@@ -696,8 +697,6 @@ def parameter_names(model: nn.Module, optimizers: Sequence[Any]) -> tuple[list[l
         in param-group order (``""`` for a tensor that is not a model parameter), and
         ``{alias: primary}`` for every further name of a tied parameter.
     """
-    from ._prepare import model_params_of
-
     primary: dict[int, str] = {}
     tied: dict[str, str] = {}
     for qualified, p in model.named_parameters(remove_duplicate=False):

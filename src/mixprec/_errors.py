@@ -1,7 +1,7 @@
 """Exceptions and the helpers that word mixprec's error messages.
 
-Every user-facing error says what was passed, what is allowed and how to fix it
-(DESIGN.md, house rule 4). The helpers here keep that wording uniform.
+Every user-facing error says what was passed, what is allowed and how to fix it. The helpers
+here keep that wording uniform.
 """
 
 from __future__ import annotations

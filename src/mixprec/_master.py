@@ -24,7 +24,7 @@ from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
 from ._stepping import step_or_skip
 
-__all__ = ["GradAccumulation", "MasterWeightOptimizer", "WeightEdits"]
+__all__ = ["GradAccumulation", "MasterWeightOptimizer", "WeightEdits", "model_params_of"]
 
 GradAccumulation = Literal["fp32", "compute"]
 WeightEdits = Literal["values", "versions"]
@@ -741,6 +741,13 @@ def _carry_edits_pass(ms: list[torch.Tensor], ws: list[torch.Tensor]) -> None:
     wf = torch._foreach_abs(ms)
     torch._foreach_copy_(wf, ws)  # float(w), exact
     torch._foreach_lerp_(ms, wf, e)
+
+
+def model_params_of(opt: Optimizer) -> list[torch.Tensor]:
+    """The model's tensors an optimizer updates: a ``MasterWeightOptimizer``'s model parameters, else its groups' tensors."""
+    if isinstance(opt, MasterWeightOptimizer):
+        return opt.model_params
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 def check_weight_edits(value: object) -> None:

@@ -389,7 +389,7 @@ class Policy:
 
 _f32, _bf16, _f16 = torch.float32, torch.bfloat16, torch.float16
 
-#: The presets, by name (DESIGN.md section 4).
+#: The presets, by name (the table in README.md, "Presets").
 PRESETS: dict[str, Policy] = {
     "fp32": Policy(_f32, _f32, _f32),
     "tf32": Policy(_f32, _f32, _f32, tf32=True),

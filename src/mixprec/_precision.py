@@ -337,10 +337,11 @@ class MixedPrecision:
             self.check_result = preflight(model, check_batch, self.policy, loss_fn, on_fail=on_check_fail)
 
         # --- from here on the model and optimizers change ---
-        from ._fp8 import convert_for_policy  # f8= policies: the chosen nn.Linear -> torchao FP8 (mixprec._fp8)
-        from .numerics import fp8_plan  # f8_layers=auto measures the layers
+        if self.policy.fp8 != "none":  # f8= policies: the chosen nn.Linear -> torchao FP8 (mixprec._fp8)
+            from ._fp8 import convert_for_policy
+            from .numerics import fp8_plan  # f8_layers=auto measures the layers (imported only for FP8 runs)
 
-        convert_for_policy(model, self.policy, check_batch, loss_fn, planner=fp8_plan)
+            convert_for_policy(model, self.policy, check_batch, loss_fn, planner=fp8_plan)
         originals = {id(p): p.data for p in facts.floating}  # FP32 tensors the cast replaces (no copy)
         # FSDP2 gathers half-precision copies itself: hooks only, parameters (the masters) stay FP32.
         fsdp_masters = facts.fsdp and self.policy.has_masters

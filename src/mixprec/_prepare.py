@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from ._dtypes import check_device_support, dtype_name
 from ._fused import FUSABLE
-from ._master import GradAccumulation, MasterWeightOptimizer
+from ._master import GradAccumulation, MasterWeightOptimizer, model_params_of
 from ._policy import Policy
 
 __all__ = [
@@ -229,12 +229,6 @@ def warn_tiny_eps(optimizers: Sequence[Optimizer], dtype: torch.dtype) -> None:
 
 def optimizer_tensors(opt: Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
-
-
-def model_params_of(opt: Optimizer) -> list[torch.Tensor]:
-    if isinstance(opt, MasterWeightOptimizer):
-        return opt.model_params
-    return optimizer_tensors(opt)
 
 
 def check_disjoint(optimizers: Sequence[Optimizer]) -> None:

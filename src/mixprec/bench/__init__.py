@@ -39,6 +39,7 @@ from ._memory import LiveTensorTracker, model_state_bytes
 from ._runner import (
     ALL_PRESETS,
     BASELINE,
+    MIN_SEEDS,
     NOISE_K,
     CompareResult,
     RowResult,
@@ -60,6 +61,7 @@ __all__ = [
     "BASELINE",
     "BUILTIN_WORKLOADS",
     "DENSE_PEAK_TFLOPS",
+    "MIN_SEEDS",
     "NOISE_K",
     "BenchError",
     "CompareResult",

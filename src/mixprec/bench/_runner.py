@@ -1,6 +1,6 @@
 """The side-by-side runner behind ``mixprec compare``.
 
-Protocol (DESIGN.md section 7):
+Protocol:
 
 1. One workload: its model is deep-copied for every row before anything is cast, so every
    precision starts from the same FP32 weights; its first ``steps`` batches are materialised

@@ -8,6 +8,10 @@
 
 The frameworks are optional dependencies: importing this package imports none of them; each
 submodule imports its framework when one of its classes is first used, and says how to install it
-when it is missing. The adapters call ``MixedPrecision`` and never reimplement it (DESIGN.md,
-section 2b). See ``docs/integrations.md``.
+when it is missing. The adapters call ``MixedPrecision`` and never reimplement it: every way a
+framework reaches the step does what mixprec does or raises. See ``docs/integrations.md``.
 """
+
+#: The adapters are the submodules above, imported by name (each pulls in its framework); the
+#: package itself exports nothing.
+__all__: list[str] = []
