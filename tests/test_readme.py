@@ -50,3 +50,18 @@ def test_cli_commands_named_in_the_readme_exist():
     assert out.returncode == 0, out.stderr
     for cmd in ("compare", "doctor", "check"):
         assert cmd in out.stdout
+
+
+def test_nothing_refers_to_documents_outside_the_repository():
+    """A newcomer has only the repository: no file may send them to the team's design notes or shared folder."""
+    root = README.parent
+    outside = re.compile(r"DESIGN\.md|\.\./shared|shared/MACHINE|MACHINE-NOTES")
+    hits = []
+    for path in [*root.glob("*.md"), *root.glob("docs/*.md"), *root.glob("src/**/*.py"), *root.glob("tests/**/*.py"),
+                 *root.glob("benchmarks/*.py"), root / "pyproject.toml", root / ".ci" / "run"]:
+        if path.name == "test_readme.py":
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if outside.search(line):
+                hits.append(f"{path.relative_to(root)}:{i}: {line.strip()[:100]}")
+    assert not hits, "\n".join(hits)
