@@ -91,7 +91,7 @@ def test_a_model_that_overflows_in_fp16_fails_with_a_reason() -> None:
     r = check(Overflows(), X, "fp16-mixed", mse)
     assert r.verdict == "fail" and not r.ok and not r.finite
     assert any("under fp16-mixed the forward" in x and "inf/NaN" in x for x in r.reasons)
-    assert any(re.search(r"forward, output of 'big' \(Linear\); finite in FP32: precision is the cause", x)
+    assert any(re.search(r"forward, in the output of 'big' \(Linear\); finite in FP32: precision is the cause", x)
                for x in r.reasons), r.reasons
     assert r.trace is not None and r.trace.module == "big"
     # the same model is fine in bf16

@@ -213,3 +213,47 @@ def test_a_failing_run_is_one_stderr_line_and_exit_1_unless_debugging(
     monkeypatch.setenv("MIXPREC_DEBUG", "1")
     with pytest.raises(RuntimeError, match="boom in the user's loss"):
         main(args)
+
+
+ROOT_SCALES = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.norm, self.fc2 = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x) * 1e5))  # the root's own code overflows FP16
+
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randn(8, 16, generator=g)
+
+
+def make():
+    return Net(), lambda params: torch.optim.SGD(params, lr=0.01), batches(), lambda m, x: m(x).float().pow(2).mean()
+'''
+
+
+def test_doctor_and_check_name_the_same_first_inf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An overflow in the root's own code: check's finding, its trace and doctor's first finding say the same place."""
+    path = tmp_path / "root_scales.py"
+    path.write_text(textwrap.dedent(ROOT_SCALES))
+    place = "in the code of the root model (Net) itself, between 'fc1' and 'norm'"
+    assert main(["check", str(path) + ":make", "--policy", "fp16-mixed"]) == 1
+    out = capsys.readouterr().out
+    assert f"first inf: forward, {place}; finite in FP32: precision is the cause." in out
+    assert "input of 'the root model'" not in out  # the old wording read as if the model's input were inf
+    rc = main(["doctor", str(path) + ":make", "--policy", "fp16-mixed", "--steps", "2", "--no-plot",
+               "--out", str(tmp_path / "doc")])
+    out = capsys.readouterr().out
+    assert rc == 1, out  # doctor's exit status: the pre-flight check failed
+    findings = out.split("Findings:\n", 1)[1].splitlines()
+    assert findings[0].startswith(f"  - Under fp16-mixed the first inf appears in the forward {place} (finite in FP32: "
+                                  "precision is the cause); the pre-flight check fails. Use bf16"), findings[0]

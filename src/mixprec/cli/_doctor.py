@@ -147,6 +147,17 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
                 opt.zero_grad(set_to_none=True)
                 losses.append(float(loss.detach()))
     report = mon.report(loss_scale=_scale_for(pol, check_result), device=dev)
+    trace = getattr(check_result, "trace", None)
+    if check_result is not None and check_result.verdict == "fail" and trace is not None and trace.found:
+        # The monitored run is FP32 (finite); the check ran the policy: its first inf/NaN leads the findings,
+        # in the same words as the check's (TraceResult.location).
+        cause = ""
+        if trace.fp32_rerun is not None and trace.fp32_rerun.precision_is_cause is not None:
+            cause = (" (finite in FP32: precision is the cause)" if trace.fp32_rerun.precision_is_cause
+                     else " (also non-finite in FP32: not a precision problem)")
+        advice = f" {trace.advice}" if trace.advice else ""
+        report.findings.insert(0, f"Under {pol.label} the first {trace.kind} appears in the {trace.phase} {trace.location}"
+                                  f"{cause}; the pre-flight check fails.{advice}")
     fp8_stats = mon.fp8_stats() if pol.fp8 != "none" else None
 
     audit_result = None

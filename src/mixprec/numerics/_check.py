@@ -410,13 +410,11 @@ def check(
             else:
                 if trace_result.found:
                     r = trace_result
-                    who = "the batch" if r.module is None and r.where == "input" else "the loss" if r.module is None \
-                        else f"{r.module or 'the root model'!r} ({r.module_type})"
                     cause = ""
                     if r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause is not None:
                         cause = ("; finite in FP32: precision is the cause" if r.fp32_rerun.precision_is_cause
                                  else "; also non-finite in FP32: not a precision problem")
-                    reasons.append(f"first {r.kind}: {r.phase}, {r.where} of {who}{cause}.")
+                    reasons.append(f"first {r.kind}: {r.phase}, {r.location}{cause}.")
         return result("fail", loss_fp32=loss32, loss_policy=lossp, loss_scale=scale, backoffs=backoffs, finite=False,
                       trace=trace_result)
 

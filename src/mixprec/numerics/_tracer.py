@@ -116,32 +116,40 @@ class TraceResult:
     loss_scale: float = 1.0
 
     @property
+    def location(self) -> str:
+        """Where the first inf/NaN appeared, as a phrase (``"in the code of the root model (Net) itself, between ..."``).
+
+        The one wording of the location: :attr:`explanation`, ``check``'s finding and ``doctor``'s use it.
+        """
+        if not self.found:
+            return "nowhere"
+        name = "the root model" if self.module == "" else repr(self.module)
+        typ = f" ({self.module_type})" if self.module_type else ""
+        if self.where == "loss":
+            return "in the loss"
+        if self.module is None:
+            return "in the batch" if self.where == "input" else "in the gradient the loss function returned"
+        return {
+            "output": f"in the output of {name}{typ}",
+            "input": f"in the code of {name}{typ} itself, {self.detail}",
+            "grad_output": f"in the backward of the code of {name}{typ} itself, {self.detail}",
+            "param_grad": f"in the gradient of {self.detail} of {name}{typ}",
+        }.get(self.where or "", f"in the input gradient of {name}{typ}")
+
+    @property
     def explanation(self) -> str:
         """A paragraph saying what happened, whether precision is the cause and what to do."""
         if not self.found:
             loss = "" if self.loss is None else f" (loss {self.loss:.6g})"
             return f"No inf/NaN in forward or backward{loss}."
-        name = "the root model" if self.module == "" else repr(self.module)
-        typ = f" ({self.module_type})" if self.module_type else ""
-        if self.where == "loss":
-            head = f"{self.phase}: {self.kind} first appeared in the loss, computed from finite model outputs"
-        elif self.module is None:
-            head = f"{self.phase}: the batch already contains {self.kind}" if self.where == "input" else \
-                f"{self.phase}: {self.kind} came back from the loss function into the model's output gradient"
-        elif self.where == "output":
-            head = f"forward: {self.kind} first appeared in the output of {name}{typ}, whose inputs were finite"
-        elif self.where == "input":
-            head = f"forward: {self.kind} first appeared in the code of {name}{typ} itself, {self.detail}; every " \
-                   "submodule before returned finite values"
-        elif self.where == "grad_output":
-            head = f"backward: {self.kind} first appeared in the backward of the code of {name}{typ} itself, " \
-                   f"{self.detail}"
-        elif self.where == "param_grad":
-            head = f"backward: {self.kind} first appeared in the gradient of {self.detail} of {name}{typ}, " \
-                   "whose output gradient was finite"
-        else:
-            head = f"backward: {self.kind} first appeared in the input gradient of {name}{typ}, whose output " \
-                   "gradient was finite"
+        parts_head = {"loss": ", computed from finite model outputs", "output": ", whose inputs were finite",
+                      "input": "; every submodule before returned finite values",
+                      "param_grad": ", whose output gradient was finite", "grad_input": ", whose output gradient was finite"}
+        head = f"{self.phase}: {self.kind} first appeared {self.location}"
+        if self.module is None and self.where == "input":
+            head = f"{self.phase}: the batch already contains {self.kind}"
+        elif self.module is not None or self.where == "loss":
+            head += parts_head.get(self.where or "", "")
         parts = [head + "."]
         if self.input_stats:
             amax = max(s.absmax for s in self.input_stats)
@@ -152,23 +160,32 @@ class TraceResult:
             if r.precision_is_cause:
                 ex = f", largest value {r.absmax:.4g}" + (f" > the {'/'.join(r.exceeds)} maximum" if r.exceeds else "")
                 parts.append(f"Re-run in FP32: finite{ex}: precision is the cause.")
-                if self.module and self.module_type == "MixprecFloat8Linear":
-                    parts.append(f"{self.module!r} runs its GEMMs in FP8 (f8=): leave it out with f8_layers=auto "
-                                 f"(mixprec.numerics.fp8_plan measures each layer) or globs that skip it, or make it an "
-                                 f"FP32 island (i=norm+name:{self.module}).")
-                elif self.module:
-                    fix = "lower the loss scale" if self.phase == "backward" and self.loss_scale > 1 else \
-                        "rescale the computation"
-                    parts.append(f"Keep it in FP32 (policy island i=norm+name:{self.module}), use bf16, or {fix}.")
-                elif self.module == "":
-                    parts.append("Use bf16, or find the overflowing operation in the model's forward and run it in "
-                                 "FP32 (mixprec.autocast.fp32()).")
             elif r.precision_is_cause is False:
                 parts.append("Re-run in FP32: also non-finite: not a precision problem (check the inputs, the data, "
                              "the learning rate).")
             else:
                 parts.append(f"FP32 re-run: {r.note}")
+        if self.advice:
+            parts.append(self.advice)
         return " ".join(parts)
+
+    @property
+    def advice(self) -> str:
+        """What to do when precision is the cause (``""`` otherwise): the last sentence of :attr:`explanation`."""
+        r = self.fp32_rerun
+        if r is None or not r.precision_is_cause:
+            return ""
+        if self.module and self.module_type == "MixprecFloat8Linear":
+            return (f"{self.module!r} runs its GEMMs in FP8 (f8=): leave it out with f8_layers=auto "
+                    f"(mixprec.numerics.fp8_plan measures each layer) or globs that skip it, or make it an "
+                    f"FP32 island (i=norm+name:{self.module}).")
+        if self.module:
+            fix = "lower the loss scale" if self.phase == "backward" and self.loss_scale > 1 else "rescale the computation"
+            return f"Keep it in FP32 (policy island i=norm+name:{self.module}), use bf16, or {fix}."
+        if self.module == "":
+            return "Use bf16, or find the overflowing operation in the model's forward and run it in FP32 " \
+                   "(mixprec.autocast.fp32())."
+        return ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (inf/NaN as null), with the explanation."""
