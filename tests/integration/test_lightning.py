@@ -114,11 +114,14 @@ class Module(L.LightningModule):
 
 
 def fit(policy: str, *, max_steps: int = STEPS, ckpt_path=None, n: int = STEPS * BATCH, accumulate: int = 1,
-        **module_kw):
+        callbacks=None, **module_kw):
     module = Module(**module_kw)
     plugin = MixprecPrecision(policy)
     clip = module_kw.get("clip")
-    trainer = L.Trainer(max_steps=max_steps, plugins=[plugin], **TRAINER_KW, accumulate_grad_batches=accumulate,
+    kw = dict(TRAINER_KW)
+    if callbacks:
+        kw.update(callbacks=callbacks, enable_checkpointing=True)
+    trainer = L.Trainer(max_steps=max_steps, plugins=[plugin], **kw, accumulate_grad_batches=accumulate,
                         gradient_clip_val=clip if not module_kw.get("manual") else None)
     trainer.fit(module, DataLoader(data(n), batch_size=BATCH), ckpt_path=ckpt_path)
     return module, plugin, trainer
@@ -229,6 +232,24 @@ def test_checkpoint_resumes_bit_for_bit(policy, tmp_path):
             assert_same([m for m in b["masters"] if m is not None], [m for m in a["masters"] if m is not None])
 
 
+@pytest.mark.parametrize("policy", ["bf16-master", "fp16-mixed"])
+def test_a_checkpoint_written_during_fit_resumes_bit_for_bit(policy, tmp_path):
+    """ModelCheckpoint(every_n_train_steps=...) at an epoch's end (epochs of several batches): the resumed run equals
+    the uninterrupted one (docs/integrations.md says which resume is exact: this one)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    n = STEPS // 2 * BATCH  # two epochs of three batches
+    full, full_plugin, _ = fit(policy, n=n)
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=STEPS // 2, save_top_k=-1, filename="{step}")
+    fit(policy, callbacks=[every], n=n)
+    half = tmp_path / f"step={STEPS // 2}.ckpt"
+    assert half.exists(), sorted(p.name for p in tmp_path.iterdir())
+    resumed, resumed_plugin, _ = fit(policy, ckpt_path=half, n=n)
+    assert_same(list(resumed.net.parameters()), list(full.net.parameters()))
+    assert float(resumed_plugin.prec.scaler.loss_scale) == float(full_plugin.prec.scaler.loss_scale)
+    assert int(resumed_plugin.last_step.applied_steps) == int(full_plugin.last_step.applied_steps)
+
+
 def test_unsupported_strategies_raise():
     msg = re.escape("mixprec's Lightning plugin supports SingleDeviceStrategy")
     plugin = MixprecPrecision("bf16-master")
@@ -312,3 +333,27 @@ def test_gradient_accumulation_equals_mixprec_loop():
 def test_a_lightning_precision_flag_with_the_plugin_is_refused():
     with pytest.raises(ValueError, match="Choose one"):  # Lightning's own check: never combined silently
         L.Trainer(precision="bf16-mixed", plugins=[MixprecPrecision("bf16-master")], **TRAINER_KW)
+
+
+def test_fabric_clip_gradients_with_fabric_defaults_skips_an_overflow_instead_of_raising():
+    """fabric.clip_gradients(model, opt, max_norm=...) with Fabric's default error_if_nonfinite=True: an inf/NaN
+    step under fp16-mixed is skipped (scale backed off), as mixprec's own loop does; later steps apply."""
+    ref = reference("fp16-mixed", clip=0.5, inf_at=2)
+    plugin = MixprecFabricPrecision("fp16-mixed")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_net()
+    opt, sched = make_opt(net)
+    model, opt, sched = plugin.setup(fabric, net, opt, scheduler=sched)
+    skipped = []
+    for i, (x, y) in enumerate(fabric.setup_dataloaders(DataLoader(data(), batch_size=BATCH))):
+        loss = loss_of(model, x, y, i, inf_at=2)
+        fabric.backward(loss)
+        norm = fabric.clip_gradients(model, opt, max_norm=0.5)  # Fabric's defaults
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        skipped.append(not bool(torch.isfinite(norm)))
+    # the natural overflows of the first steps (the scale starts at 2**16) and the planted one, as mixprec's own loop
+    assert skipped == [not bool(torch.isfinite(n)) for n in ref["norms"]] and skipped[2] and not skipped[-1]
+    assert_same(list(net.parameters()), ref["params"])  # exactly mixprec's own loop with the same clipping
+    assert opt.param_groups[0]["lr"] == ref["lr"]  # the scheduler did not advance on the skipped step

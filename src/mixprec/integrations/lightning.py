@@ -35,6 +35,7 @@ module imports it and raises an ``ImportError`` with that hint when it is missin
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
@@ -268,6 +269,19 @@ class MixprecPrecision(_Adapter, _TrainerPrecisionBase):
         self._load_state_dict(state_dict)
 
 
+def _clip_gradients_norm(plugin: Any, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
+                         error_if_nonfinite: bool = True) -> Tensor:
+    """Fabric's ``clip_gradients(..., max_norm=...)`` under the plugin: ``prec.clip_grad_norm_`` on that optimizer.
+
+    ``error_if_nonfinite`` (Fabric's default ``True``) does not raise: an inf/NaN norm means inf/NaN
+    gradients, and mixprec skips that step on the device (under FP16 it is the loss scale's normal
+    overflow, and the scale backs off). Gradients that stay non-finite still end in an error: the
+    scaler's escalation raises ``mixprec.NumericsError`` after ``patience`` skipped steps. No host
+    read (Fabric's own check reads the norm).
+    """
+    return plugin.prec.clip_grad_norm_(float(max_norm), norm_type=float(norm_type), optimizer=optimizer)
+
+
 class MixprecFabricPrecision(_Adapter, _FabricPrecisionBase):
     """A ``lightning.fabric`` precision plugin that trains through :class:`mixprec.MixedPrecision`.
 
@@ -309,6 +323,10 @@ class MixprecFabricPrecision(_Adapter, _FabricPrecisionBase):
             raise ValueError("plugin.setup(fabric, model, optimizer, ...) needs the optimizers: prec.prepare builds the FP32 state from them.")
         module = module.to(fabric.device)
         wrapped = self._prepare(module, list(optimizers), [scheduler] if scheduler is not None else [])
+        # fabric.clip_gradients(model, opt, max_norm=...) reaches the strategy's clip_gradients_norm: route it to
+        # prec.clip_grad_norm_, so that Fabric's default error_if_nonfinite=True does not turn the inf/NaN of an
+        # overflowing FP16 step (which mixprec skips) into an error.
+        fabric.strategy.clip_gradients_norm = types.MethodType(_clip_gradients_norm, self)
         return fabric.setup(module, *wrapped, scheduler=scheduler)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
