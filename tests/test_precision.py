@@ -176,8 +176,8 @@ def test_grad_accumulation_equals_big_batch_and_unscales_once(preset):
         prec = MixedPrecision(preset)
         model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         calls = []
-        orig = prec.scaler._unscale_grads_  # what prec.unscale_ calls with the gradients it collected
-        prec.scaler._unscale_grads_ = lambda grads: calls.append(1) or orig(grads)  # type: ignore[method-assign]
+        orig = prec.scaler.unscale_grads_  # what prec.unscale_ calls with the gradients it collected
+        prec.scaler.unscale_grads_ = lambda grads: calls.append(1) or orig(grads)  # type: ignore[method-assign]
         x, y = batch("mlp", 0, n=32)
         for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
             with prec.autocast():

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "unscale_and_check_"]
+__all__ = ["all_finite", "combine_found_inf", "unscale_and_check_"]
 
 
 def _dense(tensors: Iterable[Tensor | None]) -> list[Tensor]:
@@ -211,3 +211,16 @@ def _unscale_groups(groups: Groups, inv_scale: Tensor | None, found_inf: Tensor)
             if dev != home:
                 found_inf.clamp_(min=flag.to(home, non_blocking=True))
     return found_inf
+
+
+def combine_found_inf(flags: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
+    """One 0-d ``found_inf`` from several (the flags of several devices, optimizers or loss blocks).
+
+    The maximum, as FP32: non-zero exactly when one of them is. On ``device`` (default: the first
+    flag's). A single flag on that device is returned as it is (no kernel). No host sync. The one
+    place flags are combined: ``MixedPrecision``'s iteration, ``GradScaler``, ``mixprec.apex``.
+    """
+    dev = flags[0].device if device is None else device
+    if len(flags) == 1 and flags[0].device == dev:
+        return flags[0]
+    return torch.stack([f.reshape(()).to(device=dev, dtype=torch.float32, non_blocking=True) for f in flags]).amax()

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from ._dist import agree_found_inf_
-from ._finite import _group, _unscale_groups
+from ._finite import _group, _unscale_groups, combine_found_inf
 from ._scaler import (
     DEFAULT_CHECK_INTERVAL,
     DEFAULT_HISTORY,
@@ -523,11 +523,11 @@ class GradScaler:
                 ret = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
                 state["stage"] = OptState.STEPPED
                 flags = list(state["found_inf_per_device"].values())
-                return ret if ret is not None or not flags else _combine(flags, scale.device) > 0
+                return ret if ret is not None or not flags else combine_found_inf(flags, scale.device) > 0
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
             flags = list(state["found_inf_per_device"].values())
-            found_inf = _combine(flags, scale.device) if flags else torch.zeros((), dtype=torch.float32, device=scale.device)
+            found_inf = combine_found_inf(flags, scale.device) if flags else torch.zeros((), dtype=torch.float32, device=scale.device)
             if state["stage"] is OptState.UNSCALED:
                 grad_scale = getattr(optimizer, "grad_scale", None)  # unscaled already: only a scale you set remains
             else:
@@ -544,7 +544,7 @@ class GradScaler:
         if not flags:
             raise ScalerUsageError("No inf checks were recorded for this optimizer.")
         # Host sync (inside step_with_result): this optimizer cannot skip on the device.
-        skipped, ret = step_with_result(optimizer, _combine(flags, scale.device), None, args, kwargs)
+        skipped, ret = step_with_result(optimizer, combine_found_inf(flags, scale.device), None, args, kwargs)
         state["stage"] = OptState.STEPPED
         return ret if ret is not None else skipped
 
@@ -586,11 +586,11 @@ class GradScaler:
             if cfg.min_scale is not None or cfg.max_scale is not None:
                 scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
             if flags:  # keep the statistics: the iteration happened, the rule did not run
-                core.update(_combine(flags, scale.device), decide=False)
+                core.update(combine_found_inf(flags, scale.device), decide=False)
         else:
             if not flags:
                 raise ScalerUsageError("No inf checks were recorded prior to update.")
-            core.update(_combine(flags, scale.device))
+            core.update(combine_found_inf(flags, scale.device))
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._scaled_since_update = False
         self._resume_device = None
@@ -792,12 +792,3 @@ class GradScaler:
                 f"min_scale={c.min_scale}, max_scale={c.max_scale})")
 
 
-def _combine(flags: list[Tensor], device: torch.device) -> Tensor:
-    """One found_inf on ``device`` from several (non-zero when any is)."""
-    first = flags[0] if flags[0].device == device else flags[0].to(device, non_blocking=True)
-    if len(flags) == 1:
-        return first
-    total = first.clone()
-    for f in flags[1:]:
-        total += f.to(device, non_blocking=True)
-    return total

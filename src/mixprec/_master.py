@@ -560,7 +560,7 @@ class MasterWeightOptimizer(Optimizer):
                 self._record_versions()
             return result
         guard = self._inner_guard  # the wrapped optimizer's step, below its refuse-guard (inside(), inlined)
-        guard._depth += 1
+        guard.depth += 1
         try:
             if found_inf is None and grad_scale is None:
                 result = self.optimizer.step(*args)
@@ -571,7 +571,7 @@ class MasterWeightOptimizer(Optimizer):
                 # torch's AdamW/Adam/SGD step through their fused kernel: the skip stays on the device
                 result = step_or_skip(self.optimizer, found_inf, grad_scale, args, {}, twin=True)[1]
         finally:
-            guard._depth -= 1
+            guard.depth -= 1
         self._copy_to_model()
         return result
 

@@ -35,6 +35,7 @@ from ._checkpoint import (
 )
 from ._dist import local_grad
 from ._dtypes import parse_dtype
+from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
 from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_weight_edits
 from ._policy import Policy
@@ -501,10 +502,8 @@ class MixedPrecision:
             return
         for rec in self._records.values():
             opt = rec.optimizer
-            if isinstance(opt, MasterWeightOptimizer):
+            if isinstance(opt, MasterWeightOptimizer) or hasattr(opt, "prefer_fused"):
                 opt.prefer_fused = True
-            elif isinstance(getattr(opt, "_prefer_fused", None), bool):  # mixprec.optim (compensated policies)
-                opt._prefer_fused = True
             if rec.shadow is not None:
                 rec.shadow.prefer = True
 
@@ -558,7 +557,7 @@ class MixedPrecision:
         scaler = self.scaler
         grads = self._grads(optimizer)
         # our scalers take the gradients as they are (no second pass sorting parameters from gradients)
-        found_inf = scaler._unscale_grads_(grads) if isinstance(scaler, _ScalerBase) else scaler.unscale_(grads)
+        found_inf = scaler.unscale_grads_(grads) if isinstance(scaler, _ScalerBase) else scaler.unscale_(grads)
         rec.found_inf = found_inf
         rec.stage = "unscaled"
         return found_inf
@@ -607,11 +606,10 @@ class MixedPrecision:
         # a subclass that extends unscale_ (mixprec.apex ORs its overflow flags in) keeps its say
         found_inf = self._unscale(rec) if type(self).unscale_ is MixedPrecision.unscale_ else self.unscale_(optimizer)
         scaler = self.scaler
-        live = scaler._core.scale if isinstance(scaler, _ScalerBase) else None
-        scale_used = (live if live is not None else scaler.loss_scale).clone()  # never requires grad: no detach
+        scale_used = scaler.loss_scale.clone()  # never requires grad: no detach
         guard = rec.guard
         if guard is not None:
-            guard._depth += 1
+            guard.depth += 1
         try:
             shadow = rec.shadow
             view = shadow.view() if shadow is not None and not shadow.off else None
@@ -622,19 +620,15 @@ class MixedPrecision:
                 decided = step_or_skip(optimizer, found_inf, None, (), {}, twin=True)[0]  # found_inf itself: skipped iff set
         finally:
             if guard is not None:
-                guard._depth -= 1
+                guard.depth -= 1
         rec.stage = "idle"
         counter: AppliedSteps = self._applied_steps  # type: ignore[assignment]  # set by prepare()
-        # StepInfo is frozen; filling its __dict__ directly skips the five object.__setattr__ calls
-        # of the generated __init__ (same fields, same object).
-        info = StepInfo.__new__(StepInfo)
-        info.__dict__.update(found_inf=found_inf, scale=scale_used, _applied=(counter.push(decided), counter),
-                             _decided=decided, _skipped=None)
+        info = StepInfo(found_inf, scale_used, (counter.push(decided), counter), decided)
         self.last_step = info
         if auto and len(self._records) == 1 and not self._iteration_flags and isinstance(scaler, _ScalerBase):
             # Rule 1 for the usual loop (one optimizer, nothing pending): the iteration ends here,
             # with this step's flag and no gradients held across it; what _end_iteration does, inline.
-            scaler._core.update(found_inf, used=scale_used)  # the history keeps the step's snapshot: no ring write
+            scaler.update(found_inf, used=scale_used)  # the history keeps the step's snapshot: no ring write
         else:
             rec.stepped = True
             self._iteration_flags.append(found_inf)
@@ -676,10 +670,7 @@ class MixedPrecision:
         flags = self._iteration_flags
         if not flags:
             return
-        if len(flags) == 1:  # the common case: one optimizer, no combining kernels
-            any_inf = flags[0]
-        else:
-            any_inf = torch.stack([f.to(flags[0].device) for f in flags]).amax()
+        any_inf = combine_found_inf(flags)  # one optimizer (the common case): the flag itself, no kernel
         holders = [r for r in self._records.values() if not r.stepped and r.stage != "idle"]
         old_scale = self.scaler.loss_scale.detach().clone() if holders and self._scales_loss else None
         # Book-keeping first: update() may raise NumericsError (escalation), and a caller that
@@ -733,7 +724,7 @@ class MixedPrecision:
         flags = self._iteration_flags
         pending = None
         if flags:
-            pending = flags[0].clone() if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+            pending = combine_found_inf(flags).clone()
         return {
             "version": STATE_VERSION,
             "policy": str(self.policy),

@@ -582,9 +582,9 @@ class _ScalerBase:
         Returns:
             ``found_inf``: 0-d float32 on the gradients' device, 1.0 when any gradient is inf/NaN.
         """
-        return self._unscale_grads_(_collect_grads(grads_or_params))
+        return self.unscale_grads_(_collect_grads(grads_or_params))
 
-    def _unscale_grads_(self, grads: list[Tensor]) -> Tensor:
+    def unscale_grads_(self, grads: list[Tensor]) -> Tensor:
         """:meth:`unscale_` on gradients already collected (``MixedPrecision`` has them: no second pass)."""
         core = self._core
         if core.scale is None or not core.bound:
@@ -595,14 +595,20 @@ class _ScalerBase:
             agree_found_inf_(found_inf, self.process_group)
         return found_inf
 
-    def update(self, found_inf: Tensor) -> None:
+    def update(self, found_inf: Tensor, *, used: Tensor | None = None) -> None:
         """Record this step's ``found_inf`` (and, for :class:`DynamicScaler`, adapt the scale). No host sync.
 
         Call it once per iteration, after every optimizer stepped, with the (combined) flag.
+
+        Args:
+            found_inf: The iteration's 0-d flag (non-zero: a gradient was inf/NaN).
+            used: A copy of the scale this iteration's gradients were divided by, that nobody writes
+                later (``MixedPrecision.step`` keeps one in ``StepInfo.scale``): the history then
+                records the step by reference, without a kernel.
         """
         if not isinstance(found_inf, Tensor):
             raise TypeError(f"update(found_inf) needs the 0-d tensor unscale_() returned, got {type(found_inf).__name__}.")
-        self._core.update(found_inf)
+        self._core.update(found_inf, used=used)
 
     @property
     def loss_scale(self) -> Tensor:

@@ -243,7 +243,7 @@ def step_or_skip(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, a
 def _own_step(optimizer: Any) -> Callable[..., Any]:
     """``optimizer.step``, or below its :class:`StepGuard` when mixprec is already stepping it (two calls fewer)."""
     guard = optimizer.__dict__.get("_mixprec_step_guard")
-    if guard is not None and guard._depth > 0:
+    if guard is not None and guard.depth > 0:
         return functools.partial(guard.raw_step, optimizer)
     return optimizer.step
 
@@ -332,17 +332,19 @@ class StepGuard:
     def __init__(self, optimizer: Any, mode: Literal["route", "refuse"], run: Callable[[Any], Any] | None) -> None:
         self.mode = mode
         self._run = run
-        self._depth = 0
+        #: How deep mixprec's own step calls are nested (> 0: ``optimizer.step`` is the real step). The step
+        #: path raises and lowers it directly (``inside()`` costs three Python calls per step).
+        self.depth = 0
         self._previous = optimizer.__dict__.get("step")  # a scheduler's wrapper, a monitor's, ...
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
         """Calls of ``optimizer.step`` in this block are mixprec's own: they reach the real step."""
-        self._depth += 1
+        self.depth += 1
         try:
             yield
         finally:
-            self._depth -= 1
+            self.depth -= 1
 
     def raw_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """The optimizer's own step, below the guard."""
@@ -353,7 +355,7 @@ class StepGuard:
         return type(optimizer).step(optimizer, *args, **kwargs)
 
     def __call__(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._depth > 0:
+        if self.depth > 0:
             return self.raw_step(optimizer, *args, **kwargs)
         if self.mode == "refuse":
             raise RuntimeError(

@@ -70,6 +70,7 @@ from torch.optim import Optimizer
 
 from ._autocast import autocast, tf32
 from ._casting import cast_module, cast_root
+from ._finite import combine_found_inf
 from ._master import MasterWeightOptimizer
 from ._policy import Policy
 from ._precision import MixedPrecision
@@ -240,8 +241,7 @@ class _AmpPrecision(MixedPrecision):
         rec = self.amp_records.get(id(optimizer))
         if rec is None or not rec.overflows:
             return found_inf
-        flags = [found_inf.reshape(()), *(f.to(found_inf.device).reshape(()) for _, f in rec.overflows)]
-        return torch.stack(flags).amax().to(found_inf.dtype)
+        return combine_found_inf([found_inf, *(f for _, f in rec.overflows)])
 
 
 _state: _AmpState | None = None  # the latest initialize (amp.state_dict(), _amp_state)

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .._autocast import autocast, resolve_device_type
+from .._autocast import autocast, resolve_device_type, tf32
 from .._casting import cast_module, is_prepared, uncast_module
 from .._dtypes import device_supports, dtype_name
 from .._errors import NumericsError
@@ -224,16 +224,6 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _tf32_off() -> Iterator[None]:
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def _capture_output(model: nn.Module) -> tuple[list[Any], Any]:
     box: list[Any] = []
 
@@ -365,7 +355,7 @@ def check(
 
     # --- FP32 reference ---
     ref_model = _fp32_base(model, dropout)
-    with _tf32_off():
+    with tf32(False):  # the FP32 reference is IEEE FP32 (mixprec's one TF32 switch)
         loss32, out32, grads32 = _run(ref_model, batch, loss_fn, autocast.fp32(device_type), 1.0, seed, device)
     if (loss32 is not None and not math.isfinite(loss32)) or not _finite(out32) or not _finite(list(grads32.values())):
         reasons.append("the model produces inf/NaN in FP32 already: this is not a precision problem (check the data, "

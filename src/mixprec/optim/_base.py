@@ -499,6 +499,15 @@ class LowPrecisionOptimizer(Optimizer):
                 with_edits(p, m, out=p)
 
     # ----- the fused (compiled) step ------------------------------------------------------------------
+    @property
+    def prefer_fused(self) -> bool:
+        """Set by ``MixedPrecision`` once the model runs compiled: ``fused=None`` then fuses on a CPU too."""
+        return self._prefer_fused
+
+    @prefer_fused.setter
+    def prefer_fused(self, value: bool) -> None:
+        self._prefer_fused = bool(value)
+
     def fused_enabled(self, device: torch.device | str) -> bool:
         """Whether steps on ``device`` run compiled (``torch.compile``, Inductor).
 
