@@ -29,8 +29,9 @@ from mixprec._checkpoint import CheckpointError, load, save
 from mixprec._master import MasterWeightOptimizer
 from mixprec._master_grad import is_view
 from mixprec._policy import Policy
-from mixprec._precision import MixedPrecision, convert_state_dict
+from mixprec._precision import MixedPrecision
 from mixprec._scaler import DynamicScaler, ScalerStateError, StaticScaler
+from mixprec.checkpoint import convert_state_dict
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "misuse.md"
 

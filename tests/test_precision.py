@@ -10,7 +10,8 @@ from torch import nn
 
 from mixprec._master import MasterWeightOptimizer
 from mixprec._policy import Policy
-from mixprec._precision import MixedPrecision, convert_state_dict, for_inference, fp32_state_dict
+from mixprec._precision import MixedPrecision
+from mixprec.checkpoint import convert_state_dict, for_inference, fp32_state_dict
 
 ALL = ["fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "fp16-pure", "bf16-pure"]
 # Loss-gap tolerance against FP32 after training, per compute dtype (relative).

@@ -189,10 +189,7 @@ def _island_forward(
 
 
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """Floating inputs to the half parameter dtype: the root's input cast.
-
-    Also the root's forward pre-hook in models prepared by mixprec < 0.2 (their pickles name it).
-    """
+    """Floating inputs to the half parameter dtype: the root's input cast."""
     cast = functools.partial(_to_dtype, dtype)
     return tree_map(cast, args), tree_map(cast, kwargs)
 
@@ -202,11 +199,6 @@ def _outputs_to(dtype: torch.dtype, output: Any) -> Any:
     if type(output) is torch.Tensor and (output.dtype == dtype or not output.is_floating_point()):
         return output  # the common case, without the tree walk
     return tree_map(functools.partial(_to_dtype, dtype), output)
-
-
-def _cast_outputs(dtype: torch.dtype, module: nn.Module, args: Any, output: Any) -> Any:
-    """The root's forward hook in models prepared by mixprec < 0.2 (kept: their pickles name it)."""
-    return _outputs_to(dtype, output)
 
 
 def _root_forward(

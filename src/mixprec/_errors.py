@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["NumericsError", "closest", "unknown_choice"]
+__all__ = ["NumericsError", "check_fused", "closest", "unknown_choice"]
 
 
 class NumericsError(RuntimeError):
@@ -61,3 +61,13 @@ def unknown_choice(what: str, value: object, choices: Iterable[str], hint: str =
     if hint:
         msg += f" {hint}"
     return ValueError(msg)
+
+
+def check_fused(fused: object) -> None:
+    """Validate a ``fused=`` argument (``MixedPrecision``, ``MasterWeightOptimizer``, ``mixprec.optim``).
+
+    Raises:
+        TypeError: not ``True``, ``False`` or ``None``.
+    """
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")

@@ -19,12 +19,20 @@ import torch
 from torch.optim import Optimizer
 
 from ._dtypes import dtype_name, parse_dtype
+from ._errors import check_fused
 from ._finite import unscale_and_check_
 from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
 from ._stepping import step_or_skip
 
-__all__ = ["GradAccumulation", "MasterWeightOptimizer", "WeightEdits", "model_params_of"]
+__all__ = [
+    "GradAccumulation",
+    "MasterWeightOptimizer",
+    "WeightEdits",
+    "check_grad_accumulation",
+    "check_weight_edits",
+    "model_params_of",
+]
 
 GradAccumulation = Literal["fp32", "compute"]
 WeightEdits = Literal["values", "versions"]
@@ -111,7 +119,7 @@ class MasterWeightOptimizer(Optimizer):
 
     _step_supports_amp_scaling = True
     # The half (parameter, master) pairs and the same as two lists, cached off the step path;
-    # None: rebuild at the next use (class defaults: copies pickled before the cache existed).
+    # None: rebuild at the next use (a copy rebuilds its own: __getstate__ drops them).
     _pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     _pair_lists: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
@@ -125,8 +133,7 @@ class MasterWeightOptimizer(Optimizer):
         weight_edits: WeightEdits = "values",
         fused: bool | None = None,
     ) -> None:
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")
+        check_fused(fused)
         if fused and type(optimizer) not in FUSABLE:
             raise ValueError(
                 f"fused=True: the fused master-weight step covers torch.optim.AdamW, Adam and SGD, got "
@@ -136,8 +143,7 @@ class MasterWeightOptimizer(Optimizer):
             raise TypeError("this optimizer is already a MasterWeightOptimizer; wrap the plain torch optimizer once.")
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"MasterWeightOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if grad_accumulation not in ("fp32", "compute"):
-            raise ValueError(f"grad_accumulation={grad_accumulation!r}; use 'fp32' (default) or 'compute'.")
+        check_grad_accumulation(grad_accumulation)
         check_weight_edits(weight_edits)
         # Deliberately not calling Optimizer.__init__: state and param_groups live in the wrapped
         # optimizer. The attributes below are what torch's hooks and LR schedulers look for.
@@ -748,6 +754,16 @@ def model_params_of(opt: Optimizer) -> list[torch.Tensor]:
     if isinstance(opt, MasterWeightOptimizer):
         return opt.model_params
     return [p for g in opt.param_groups for p in g["params"]]
+
+
+def check_grad_accumulation(value: object) -> None:
+    """Validate a ``grad_accumulation`` argument.
+
+    Raises:
+        ValueError: not ``"fp32"`` or ``"compute"``.
+    """
+    if value not in ("fp32", "compute"):
+        raise ValueError(f"grad_accumulation={value!r}; use 'fp32' (default) or 'compute'.")
 
 
 def check_weight_edits(value: object) -> None:

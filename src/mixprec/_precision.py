@@ -25,8 +25,6 @@ from ._checkpoint import (
     canonical_state,
     check_model_state,
     check_optimizer_entries,
-    convert_state_dict,
-    fp32_state_dict,
     key_mismatch_hint,
     load_model_state,
     model_state,
@@ -35,9 +33,10 @@ from ._checkpoint import (
 )
 from ._dist import local_grad
 from ._dtypes import parse_dtype
+from ._errors import check_fused
 from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
-from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_weight_edits
+from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_grad_accumulation, check_weight_edits
 from ._policy import Policy
 from ._prepare import (
     check_fusable,
@@ -54,9 +53,7 @@ from ._tree import tree_leaves
 __all__ = [
     "MixedPrecision",
     "StepInfo",
-    "convert_state_dict",
     "for_inference",
-    "fp32_state_dict",
     "scaler_for_policy",
 ]
 
@@ -216,7 +213,6 @@ class MixedPrecision:
     earlier on CUDA, so it never waits for the GPU either.
     """
 
-    _seen_compiled: bool | None = None  # class default: copies pickled before the attribute existed
     #: ``prepare`` leaves the model's dtypes as they are (``cast_module(keep_dtypes=True)``); set by
     #: ``mixprec.apex`` for Apex's uncast models. The policy then only says what the run does
     #: (masters for the half parameters there are, loss scaling, autocast).
@@ -233,13 +229,11 @@ class MixedPrecision:
         fused: bool | None = None,
     ) -> None:
         self.policy = Policy.parse(policy)
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")
+        check_fused(fused)
         self.fused = fused
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler must implement mixprec.LossScaler, got {type(scaler).__name__}")
-        if grad_accumulation not in ("fp32", "compute"):
-            raise ValueError(f"grad_accumulation={grad_accumulation!r}; use 'fp32' (default) or 'compute'.")
+        check_grad_accumulation(grad_accumulation)
         if scale_update not in ("auto", "manual"):
             raise ValueError(f"scale_update={scale_update!r}; use 'auto' (default) or 'manual' (call prec.update()).")
         self.scaler: LossScaler = scaler if scaler is not None else scaler_for_policy(self.policy)

@@ -508,5 +508,4 @@ class ScaleHistory:
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        d.setdefault("_pending", [])  # pickled before record_snapshot existed
         self.__dict__.update(d)

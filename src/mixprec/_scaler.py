@@ -394,32 +394,11 @@ class ScaleCore:
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        if "history" not in d:  # pickled before the bookkeeping moved to _scale_history
-            d = _upgrade_pickled_core(d)
         self.__dict__.update(d)
-        self._derive_switches()  # absent from pickles of earlier versions
+        self._derive_switches()
         self.history.refresh_config()
         if self.pending_state is not None:
             self.history.steps = self.history.folded = int(self.pending_state.get("steps", 0))
-
-
-def _upgrade_pickled_core(d: dict[str, Any]) -> dict[str, Any]:
-    """A ``ScaleCore.__dict__`` pickled by mixprec before ``_scale_history`` existed, in the current layout.
-
-    Those pickles kept the ring, counters and check bookkeeping on the core itself (tensors
-    already dropped: the statistics are in ``pending_state``).
-    """
-    d = dict(d)
-    history = ScaleHistory(d["cfg"])
-    history._reported = bool(d.pop("_reported", False))
-    history._logged_skipped = float(d.pop("_logged_skipped", 0.0))
-    for old in ("ring_len", "ring", "_rows", "counters", "steps", "folded", "_pos_cache", "_snapshot", "_last_log"):
-        d.pop(old, None)
-    d["history"] = history
-    pending = d.get("pending_state")
-    if pending is not None and "any_finite_step" not in pending:
-        d["pending_state"] = {**pending, "any_finite_step": loaded_statistics(pending)["any_finite_step"]}
-    return d
 
 
 def check_scaler_state(sd: Any, owner: str, kind: str) -> Mapping[str, Any]:
@@ -890,7 +869,3 @@ class DynamicScaler(_ScalerBase):
         sd = check_scaler_state(state_dict, "DynamicScaler", "dynamic")
         self._core.load(sd)
 
-
-# Pickles of GradScaler written by mixprec 0.1 name these classes by their old private names.
-_Core = ScaleCore
-_Config = ScaleConfig

@@ -68,7 +68,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .._dtypes import dtype_name, parse_dtype
-from .._errors import unknown_choice
+from .._errors import check_fused, unknown_choice
 from ._rounding import counter_bits, step_keys, stochastic_round, stream_key, with_edits
 
 __all__ = ["Compensation", "LowPrecisionOptimizer"]
@@ -157,7 +157,6 @@ class LowPrecisionOptimizer(Optimizer):
     """
 
     _step_supports_amp_scaling = True
-    _prefer_fused = False  # instances set their own (class default: pickles made before it existed)
     #: Every per-element state key the algorithm may use (for importing checkpoints).
     _ALL_STATE_KEYS: tuple[str, ...] = ()
 
@@ -190,8 +189,7 @@ class LowPrecisionOptimizer(Optimizer):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")
+        check_fused(fused)
         if generator is not None:
             if seed is not None:
                 raise ValueError(f"pass seed={seed!r} or generator=, not both; generator= is deprecated: the random "
@@ -332,10 +330,6 @@ class LowPrecisionOptimizer(Optimizer):
             _prefer_fused=self._prefer_fused,
         )
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_plan_cache", {})  # pickles made before the bucket cache existed
 
     # ----- stochastic rounding: counter-based random bits ----------------------------------------------
     def _set_global_offsets(self, offsets: Mapping[Tensor, int]) -> None:
