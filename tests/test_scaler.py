@@ -819,7 +819,7 @@ def test_ever_applied_costs_no_extra_kernel():
     assert c.ops["_amp_update_scale_"] == 20 and c.ops["stack"] == 20 + 4  # one per step, one per fold (4 folds)
 
 
-# state dicts and a pickle written before any_finite_step and _scale_history.py existed (mixprec at e376f1a)
+# state dicts written before any_finite_step and _scale_history.py existed (mixprec at e376f1a)
 OLD_STATE = {
     "version": 1, "kind": "dynamic", "scale": 2.0, "_growth_tracker": 1, "hysteresis_left": 0, "steps": 7,
     "skipped_steps": 3, "consecutive_skips": 0, "last_overflow_step": 5, "last_finite_step": 6, "floor_streak": 0,
@@ -834,18 +834,6 @@ OLD_NEVER_APPLIED = {
     "backoff_factor": 0.5, "growth_interval": 2000, "hysteresis": 1, "min_scale": 1.0, "max_scale": 16777216.0,
     "refill": "growth",
 }
-# pickle.dumps(DynamicScaler(init_scale=8.0, growth_interval=3, min_scale=1.0, history=4, check_interval=2,
-# on_failure="ignore") after found_inf 1,0,0,0,1,1,0), protocol 4, zlib + base64: OLD_STATE's scaler
-OLD_PICKLE = (
-    "eNpdUstuEzEUTck7apJSwmvHBtEKqb/QIpC6GCkb1siaeu6MrUxsy56k6QIJdol0d5j/4VP4hP4BXM+rVb2699z38fnR+/2n2ykfztdyZyzwC+Z4nIP1"
-    "OP1yp+K15F8r/5c//+m/+zPsM64teNEh63Ow2kiXp1nAh4SrVGYPkd5KqsTjMKlaepxIJYtqlL++elcvMc2svi0ES2NeaEuBTh2Y3cR8pdO0jVz+bfau"
-    "S6QqwG7j3EddnIg7Rx446Xx0hOO1VM2oy/u6bryOdw34ydTgwEIq89zjoOpKe2pFM2W+oTtxIDMVDsaRiQsJioOPFjjjAvjq0QLP8DjXGdNbsGmub/0e"
-    "Z8FvEpijwxb1xKGQjg6681Fvc4Nz2JlccmImga2k9kvs3+gNUXfAQQuNrFQZy0FREfarG5Y4q4koLFFF/7XE+QMNlJ0WBPVCaejKKNn5cxxxak9JLoCU"
-    "bYgx4iHVeQJJMKcGVBLmuSIuIHymeP/wL3P2ZGp0JD5EHfExGuLUraQxkLC6bRefc60c8E0ht8BCtBx2mseuaNkqs33Ux5MSToNOoAYHeEwp2pJrIV6V"
-    "65Xns4bFb/6sVdP11UljdJ4YgCftvEelh/3+AOK0TRMvWp2JRdQVL+m6V62ExOtWOOKNeLvBCTPaMR6THognHDOnYuOEDsSPmQWjbQHhK8esvI1E4a//"
-    "3bdUkp8FuiraHml1QtrZ1o2XJJOpsZqDc4H8jQnQxX9H5U/q"
-)
-
 
 def test_checkpoints_written_before_still_load():
     s = DynamicScaler(history=4, check_interval=2, on_failure="ignore")
@@ -861,16 +849,3 @@ def test_checkpoints_written_before_still_load():
     assert t.state_dict()["any_finite_step"] is False
 
 
-def test_scalers_pickled_before_still_load():
-    import base64
-    import zlib
-
-    old = pickle.loads(zlib.decompress(base64.b64decode(OLD_PICKLE)))
-    assert isinstance(old, DynamicScaler) and old._core.scale is None
-    assert old.state_dict() == {**OLD_STATE, "any_finite_step": True}
-    fresh = DynamicScaler(init_scale=8.0, growth_interval=3, min_scale=1.0, history=4, check_interval=2,
-                          on_failure="ignore")
-    run(fresh, [1, 0, 0, 0, 1, 1, 0])
-    pattern = [1, 0, 0, 0, 0, 1, 1, 1, 0]
-    assert run(old, pattern) == run(fresh, pattern)
-    assert old.statistics() == fresh.statistics() and old.state_dict() == fresh.state_dict()
