@@ -450,3 +450,13 @@ def test_allowed_upward_imports_are_real(edges):
     seen = {(e.source if _layer_of(e.source, order) is None else order[_layer_of(e.source, order)],  # type: ignore[index]
              ".".join(e.target.split(".")[:2])) for e in edges}
     assert set(ALLOWED_UPWARD) <= seen, sorted(set(ALLOWED_UPWARD) - seen)
+
+
+def test_module_names_are_unique_across_the_package(modules):
+    """One name, one module: ``_report`` in two packages made a reader open the wrong one."""
+    by_name: dict[str, list[str]] = {}
+    for m in modules:
+        last = m.rsplit(".", 1)[-1]
+        if last not in ("__init__", "__main__") and m.count("."):
+            by_name.setdefault(last, []).append(m)
+    assert not {k: v for k, v in by_name.items() if len(v) > 1}

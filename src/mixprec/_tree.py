@@ -34,7 +34,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-__all__ = ["tree_leaves", "tree_map"]
+__all__ = ["floating_tensors", "tree_leaves", "tree_map"]
 
 T = TypeVar("T")
 
@@ -142,3 +142,8 @@ def tree_leaves(obj: Any) -> Iterator[torch.Tensor]:
         for f in dataclasses.fields(obj):
             if f.init:
                 yield from tree_leaves(getattr(obj, f.name))
+
+
+def floating_tensors(obj: Any) -> list[torch.Tensor]:
+    """The floating-point tensors inside ``obj`` (FP64 and FP8 included), in :func:`tree_leaves` order."""
+    return [t for t in tree_leaves(obj) if t.is_floating_point()]

@@ -161,7 +161,7 @@ def test_preflight_warns_or_raises_and_never_switches() -> None:
 
 
 def test_dropout_is_switched_off_in_both_runs_unless_asked() -> None:
-    from mixprec.numerics._check import _disable_dropout
+    from mixprec.numerics._preflight import _disable_dropout
 
     model = TinyLM()
     _disable_dropout(model)

@@ -1,4 +1,4 @@
-"""FP8 numerics (mixprec.numerics._fp8): cast statistics against direct counts, the per-layer plan, the planted outlier."""
+"""FP8 numerics (mixprec.numerics._fp8_plan): cast statistics against direct counts, the per-layer plan, the planted outlier."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 from mixprec import MixedPrecision, Policy
 from mixprec._fp8 import fp8_modules
 from mixprec.numerics import Fp8CastStats, Fp8Plan, fp8_cast_stats, fp8_plan
-from mixprec.numerics._fp8 import fp8_scale, gpu_shape_gains
+from mixprec.numerics._fp8_plan import fp8_scale, gpu_shape_gains
 
 pytest.importorskip("torchao")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mixprec.numerics._plots import plot_gradient_histogram
+from mixprec.numerics._histogram import plot_gradient_histogram
 
 
 def _report(bins: dict[int, int], scale: float) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from typing import Any
 from .._autocast import autocast
 from .._policy import Policy
 from ..numerics import NumericsMonitor, audit, check
-from ..numerics._fp8 import fp8_stats_table
-from ..numerics._report import jsonable
+from ..numerics._findings import jsonable
+from ..numerics._fp8_plan import fp8_stats_table
 from . import _common
 from ._common import WORKLOAD_HELP, ArgError, add_common, add_workload, resolve_workload
 
@@ -197,7 +197,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         if not args.no_plot:
             try:
-                from ..numerics._plots import _pyplot
+                from ..numerics._histogram import _pyplot
 
                 _pyplot()
             except ImportError as e:
@@ -237,7 +237,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     written = []
     out = Path(args.out)
     if not args.no_plot:
-        from ..numerics._plots import plot_gradient_histogram
+        from ..numerics._histogram import plot_gradient_histogram
 
         written.append(plot_gradient_histogram(res.report, out / "doctor-grad-hist.png",
                                                title=f"{w.name}: activation-gradient magnitudes (FP32 run, "

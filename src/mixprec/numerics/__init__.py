@@ -23,10 +23,10 @@
 """
 
 from ._audit import AuditResult, AuditRow, audit
-from ._check import CheckResult, CheckThresholds, ParamComparison, check, preflight
-from ._fp8 import Fp8CastStats, Fp8LayerDecision, Fp8Plan, fp8_cast_stats, fp8_plan
+from ._findings import ModuleNumerics, NumericsReport, ParamNumerics, ScaleRange
+from ._fp8_plan import Fp8CastStats, Fp8LayerDecision, Fp8Plan, fp8_cast_stats, fp8_plan
 from ._monitor import NumericsMonitor
-from ._report import ModuleNumerics, NumericsReport, ParamNumerics, ScaleRange
+from ._preflight import CheckResult, CheckThresholds, ParamComparison, check, preflight
 from ._stats import Log2Histogram, TensorStats, Thresholds, tensor_stats, thresholds
 from ._tracer import FP32Rerun, TraceResult, trace_nonfinite
 

@@ -26,7 +26,7 @@ from .._dtypes import dtype_name
 from .._fp8 import fp8_summary
 from .._master_grad import is_view
 from .._policy import Policy
-from ._report import format_table, jsonable, print_tables
+from ._findings import format_table, jsonable, print_tables
 
 __all__ = ["AuditResult", "AuditRow", "audit"]
 

@@ -39,10 +39,10 @@ from .._casting import island_modules
 from .._dtypes import device_supports
 from .._fp8 import eligible_reason, is_fp8_linear, linear_weight
 from .._policy import FP8_RECIPES, Policy
-from ._fp8 import Fp8CastStats, _Cast, _recipe_casts, _stats_from_counts, cast_counts, fp8_stats_table
-from ._report import ModuleNumerics, NumericsReport, ParamNumerics, build_report
+from .._tree import floating_tensors
+from ._findings import ModuleNumerics, NumericsReport, ParamNumerics, build_report
+from ._fp8_plan import Fp8CastStats, _Cast, _recipe_casts, _stats_from_counts, cast_counts, fp8_stats_table
 from ._stats import Log2Histogram
-from ._tree import floating_tensors
 
 __all__ = ["NumericsMonitor"]
 

@@ -42,9 +42,9 @@ from .._autocast import autocast, resolve_device_type
 from .._casting import cast_module, is_prepared, strip_forward_patches
 from .._fp8 import fp8_modules
 from .._policy import Policy
-from ._report import jsonable
+from .._tree import floating_tensors, tree_map
+from ._findings import jsonable
 from ._stats import TensorStats, tensor_stats, thresholds
-from ._tree import floating_tensors, map_tensors
 
 __all__ = ["FP32Rerun", "TraceResult", "trace_nonfinite"]
 
@@ -319,7 +319,7 @@ class _Tracer:
             return None
         copies = _Tap.apply(callback, *unique)
         new = {id(t): c for t, c in zip(unique, copies)}
-        return map_tensors(obj, lambda t: new.get(id(t), t))
+        return tree_map(lambda t: new.get(id(t), t), obj)
 
     # backward
     def _incoming(self, name: str | None) -> list[torch.Tensor]:
@@ -380,7 +380,7 @@ def _to_fp32(obj: Any, requires_grad: bool) -> Any:
             return t
         x = t.detach().float()
         return x.requires_grad_(True) if requires_grad else x
-    return map_tensors(obj, conv)
+    return tree_map(conv, obj)
 
 
 def _rerun(ev: _Event, tracer: _Tracer, device_type: str) -> FP32Rerun:
@@ -487,7 +487,7 @@ def trace_nonfinite(
     if work is not model:
         work.zero_grad(set_to_none=True)
     if pol is not None:
-        from ._fp8 import apply_fp8  # f8= policies: the chosen linears in FP8, as prepare() converts them
+        from ._fp8_plan import apply_fp8  # f8= policies: the chosen linears in FP8, as prepare() converts them
 
         apply_fp8(work, pol, batch, loss_fn)
         cast_module(work, pol)

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ._report import NumericsReport
+from ._findings import NumericsReport
 from ._stats import thresholds
 
 __all__ = ["plot_gradient_histogram"]

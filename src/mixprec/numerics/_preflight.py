@@ -28,10 +28,10 @@ from .._dtypes import device_supports, dtype_name
 from .._errors import NumericsError
 from .._fp8 import revert_linears
 from .._policy import Policy
-from ._fp8 import apply_fp8
-from ._report import format_table, jsonable, print_tables
+from .._tree import floating_tensors
+from ._findings import format_table, jsonable, print_tables
+from ._fp8_plan import apply_fp8
 from ._tracer import TraceResult, trace_nonfinite
-from ._tree import floating_tensors
 
 __all__ = ["CheckResult", "CheckThresholds", "ParamComparison", "check", "preflight"]
 
