@@ -39,20 +39,14 @@ from ._memory import LiveTensorTracker, model_state_bytes
 from ._runner import (
     ALL_PRESETS,
     BASELINE,
-    MIN_SEEDS,
-    NOISE_K,
     CompareResult,
     RowResult,
-    SeedRow,
-    SeedsResult,
     default_presets,
     parse_presets,
-    parse_seeds,
     resolve_device,
     run_compare,
-    run_compare_seeds,
-    seed_verdict,
 )
+from ._seeds import MIN_SEEDS, NOISE_K, SeedRow, SeedsResult, parse_seeds, run_compare_seeds, seed_verdict
 from ._timing import DENSE_PEAK_TFLOPS, peak_tflops
 from ._workloads import BUILTIN_WORKLOADS, BenchError, Workload, load_workload
 

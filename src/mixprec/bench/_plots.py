@@ -17,7 +17,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ._runner import CompareResult, RowResult, SeedsResult
+from ._runner import CompareResult, RowResult
+from ._seeds import SeedsResult
 from ._workloads import BenchError
 
 __all__ = ["PLOT_FILES", "write_plots"]

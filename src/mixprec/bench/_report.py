@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._environment import environment
-from ._runner import MIN_SEEDS, CompareResult, RowResult, SeedsResult
+from ._runner import CompareResult, RowResult
+from ._seeds import MIN_SEEDS, SeedsResult
 
 __all__ = ["environment", "format_seeds_table", "format_table_plain", "print_report", "print_seeds_report", "write_json"]
 
