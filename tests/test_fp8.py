@@ -314,7 +314,7 @@ def test_bad_fp8_grammar_raises(text, match):
 
 
 def test_for_inference_evaluates_fp8_linears_as_plain_linears():
-    from mixprec._precision import for_inference
+    from mixprec.checkpoint import for_inference
 
     prec, model, _ = _prepare("fp8-tensorwise")
     ref = copy.deepcopy(model)

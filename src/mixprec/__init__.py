@@ -31,8 +31,9 @@ from ._fp8 import fp8_disabled
 from ._grad_scaler import GradScaler
 from ._master import MasterWeightOptimizer
 from ._policy import Policy
-from ._precision import MixedPrecision, StepInfo
+from ._precision import MixedPrecision
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler
+from ._stepping import StepInfo
 from ._version import __version__
 
 __all__ = [

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._dtypes import parse_dtype
+from ._fp8 import revert_linears
 from ._policy import Policy
 from ._tree import tree_map
 
@@ -27,6 +29,7 @@ __all__ = [
     "cast_module",
     "cast_root",
     "cast_tree",
+    "for_inference",
     "is_prepared",
     "island_modules",
     "strip_forward_patches",
@@ -406,3 +409,34 @@ def _cast_buffers(root: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
             if id(b) not in done:
                 done[id(b)] = (b, b.to(dtype))
             module._buffers[leaf] = done[id(b)][1]
+
+
+def for_inference(
+    model: nn.Module, dtype: torch.dtype | str = "bf16", *, fp32_islands: Iterable[str] = ("norm",)
+) -> nn.Module:
+    """Cast a trained model in place for evaluation in half precision, FP32 islands kept.
+
+    Weight memory halves; normalization layers (or the islands given) stay FP32. Floating
+    inputs are cast to ``dtype`` on the way in and outputs come back in FP32. The model is
+    put in ``eval()`` mode. A model prepared for training has its hooks replaced.
+
+    Args:
+        model: The trained model.
+        dtype: ``"bf16"`` or ``"fp16"``.
+        fp32_islands: As in :class:`Policy`.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ValueError: a dtype other than bf16/fp16.
+    """
+    dt = parse_dtype(dtype)
+    if dt not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"for_inference casts to 'bf16' or 'fp16', got {dtype!r}; for FP32 just call model.eval().")
+    policy = Policy(dt, dt, torch.float32, fp32_islands=tuple(fp32_islands))
+    if is_prepared(model):
+        uncast_module(model)
+    revert_linears(model)  # FP8 linears (f8= policies) evaluate as the plain linears they were
+    cast_module(model, policy)
+    return model.eval()

@@ -19,7 +19,8 @@ from torch import nn
 
 from ._checkpoint import canonical_name
 from ._master import MasterWeightOptimizer
-from ._precision import MixedPrecision, StepInfo
+from ._precision import MixedPrecision
+from ._stepping import StepInfo
 
 __all__ = ["EMA"]
 

@@ -9,7 +9,7 @@ bit for bit.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 from typing import cast as typing_cast
 
@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._autocast import autocast, resolve_device_type, tf32
-from ._casting import cast_module, is_prepared, uncast_module
+from ._casting import cast_module
 from ._checkpoint import (
     STATE_VERSION,
     canonical_name,
@@ -32,7 +32,6 @@ from ._checkpoint import (
     validate_state,
 )
 from ._dist import local_grad
-from ._dtypes import parse_dtype
 from ._errors import check_fused
 from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
@@ -47,84 +46,12 @@ from ._prepare import (
     wrap_optimizers,
 )
 from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, _ScalerBase, check_scaler_state
-from ._stepping import AppliedSteps, OptimizerRecord, install_step_guard, remove_step_guard, step_or_skip
+from ._stepping import AppliedSteps, OptimizerRecord, StepInfo, install_step_guard, remove_step_guard, step_or_skip
 from ._tree import tree_leaves
 
-__all__ = [
-    "MixedPrecision",
-    "StepInfo",
-    "for_inference",
-    "scaler_for_policy",
-]
+__all__ = ["MixedPrecision", "scaler_for_policy"]
 
 ScaleUpdate = Literal["auto", "manual"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepInfo:
-    """What one :meth:`MixedPrecision.step` did, as 0-d tensors on the device (no host sync).
-
-    Attributes:
-        found_inf: 1.0 when a gradient was inf/NaN (float32).
-        skipped: ``True`` when the optimizer step was skipped (bool).
-        scale: The loss scale this step's gradients were divided by (float32; 1.0 unscaled).
-        applied_steps: Optimizer steps applied so far in this run, over all prepared optimizers
-            (int64).
-    """
-
-    found_inf: torch.Tensor
-    scale: torch.Tensor
-    # A tensor, or the cell (and the counter that fills it) of a step whose count is not read yet.
-    _applied: torch.Tensor | tuple[list[torch.Tensor | None], AppliedSteps] = dataclasses.field(repr=False)
-    # The flag the step decided on (non-zero: skipped; ``found_inf`` itself on every mixprec path).
-    _decided: torch.Tensor | None = dataclasses.field(default=None, repr=False)
-    # ``_decided > 0``, computed on first read (one kernel the hot path does not pay).
-    _skipped: torch.Tensor | None = dataclasses.field(default=None, repr=False)
-
-    @property
-    def skipped(self) -> torch.Tensor:
-        """``True`` when the optimizer step was skipped (0-d bool; computed on first read, no host sync)."""
-        value = self._skipped
-        if value is None:
-            value = (self._decided if self._decided is not None else self.found_inf) > 0
-            object.__setattr__(self, "_skipped", value)
-        return value
-
-    @property
-    def applied_steps(self) -> torch.Tensor:
-        """Optimizer steps applied so far in this run, as of this step (0-d int64; no host sync).
-
-        Computed on first read (with every other pending step's count, in three kernels), so
-        loops that never read it pay no kernel per step.
-        """
-        value = self._applied
-        if isinstance(value, torch.Tensor):
-            return value
-        cell, counter = value
-        if cell[0] is None:
-            counter.fold()
-        result = typing_cast(torch.Tensor, cell[0])
-        object.__setattr__(self, "_applied", result)
-        return result
-
-    def applied(self) -> bool:
-        """Whether the step was applied. Host sync: reads ``skipped``."""
-        return not bool(self.skipped.item())
-
-    def mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """1 if the step was applied, 0 if skipped, as a 0-d tensor: gate EMA updates without a sync.
-
-        For a moving average of the weights use :class:`mixprec.EMA` (``ema.update(info)``):
-        it averages the FP32 masters where there are masters and upcasts half-precision
-        parameters (``lerp`` needs both sides in one dtype, so lerping an FP32 average towards
-        BF16/FP16 parameters fails).
-
-        Example:
-            ``weight = (1 - decay) * info.mask()`` is ``1 - decay`` on an applied step and ``0`` on a
-            skipped one: ``torch._foreach_lerp_(ema, fp32_weights, weight)`` then leaves ``ema``
-            unchanged on a skipped step, with no host sync (docs/ema.md).
-        """
-        return (~self.skipped).to(dtype)
 
 
 def scaler_for_policy(policy: Policy | str) -> LossScaler:
@@ -883,36 +810,3 @@ def _follow_param_groups(given: Optimizer, converted: Optimizer) -> None:
             target.param_groups = optimizer.param_groups
 
     converted.register_load_state_dict_post_hook(relink)
-
-
-def for_inference(
-    model: nn.Module, dtype: torch.dtype | str = "bf16", *, fp32_islands: Iterable[str] = ("norm",)
-) -> nn.Module:
-    """Cast a trained model in place for evaluation in half precision, FP32 islands kept.
-
-    Weight memory halves; normalization layers (or the islands given) stay FP32. Floating
-    inputs are cast to ``dtype`` on the way in and outputs come back in FP32. The model is
-    put in ``eval()`` mode. A model prepared for training has its hooks replaced.
-
-    Args:
-        model: The trained model.
-        dtype: ``"bf16"`` or ``"fp16"``.
-        fp32_islands: As in :class:`Policy`.
-
-    Returns:
-        ``model`` itself.
-
-    Raises:
-        ValueError: a dtype other than bf16/fp16.
-    """
-    dt = parse_dtype(dtype)
-    if dt not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"for_inference casts to 'bf16' or 'fp16', got {dtype!r}; for FP32 just call model.eval().")
-    policy = Policy(dt, dt, torch.float32, fp32_islands=tuple(fp32_islands))
-    if is_prepared(model):
-        uncast_module(model)
-    from ._fp8 import revert_linears  # FP8 linears (f8= policies) evaluate as the plain linears they were
-
-    revert_linears(model)
-    cast_module(model, policy)
-    return model.eval()

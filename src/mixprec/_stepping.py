@@ -16,6 +16,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
+from typing import cast as typing_cast
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ __all__ = [
     "FusedTwin",
     "OptimizerRecord",
     "StepGuard",
+    "StepInfo",
     "fused_twin",
     "host_read_reason",
     "install_step_guard",
@@ -481,3 +483,73 @@ class AppliedSteps:
         """Set the count (``load_state_dict``): pending steps are materialised first, then forgotten."""
         self.fold()
         self.base = value
+
+
+# --------------------------------------------------------------------------------------------------
+# What one step did
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What one :meth:`MixedPrecision.step` did, as 0-d tensors on the device (no host sync).
+
+    Attributes:
+        found_inf: 1.0 when a gradient was inf/NaN (float32).
+        skipped: ``True`` when the optimizer step was skipped (bool).
+        scale: The loss scale this step's gradients were divided by (float32; 1.0 unscaled).
+        applied_steps: Optimizer steps applied so far in this run, over all prepared optimizers
+            (int64).
+    """
+
+    found_inf: torch.Tensor
+    scale: torch.Tensor
+    # A tensor, or the cell (and the counter that fills it) of a step whose count is not read yet.
+    _applied: torch.Tensor | tuple[list[torch.Tensor | None], AppliedSteps] = dataclasses.field(repr=False)
+    # The flag the step decided on (non-zero: skipped; ``found_inf`` itself on every mixprec path).
+    _decided: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    # ``_decided > 0``, computed on first read (one kernel the hot path does not pay).
+    _skipped: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """``True`` when the optimizer step was skipped (0-d bool; computed on first read, no host sync)."""
+        value = self._skipped
+        if value is None:
+            value = (self._decided if self._decided is not None else self.found_inf) > 0
+            object.__setattr__(self, "_skipped", value)
+        return value
+
+    @property
+    def applied_steps(self) -> torch.Tensor:
+        """Optimizer steps applied so far in this run, as of this step (0-d int64; no host sync).
+
+        Computed on first read (with every other pending step's count, in three kernels), so
+        loops that never read it pay no kernel per step.
+        """
+        value = self._applied
+        if isinstance(value, torch.Tensor):
+            return value
+        cell, counter = value
+        if cell[0] is None:
+            counter.fold()
+        result = typing_cast(torch.Tensor, cell[0])
+        object.__setattr__(self, "_applied", result)
+        return result
+
+    def applied(self) -> bool:
+        """Whether the step was applied. Host sync: reads ``skipped``."""
+        return not bool(self.skipped.item())
+
+    def mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """1 if the step was applied, 0 if skipped, as a 0-d tensor: gate EMA updates without a sync.
+
+        For a moving average of the weights use :class:`mixprec.EMA` (``ema.update(info)``):
+        it averages the FP32 masters where there are masters and upcasts half-precision
+        parameters (``lerp`` needs both sides in one dtype, so lerping an FP32 average towards
+        BF16/FP16 parameters fails).
+
+        Example:
+            ``weight = (1 - decay) * info.mask()`` is ``1 - decay`` on an applied step and ``0`` on a
+            skipped one: ``torch._foreach_lerp_(ema, fp32_weights, weight)`` then leaves ``ema``
+            unchanged on a skipped step, with no host sync (docs/ema.md).
+        """
+        return (~self.skipped).to(dtype)

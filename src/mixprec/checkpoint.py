@@ -17,8 +17,8 @@ Example:
 
 from __future__ import annotations
 
+from ._casting import for_inference
 from ._checkpoint import CheckpointError, convert_state_dict, fp32_state_dict, load, save
-from ._precision import for_inference
 
 __all__ = [
     "CheckpointError",

@@ -45,7 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .._precision import MixedPrecision, StepInfo
+from .._precision import MixedPrecision
+from .._stepping import StepInfo
 
 try:
     from lightning.fabric.plugins.precision import Precision as _FabricPrecisionBase
