@@ -52,7 +52,7 @@ def _state(opt: MasterWeightOptimizer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_fused_master_step_tracks_the_eager_step_and_skips_on_the_device(kind, monkeypatch):
-    import mixprec.optim._base as base
+    import mixprec.optim._fused_step as base
 
     monkeypatch.setattr(base, "_FUSED_CACHE", {})  # compiled here, not found in the process-wide cache
     runs = []

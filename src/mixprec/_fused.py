@@ -1,7 +1,7 @@
 """The fused (compiled) step of a torch ``AdamW``/``Adam``/``SGD``, and when it runs.
 
 ``mixprec.optim``'s optimizers can run their update as one ``torch.compile``d kernel per
-bucket (``optim/_base.py``). :class:`FusedShadow` lends that step to a plain torch optimizer: a
+bucket (``optim/_fused_step.py``). :class:`FusedShadow` lends that step to a plain torch optimizer: a
 ``mixprec.optim`` optimizer (``compensation="none"``, FP32 arithmetic) bound to the torch
 optimizer's own ``param_groups`` and ``state``, so LR schedulers, checkpoints and an eager step
 all see one state. ``MasterWeightOptimizer`` steps its masters with it; ``MixedPrecision``

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mixprec.optim as mo
-from mixprec.optim import _base
+from mixprec.optim import _fused_step
 
 from ._util import assert_bit_identical, snapshot
 
@@ -88,11 +88,11 @@ def test_fused_step_equals_eager_bit_for_bit(name):
 
 def test_compiled_once_per_structure_and_cached_across_steps_and_optimizers():
     name = "adamw-kahan-f32"
-    before = set(_base._FUSED_CACHE)
+    before = set(_fused_step._FUSED_CACHE)
     opt = _make(name, _params(), True)
     _step(opt, name, 0)  # compiles, or reuses the graph of a test above that ran first in this process
     spec = next(iter(opt._fused_fns))
-    fn = _base._FUSED_CACHE[spec]
+    fn = _fused_step._FUSED_CACHE[spec]
     first = opt.compile_seconds
     assert (first > 0.0) == (spec not in before)  # the compile is timed by the optimizer that paid for it
     for step in range(1, 4):

@@ -54,111 +54,49 @@ element's global position (``Shard(0)``), so a sharded run equals the unsharded 
 
 from __future__ import annotations
 
-import time
-import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from copy import deepcopy
-from itertools import accumulate, chain
-from typing import Any, Literal, NamedTuple, cast, get_args
+from itertools import accumulate
+from typing import Any, cast, get_args
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from .._dtypes import dtype_name, parse_dtype
 from .._errors import check_fused, unknown_choice
+from ._fused_step import FusedStep
+from ._parts import (
+    _COMP_KEY,
+    _HALF,
+    _PARAM_DTYPES,
+    _SLOT_COMP,
+    _SLOT_PARAM,
+    _STATE_DTYPES,
+    _STEP_KEY,
+    _STREAMS_PER_PARAM,
+    DEFAULT_CHUNK_NUMEL,
+    Compensation,
+    _Bucket,
+    _cat,
+    _device_ctx,
+    _DeviceCtx,
+    _flat_view,
+    _Plan,
+    _Segment,
+)
 from ._rounding import counter_bits, step_keys, stochastic_round, stream_key, with_edits
+from ._state_io import StateIO
 
-__all__ = ["Compensation", "LowPrecisionOptimizer"]
-
-Compensation = Literal["kahan", "stochastic", "none"]
-_HALF = (torch.bfloat16, torch.float16)
-_PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
-_PLAIN = frozenset({Tensor, torch.nn.Parameter})  # tensor types that are never a DTensor
-_STATE_VERSION = 2
-_READABLE_VERSIONS = (1, 2)  # version 1 held generator states (dropped on load: see load_state_dict)
-#: Stream id of a buffer: ``16 * (parameter's position in the optimizer) + slot``.
-_SLOT_PARAM, _SLOT_COMP, _SLOT_STATE0 = 0, 1, 2
-_STREAMS_PER_PARAM = 16
-#: Default chunk: 16 Mi elements keeps the GPU busy (host work per chunk is fixed) while bounding
-#: the step's temporaries (~0.7 GiB for AdamW) however large the model or a single parameter is.
-DEFAULT_CHUNK_NUMEL = 1 << 24
-#: Group entries that are not compiled into a fused step (``lr`` is a tensor input).
-_DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
-#: Compiled steps are shared by every optimizer in the process, keyed by bucket structure.
-_FUSED_CACHE: dict[Any, Callable[..., None]] = {}
-_FUSED_CACHE_SIZE = 64
-#: Structures one optimizer may compile before it falls back to the eager step.
-_MAX_COMPILES = 32
-_COMP_KEY = "kahan_comp"
-_STEP_KEY = "step"
+__all__ = ["DEFAULT_CHUNK_NUMEL", "Compensation", "LowPrecisionOptimizer"]
 
 
-class _Segment(NamedTuple):
-    param: int  # position in the bucket's parameter list
-    start: int  # element range of the flattened parameter
-    stop: int
-
-
-class _Bucket(NamedTuple):
-    """One (device, dtype) bucket of a param group, as local tensors (a ``DTensor``'s shard)."""
-
-    params: list[Tensor]
-    grads: list[Tensor]
-    comps: list[Tensor]  # Kahan compensation buffers; empty without Kahan
-    states: dict[str, list[Tensor]]  # per-element states by key, parallel to params
-    steps: list[Tensor]  # 0-d FP32 step counters
-    ids: list[int]  # position of each parameter in the optimizer (its random streams)
-    offsets: list[int]  # global flat position of each local tensor's first element
-    mirrors: list[Tensor | None]  # receives the committed value in its own dtype (see _mirrors)
-
-
-class _DeviceCtx(NamedTuple):
-    scale: Tensor | None  # grad_scale, on the device, the compute dtype applied at use
-    skip: Tensor | None  # 0-d bool: found_inf != 0
-    keep: Tensor | None  # 0-d float32: 1.0 - skip
-
-
-class _Plan:
-    """One (device, param dtype, grad dtype) bucket of a param group, kept across steps.
-
-    ``params`` are the parameters (the cache key holds their ids); the rest is filled by the
-    fused step: ``struct`` (shapes, strides and dtypes that select the compiled function) for
-    the mirrors ``struct_key``, and ``hp_key`` (the compiled-in hyper-parameters) for ``hp``.
-    """
-
-    __slots__ = ("device", "hp", "hp_key", "params", "struct", "struct_key")
-
-    def __init__(self, device: torch.device, params: list[Tensor]) -> None:
-        self.device = device
-        self.params = params
-        self.struct: tuple[Any, ...] | None = None
-        self.struct_key: tuple[int, ...] = ()
-        self.hp: dict[str, Any] | None = None
-        self.hp_key = ""
-
-
-def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """``a == b`` for hyper-parameter dicts; ``False`` where a value cannot be compared (a tensor)."""
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):
-        return False
-
-
-class LowPrecisionOptimizer(Optimizer):
+class LowPrecisionOptimizer(FusedStep, StateIO):
     """Base class of :class:`mixprec.optim.AdamW` and :class:`mixprec.optim.SGD` (see the module docstring).
 
     Subclasses define the state keys that hold one value per element (``_state_keys``) and the
     FP32 update on flat buffers (``_update``); this class does everything around it.
     """
-
-    _step_supports_amp_scaling = True
-    #: Every per-element state key the algorithm may use (for importing checkpoints).
-    _ALL_STATE_KEYS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -230,56 +168,6 @@ class LowPrecisionOptimizer(Optimizer):
         self._prefer_fused = False
         super().__init__(params, defaults)
 
-    # ----- hooks for subclasses ------------------------------------------------------------------
-    def _state_keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
-        """State entries with one value per parameter element, stored in ``state_dtype``."""
-        raise NotImplementedError
-
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        """Check a param group's hyper-parameters; raise ``ValueError`` with the fix.
-
-        Checks ``lr`` and ``weight_decay``, which every optimizer here has; subclasses call it
-        first and check their own hyper-parameters after.
-        """
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}.")
-        elif not lr >= 0.0:
-            raise ValueError(f"invalid learning rate lr={lr!r}; use lr >= 0.")
-        if not group["weight_decay"] >= 0.0:
-            raise ValueError(f"invalid weight_decay={group['weight_decay']!r}; use weight_decay >= 0.")
-
-    def _step_scalars(
-        self, group: Mapping[str, Any], steps_old: Tensor, steps_new: Tensor, dtype: torch.dtype
-    ) -> dict[str, Tensor]:
-        """Per-parameter quantities of the update (bias corrections, ...), one value per segment.
-
-        ``steps_old``/``steps_new`` hold one FP32 step count per segment (on the device); each
-        returned tensor has their shape, in ``dtype`` (the compute dtype). Computed once per
-        chunk (eager) or per bucket (fused, outside the compiled graph: Inductor would
-        otherwise recompute them for every vector of elements).
-        """
-        return {}
-
-    def _update(
-        self,
-        group: Mapping[str, Any],
-        w: Tensor,
-        grad: Tensor,
-        states: dict[str, Tensor],
-        scalars: Mapping[str, Tensor],
-        expand: Callable[[Tensor], Tensor],
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The update on flat compute-dtype buffers, all inputs read-only. Returns ``(w_new, states_new)``.
-
-        ``scalars`` is :meth:`_step_scalars`'s result; ``expand(v)`` turns such a per-segment
-        tensor into something broadcastable to ``w``. Elementwise, single-rounding ops only
-        (no ``lerp``/``addcmul``/``alpha=``), so the compiled step equals the eager one bit for
-        bit; and no instance attributes (compiled steps are shared between instances).
-        """
-        raise NotImplementedError
-
     # ----- configuration ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as ``torch.optim.Optimizer.add_param_group``), checking its hyper-parameters.
@@ -348,10 +236,6 @@ class LowPrecisionOptimizer(Optimizer):
             self._offsets[id(p)] = off
         self._key_cache.clear()
         self._fused_fns.clear()
-
-    def _streams(self) -> dict[int, int]:
-        """``id(param) -> position`` over all groups: the parameter's part of its random stream ids."""
-        return {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
 
     # ----- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -442,38 +326,6 @@ class LowPrecisionOptimizer(Optimizer):
             if st is None or not st.keys() >= need:
                 self._init_state(p, group)
 
-    def _bucket(self, group: Mapping[str, Any], params: list[Tensor], streams: Mapping[int, int] | None) -> _Bucket:
-        """The local tensors of a bucket (a ``DTensor``'s shard; the tensor itself otherwise).
-
-        ``streams`` (``id(param) -> position``): the parameters' random stream ids; ``None`` when
-        the step draws no random bits (``ids`` is then empty).
-        """
-        state = self.state
-        sts = [state[p] for p in params]
-        keys = self._state_keys(group)
-        return _Bucket(
-            [_local(p) for p in params],
-            [_local(cast(Tensor, p.grad)) for p in params],
-            [_local(s[_COMP_KEY]) for s in sts] if self._uses_kahan(params[0]) else [],
-            {k: [_local(s[k]) for s in sts] for k in keys},
-            [s[_STEP_KEY] for s in sts],
-            [streams[id(p)] for p in params] if streams is not None else [],
-            [self._offset(p) for p in params],
-            [self._mirrors.get(id(p)) for p in params],
-        )
-
-    def _offset(self, p: Tensor) -> int:
-        """The global flat position of ``p``'s first local element (cached; see :meth:`_set_global_offsets`)."""
-        off = self._offsets.get(id(p))
-        if off is None:
-            off = 0
-            if _is_dtensor(p):
-                from .._dist import global_flat_offset
-
-                off = global_flat_offset(p)
-            self._offsets[id(p)] = off
-        return off
-
     def _step_bucket(self, group: dict[str, Any], b: _Bucket, ctx: _DeviceCtx) -> None:
         if self._sync_mirrors:
             self._sync_from_mirrors(b)
@@ -492,255 +344,7 @@ class LowPrecisionOptimizer(Optimizer):
             if m is not None:
                 with_edits(p, m, out=p)
 
-    # ----- the fused (compiled) step ------------------------------------------------------------------
-    @property
-    def prefer_fused(self) -> bool:
-        """Set by ``MixedPrecision`` once the model runs compiled: ``fused=None`` then fuses on a CPU too."""
-        return self._prefer_fused
-
-    @prefer_fused.setter
-    def prefer_fused(self, value: bool) -> None:
-        self._prefer_fused = bool(value)
-
-    def fused_enabled(self, device: torch.device | str) -> bool:
-        """Whether steps on ``device`` run compiled (``torch.compile``, Inductor).
-
-        ``fused=True``: always (a compile error raises). ``fused=False``: never. ``fused=None``
-        (default): on CUDA and XPU when Triton is available; off on CPU and other devices. The
-        rule and the measurements behind it are in ``docs/optim.md``: on a GPU the eager step is
-        a chain of ~30 memory-bound kernels and the compiled one a few (the 124M-parameter eager
-        Kahan step was 7.7x torch's fused AdamW); on a CPU the compiled step is faster too, but
-        its first step costs ~10-30 s of C++ compilation per bucket structure, which dominates
-        short runs and test suites, so it is opt-in there, except when the model runs compiled
-        (``_prefer_fused``, set by ``MixedPrecision`` once it saw a compiled backward: the user
-        already pays compile time, and the fused step is then the faster one). Also off (with a warning naming the
-        cause) after a compile failure under ``fused=None``, and after more than
-        ``_MAX_COMPILES`` structures (e.g. a scheduler changing ``betas`` every step).
-        """
-        if self._fused_off is not None:
-            return False
-        if self.fused is not None:
-            return self.fused
-        dev = torch.device(device)
-        if self._prefer_fused and dev.type == "cpu":
-            return True
-        if dev.type not in ("cuda", "xpu"):
-            return False
-        try:
-            from torch.utils._triton import has_triton
-        except ImportError:  # pragma: no cover - very old torch
-            return False
-        return bool(has_triton())
-
-    def _step_bucket_fused(self, gi: int, group: dict[str, Any], plan: _Plan, keys: tuple[str, ...],
-                           ctx: _DeviceCtx) -> bool:
-        """Step one bucket with its compiled function (built on first use, shared process-wide).
-
-        Returns ``False`` (the caller steps eagerly) when compiling failed under ``fused=None``
-        or too many structures were compiled. The per-step host work is a few list
-        comprehensions: the bucket's structure and hyper-parameter key are cached on ``plan``.
-        """
-        params = plan.params
-        p0 = params[0]
-        device = plan.device
-        hp = {k: v for k, v in group.items() if k not in _DYNAMIC_GROUP_KEYS}
-        if plan.hp is None or not _same_values(hp, plan.hp):
-            plan.hp, plan.hp_key = hp, repr(sorted(hp.items(), key=lambda kv: kv[0]))
-        lr = group["lr"]
-        lr_t: Tensor
-        if isinstance(lr, Tensor):
-            lr_t = lr.detach().to(device=device, dtype=torch.float64).reshape(())
-        else:
-            lr_key = (gi, device)
-            lr_cached = self._lr_tensors.get(lr_key)
-            if lr_cached is None:
-                lr_cached = self._lr_tensors[lr_key] = torch.zeros((), dtype=torch.float64, device=device)
-            lr_t = lr_cached.fill_(float(lr))  # a kernel with a host scalar: no sync, no recompile when the LR changes
-        # Random bits only where something is stochastically rounded (half parameters with Kahan or
-        # stochastic compensation, half states): FP32 steps skip the key kernels.
-        bits = (p0.dtype in _HALF and self.compensation != "none") or self._state_dtype_for(p0) in _HALF
-        b = self._bucket(group, params, self._streams() if bits else None)
-        mirror_ids = tuple(map(id, b.mirrors))
-        if plan.struct is None or plan.struct_key != mirror_ids:
-            # Shapes, strides and dtypes select the compiled function; dynamo's guards check them
-            # on every call, so a later layout change (a swapped p.data) recompiles, never misreads.
-            plan.struct_key = mirror_ids
-            plan.struct = tuple(
-                (tuple(p.shape), tuple(p.stride()), p.dtype, type(p), tuple(g.shape), tuple(g.stride()), g.dtype,
-                 None if m is None else (m.dtype, tuple(m.stride())))
-                for p, g, m in zip(b.params, b.grads, b.mirrors))
-        spec: tuple[Any, ...] = (
-            type(self), self.compensation, self.state_dtype, plan.struct, keys, plan.hp_key,
-            ctx.scale is not None, ctx.skip is not None, device, self._sync_mirrors,
-        )
-        acc = torch.promote_types(p0.dtype, torch.float32)
-        # Per-parameter scalars and random keys outside the graph (a few tiny kernels per bucket):
-        # inside, Inductor would recompute them (pow, the key hash) for every vector of elements.
-        steps_old = torch.stack(b.steps)
-        steps_new = steps_old + (ctx.keep if ctx.keep is not None else 1.0)
-        scalars = self._step_scalars(group, steps_old, steps_new, acc)
-        scalar_keys = tuple(sorted(scalars))
-        ka = kb = offsets = None
-        if bits:
-            rand_keys, offsets = self._fused_keys(b, keys, device)
-            ka, kb = step_keys((rand_keys[..., 0], rand_keys[..., 1]), steps_old[:, None])
-        spec = (*spec, scalar_keys)
-        args = (b.params, b.grads, b.comps, [b.states[k] for k in keys], [scalars[k] for k in scalar_keys], lr_t,
-                ctx.scale, ctx.skip, ka, kb, offsets, b.mirrors)
-        fn = self._fused_fns.get(spec)
-        if fn is not None:
-            fn(*args)
-            self._count_steps(b, ctx)
-            return True
-        fn = _FUSED_CACHE.get(spec)
-        compiled_here = fn is None
-        if fn is None:
-            if len(self._fused_fns) >= _MAX_COMPILES:
-                self._fused_off = (f"{_MAX_COMPILES} step structures compiled already (hyper-parameters other than lr "
-                                   "are compiled in: is a scheduler changing them every step?)")
-                warnings.warn(f"{type(self).__name__}: using the eager step from now on: {self._fused_off}. Pass "
-                              "fused=False to silence this.", RuntimeWarning, stacklevel=4)
-                return False
-            fn = self._build_fused(hp, b, keys, scalar_keys, len(_FUSED_CACHE))
-        t0 = time.perf_counter()
-        try:
-            fn(*args)
-        except Exception as e:  # compile errors surface at the first call (backend, dynamo, C++ toolchain)
-            if not compiled_here:
-                raise
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if self.fused:
-                raise RuntimeError(
-                    f"{type(self).__name__}(fused=True): torch.compile of the fused step failed ({why}). Use "
-                    "fused=False for the eager step, or fix the compiler setup (a C++ compiler on CPU, Triton on GPU)."
-                ) from e
-            self._fused_off = why
-            warnings.warn(
-                f"{type(self).__name__}: the fused (torch.compile) step failed to build, using the eager step from "
-                f"now on ({why}). Pass fused=False to silence this.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return False
-        if compiled_here:
-            self.compile_seconds += time.perf_counter() - t0
-            _FUSED_CACHE[spec] = fn
-            while len(_FUSED_CACHE) > _FUSED_CACHE_SIZE:
-                _FUSED_CACHE.pop(next(iter(_FUSED_CACHE)))
-        self._fused_fns[spec] = fn
-        self._count_steps(b, ctx)
-        return True
-
-    @staticmethod
-    def _count_steps(b: _Bucket, ctx: _DeviceCtx) -> None:
-        if ctx.keep is None:
-            torch._foreach_add_(b.steps, 1.0)
-        else:
-            # The list-of-tensors overload stays on the device (the single-tensor one reads it on the host).
-            torch._foreach_add_(b.steps, [ctx.keep] * len(b.steps))
-
-    def _fused_keys(self, b: _Bucket, keys: tuple[str, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-        """The bucket's stream keys (int64 ``(n, 2 + len(keys), 2)``) and offsets (int64 ``(n,)``), cached."""
-        slots = (_SLOT_PARAM, _SLOT_COMP, *(self._state_slot(k) for k in keys))
-        cache_key = ("fused", device, tuple(b.ids), tuple(b.offsets), slots)
-        cached = self._key_cache.get(cache_key)
-        if cached is None:
-            if len(self._key_cache) > 4096:
-                self._key_cache.clear()
-            table = [[list(stream_key(self.seed, i * _STREAMS_PER_PARAM + s)) for s in slots] for i in b.ids]
-            kt = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
-            ot = torch.tensor(b.offsets, dtype=torch.int64).to(device, non_blocking=True)
-            cached = self._key_cache[cache_key] = (kt, ot)
-        return cached[0], cached[1]
-
-    def _build_fused(
-        self, hp: dict[str, Any], b: _Bucket, keys: tuple[str, ...], scalar_keys: tuple[str, ...], n: int
-    ) -> Callable[..., None]:
-        """A ``torch.compile``d step for one bucket structure (static shapes, hyper-parameters but ``lr`` baked in).
-
-        The per-parameter scalars (from the step counts), the LR, ``grad_scale``, ``found_inf``,
-        the random keys (mixed with the step counts) and the global offsets are tensor inputs, so neither a new step, a scheduler's LR, another
-        seed nor another optimizer with the same structure needs a new graph: compiled steps
-        are cached process-wide by structure. Each structure gets its own code object so that
-        dynamo's per-code cache (and its recompile limit) is per structure. The arithmetic is
-        the eager step's (the subclass's ``_update``, called on an uninitialised instance:
-        ``_update`` must not read instance attributes).
-        """
-        p0 = b.params[0]
-        pdt = p0.dtype
-        acc = torch.promote_types(pdt, torch.float32)
-        half = pdt in _HALF
-        kahan = bool(b.comps)
-        stochastic = half and self.compensation == "stochastic"
-        sync_mirrors = self._sync_mirrors
-        sdt = self._state_dtype_for(p0)
-        cls = type(self)
-        update = cls.__new__(cls)._update
-        scalar = _scalar_expand
-        slot_of = {k: 2 + j for j, k in enumerate(keys)}  # column in the key table (0: param, 1: comp)
-
-        def fused_step(
-            ps: list[Tensor], gs: list[Tensor], comps: list[Tensor], states: list[list[Tensor]],
-            scalars: list[Tensor], lr: Tensor, scale: Tensor | None, skip: Tensor | None,
-            ka: Tensor | None, kb: Tensor | None, offsets: Tensor | None, mirrors: list[Tensor | None],
-        ) -> None:
-            group = dict(hp)
-            group["lr"] = lr
-            for i, p in enumerate(ps):
-                g = gs[i].to(acc)
-                if scale is not None:
-                    g = g / scale
-                w = p.to(acc)
-                mirror = mirrors[i]
-                p_old: Tensor = p
-                if sync_mirrors and mirror is not None:
-                    # An edit of the model's weight since the last step (p.data.clamp_, a pruning
-                    # mask) wins over the master, elementwise, in this pass over the weights: the
-                    # exact check of weight_edits="values" without three extra kernels per tensor.
-                    w = with_edits(w, mirror)
-                    p_old = w.to(p.dtype)  # what a skipped step keeps: the master with the edits
-                if kahan:
-                    w = w + comps[i].to(acc)
-                s_old = {k: states[j][i] for j, k in enumerate(keys)}
-                w_new, s_new = update(group, w, g, {k: v.to(acc) for k, v in s_old.items()},
-                                      {k: scalars[j][i] for j, k in enumerate(scalar_keys)}, scalar)
-                index = None
-                if ka is not None:  # random bits drawn (stochastic rounding somewhere in this bucket)
-                    index = (torch.arange(p.numel(), dtype=torch.int64, device=p.device)
-                             + cast(Tensor, offsets)[i]).view(p.shape)
-
-                def rand(col: int, i: int = i, index: Tensor | None = index) -> Tensor:
-                    return counter_bits(cast(Tensor, ka)[i, col], cast(Tensor, kb)[i, col], cast(Tensor, index))
-
-                new: list[tuple[Tensor, Tensor, Tensor]] = []  # (destination, new value, value if skipped)
-                if half:
-                    p_new = stochastic_round(w_new, pdt, bits=rand(0)) if stochastic else w_new.to(pdt)
-                    new.append((p, p_new, p_old))
-                    if kahan:
-                        c = comps[i]
-                        new.append((c, stochastic_round(w_new - p_new.to(acc), pdt, bits=rand(1)), c))
-                else:
-                    new.append((p, w_new.to(pdt), p_old))
-                for k in keys:
-                    v = s_new[k]
-                    v = stochastic_round(v, sdt, bits=rand(slot_of[k])) if sdt in _HALF else v.to(sdt)
-                    new.append((s_old[k], v, s_old[k]))
-                for dst, value, old in new:
-                    dst.copy_(torch.where(skip, old, value) if skip is not None else value)
-                if mirror is not None:  # the copy back into the model's half weight, in the same kernel
-                    mirror.copy_(p.to(mirror.dtype))
-
-        code = fused_step.__code__.replace(co_name=f"_mixprec_fused_step_{n}")
-        fn = types.FunctionType(code, fused_step.__globals__, code.co_name, fused_step.__defaults__,
-                                fused_step.__closure__)
-        # emulate_precision_casts: keep every rounding to the half dtype (Inductor elides a
-        # half->FP32 round trip by default, which would make the Kahan remainder w - round(w) zero).
-        # size_asserts off: dynamo's guards already check every input's sizes and strides; the
-        # generated wrapper's second check cost ~0.2 ms per call for a 29-tensor bucket on a CPU.
-        options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True,
-                                                                     "size_asserts": False}
-        return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True, options=options))
-
+    # ----- the eager step, chunk by chunk ---------------------------------------------------------------
     def _chunks(self, params: list[Tensor]) -> list[list[_Segment]]:
         limit = self.chunk_numel
         chunks: list[list[_Segment]] = []
@@ -844,9 +448,6 @@ class LowPrecisionOptimizer(Optimizer):
             srcs = [x if v is not None else x.view(t.shape) for x, v, t in zip(pieces, views, tensors)]
             torch._foreach_copy_(dsts, srcs)
 
-    def _state_slot(self, key: str) -> int:
-        return _SLOT_STATE0 + self._ALL_STATE_KEYS.index(key)
-
     def _chunk_bits(
         self,
         b: _Bucket,
@@ -896,317 +497,3 @@ class LowPrecisionOptimizer(Optimizer):
             return torch.cat([x.expand(n) for x, n in zip(v.unbind(), sizes)])
 
         return expand
-
-    # ----- state ---------------------------------------------------------------------------------------
-    def _state_dtype_for(self, p: Tensor) -> torch.dtype:
-        return torch.float64 if p.dtype == torch.float64 else self.state_dtype
-
-    def _uses_kahan(self, p: Tensor) -> bool:
-        return self.compensation == "kahan" and p.dtype in _HALF
-
-    def _init_state(self, p: Tensor, group: Mapping[str, Any]) -> None:
-        st = self.state[p]
-        if _STEP_KEY not in st:
-            st[_STEP_KEY] = torch.zeros((), dtype=torch.float32, device=p.device)
-        for k in self._state_keys(group):
-            if k not in st:
-                st[k] = _zeros_like(p, self._state_dtype_for(p))
-        if self._uses_kahan(p) and _COMP_KEY not in st:
-            st[_COMP_KEY] = _zeros_like(p, p.dtype)
-
-    def _import_state(self, p: Tensor, group: Mapping[str, Any], value: Mapping[str, Any], copy: bool) -> dict[str, Any]:
-        """One parameter's state from a checkpoint or a torch optimizer, in this optimizer's dtypes."""
-        keys = self._state_keys(group)
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            if v is None:
-                continue  # e.g. an unset momentum_buffer in old torch checkpoints
-            if k == _STEP_KEY:
-                t = torch.as_tensor(v).to(device=p.device, dtype=torch.float32).reshape(())
-                out[k] = t.clone() if copy else t
-            elif k == _COMP_KEY:
-                if not self._uses_kahan(p):
-                    continue  # resolved by the compensation check in load_state_dict
-                out[k] = _as_state_tensor(v, p, p.dtype, copy, self._offset(p))
-            elif k in keys or k in self._ALL_STATE_KEYS:
-                out[k] = _as_state_tensor(v, p, self._state_dtype_for(p), copy, self._offset(p))
-            else:
-                out[k] = deepcopy(v) if copy else v
-        if _STEP_KEY not in out and any(k in out for k in keys):
-            out[_STEP_KEY] = torch.ones((), dtype=torch.float32, device=p.device)  # buffers exist: not the first step
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The ``torch.optim`` state dict plus a ``"mixprec"`` entry.
-
-        Per-parameter ``state`` holds ``step`` (0-d FP32), the moments in ``state_dtype`` and,
-        for ``compensation="kahan"`` on FP16/BF16 parameters, ``kahan_comp`` (parameter dtype).
-        ``"mixprec"`` holds ``version`` (2), ``compensation``, ``state_dtype`` (name) and ``seed``.
-        The random bits of stochastic rounding are a function of the seed, the step counters and
-        the element positions, so these entries resume a run bit for bit, stochastic rounding
-        included (version 1 also held per-device generator states). Tensors are the live state
-        (as in torch); save or copy it.
-        """
-        sd = super().state_dict()
-        sd["mixprec"] = {
-            "version": _STATE_VERSION,
-            "compensation": self.compensation,
-            "state_dtype": dtype_name(self.state_dtype),
-            "seed": self.seed,
-        }
-        return sd
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` or from a ``torch.optim`` optimizer of the same algorithm.
-
-        Tensors are copied into this optimizer's dtypes and devices (moments into
-        ``state_dtype``, ``kahan_comp`` into the parameter dtype, ``step`` to a 0-d FP32 tensor on
-        the parameter's device). A torch checkpoint has no compensation: the buffers start at zero.
-        To move FP32 weights into this run without losing what the cast drops, use
-        :meth:`load_full_precision_params_`.
-
-        A version-1 state dict (mixprec before counter-based stochastic rounding) loads: its
-        seed is kept and its generator states are dropped, so stochastic rounding continues with
-        the counter-based bits of that seed (the steps after resuming round differently from
-        what the old version would have done; everything else resumes exactly).
-
-        Raises:
-            ValueError: different group or parameter counts; a mixprec checkpoint whose
-                ``compensation`` differs from this optimizer's (resuming would silently drop or
-                invent compensation buffers); an unknown ``version``.
-        """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)  # type: ignore[arg-type]  # torch types it dict; any Mapping passes through, as in torch
-            if result is not None:
-                state_dict = result
-        meta = state_dict.get("mixprec")
-        if meta is not None:
-            if meta.get("version") not in _READABLE_VERSIONS:
-                raise ValueError(f"mixprec optimizer state version {meta.get('version')!r}; this mixprec reads "
-                                 f"versions {_READABLE_VERSIONS} (upgrade mixprec?).")
-            if meta.get("compensation") != self.compensation:
-                raise ValueError(
-                    f"the checkpoint was written with compensation={meta.get('compensation')!r}, this optimizer uses "
-                    f"compensation={self.compensation!r}; build it with compensation={meta.get('compensation')!r} to "
-                    "resume, or move only the weights (load_full_precision_params_)."
-                )
-        groups = self.param_groups
-        saved_groups = deepcopy(state_dict["param_groups"])
-        if len(groups) != len(saved_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} parameter group(s), this optimizer {len(groups)}.")
-        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"parameter group {i} has {len(g['params'])} parameters here and "
-                                 f"{len(sg['params'])} in the state dict.")
-        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
-                          chain.from_iterable(g["params"] for g in groups)))
-        new_groups = []
-        for g, sg in zip(groups, saved_groups):
-            sg["params"] = g["params"]
-            if "param_names" in g and "param_names" not in sg:
-                sg["param_names"] = g["param_names"]
-            new_groups.append(sg)
-        for sg in new_groups:
-            self._validate_group(sg)
-        owner = {id(p): g for g in new_groups for p in g["params"]}
-        state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
-        for k, v in state_dict["state"].items():
-            if k in id_map:
-                p = id_map[k]
-                state[p] = self._import_state(p, owner[id(p)], v, copy=True)
-            else:
-                state[k] = v
-        self.__setstate__({"state": state, "param_groups": new_groups})
-        self._key_cache.clear()
-        if meta is not None and int(meta.get("seed", self.seed)) != self.seed:
-            self.seed = int(meta["seed"])
-            self._key_cache.clear()
-            self._fused_fns.clear()  # the seed's stream keys are constants of the compiled steps
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    # ----- full-precision weights --------------------------------------------------------------------------
-    @torch.no_grad()
-    def load_full_precision_params_(self, values: Mapping[Tensor, Tensor]) -> None:
-        """Set parameters from full-precision values, seeding the compensation with what the cast loses.
-
-        For each ``param: value``, ``param`` becomes ``value`` rounded to nearest in the parameter
-        dtype and, with ``compensation="kahan"`` on an FP16/BF16 parameter, its compensation
-        buffer becomes ``round(value - param)``, so ``param + compensation`` equals the FP32
-        weight to about 17 significant bits instead of 8 and nothing the cast dropped is lost
-        for the updates that follow. With ``"stochastic"`` or ``"none"`` there is no buffer:
-        only the nearest rounding is kept. Step counters and moments are left as they are
-        (created, at zero, when missing).
-
-        Args:
-            values: Maps parameters of this optimizer (the tensor objects in ``param_groups``)
-                to tensors of the same shape, any floating dtype and device (typically the FP32
-                weights from before the model was cast).
-
-        Raises:
-            ValueError: a key that is not a parameter of this optimizer, or a shape mismatch.
-
-        Example:
-            >>> from mixprec.optim import AdamW
-            >>> w32 = torch.randn(8)
-            >>> p = torch.nn.Parameter(w32.to(torch.bfloat16))
-            >>> opt = AdamW([p], compensation="kahan")
-            >>> opt.load_full_precision_params_({p: w32})
-            >>> bool((opt.full_precision_params()[p] - w32).abs().max() < 1e-4 * w32.abs().max())
-            True
-        """
-        owner: dict[int, dict[str, Any]] = {id(p): g for g in self.param_groups for p in g["params"]}
-        for p, v in values.items():
-            group = owner.get(id(p))
-            if group is None:
-                raise ValueError(f"load_full_precision_params_: a tensor of shape {tuple(p.shape)} is not a parameter "
-                                 "of this optimizer; key the mapping by the optimizer's own parameter tensors.")
-            if tuple(v.shape) != tuple(p.shape):
-                raise ValueError(f"load_full_precision_params_: value of shape {tuple(v.shape)} for a parameter of "
-                                 f"shape {tuple(p.shape)}.")
-        for p, v in values.items():
-            group = owner[id(p)]
-            self._init_state(p, group)
-            lp = _local(p)
-            lv = _local_value(v.detach(), p, self._offset(p)).to(lp.device)
-            lp.copy_(lv)
-            if self._uses_kahan(p):
-                acc = torch.promote_types(lv.dtype, torch.float32)
-                _local(self.state[p][_COMP_KEY]).copy_(lv.to(acc) - lp.to(acc))
-
-    @torch.no_grad()
-    def full_precision_params(self) -> dict[Tensor, Tensor]:
-        """The weights as the optimizer sees them: ``param + compensation`` in FP32 (a new tensor each).
-
-        For parameters without a compensation buffer this is ``param`` upcast to FP32 (FP64
-        parameters stay FP64). Use it to export or evaluate the run's best estimate of the weights.
-
-        Returns:
-            ``{param: tensor}`` over every parameter of every group.
-        """
-        out: dict[Tensor, Tensor] = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                acc = torch.promote_types(p.dtype, torch.float32)
-                w = p.detach().to(acc)
-                comp = self.state.get(p, {}).get(_COMP_KEY)
-                out[p] = w + comp.to(acc) if comp is not None else w.clone()
-        return out
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes held per category over all parameters of all groups (persistent model state).
-
-        Returns:
-            ``numel`` (parameter elements this process holds: a ``DTensor``'s local shard), ``params``, ``grads`` (existing ``.grad`` tensors),
-            ``compensation`` (``kahan_comp``), ``states`` (moments and other per-element
-            buffers), ``scalars`` (0-d step counters) and ``total`` (all but ``numel``).
-            ``(params + grads + compensation + states) / numel`` is the bytes-per-parameter
-            figure: 14 for Kahan with FP32 states on BF16 AdamW, 10 with BF16 states, 8 for
-            stochastic rounding with BF16 states, 16 for FP32 parameters with FP32 states.
-        """
-        out = dict.fromkeys(("numel", "params", "grads", "compensation", "states", "scalars"), 0)
-        for g in self.param_groups:
-            for p in g["params"]:
-                out["numel"] += _local(p).numel()
-                out["params"] += _nbytes(p)
-                if p.grad is not None:
-                    out["grads"] += _nbytes(p.grad)
-                for k, v in self.state.get(p, {}).items():
-                    if not isinstance(v, Tensor):
-                        continue
-                    if k == _COMP_KEY:
-                        out["compensation"] += _nbytes(v)
-                    elif v.dim() == 0:
-                        out["scalars"] += _nbytes(v)
-                    else:
-                        out["states"] += _nbytes(v)
-        out["total"] = sum(v for k, v in out.items() if k != "numel")
-        return out
-
-
-# ----- helpers ------------------------------------------------------------------------------------------------
-def _nbytes(t: Tensor) -> int:
-    t = _local(t)  # a DTensor counts what this rank holds
-    return t.numel() * t.element_size()
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    return callable(getattr(t, "to_local", None)) and hasattr(t, "placements")
-
-
-def _local(t: Tensor) -> Tensor:
-    """A ``DTensor``'s local shard (the tensor itself: in-place writes reach the DTensor), else ``t``."""
-    if type(t) in _PLAIN or not _is_dtensor(t):  # the exact-type test first: the step calls this per tensor
-        return t
-    # _local_tensor, not to_local(): with grad mode on, to_local() returns a new autograd view each call.
-    local = getattr(t, "_local_tensor", None)
-    return cast(Tensor, local if isinstance(local, Tensor) else cast(Any, t).to_local())
-
-
-def _zeros_like(p: Tensor, dtype: torch.dtype) -> Tensor:
-    """Zeros of ``p``'s shape in ``dtype``; for a ``DTensor`` a ``DTensor`` of the same spec (sharded like ``p``)."""
-    if not _is_dtensor(p):
-        return torch.zeros(p.shape, dtype=dtype, device=p.device)
-    from torch.distributed.tensor import DTensor
-
-    d = cast(Any, p)
-    local = torch.zeros(_local(p).shape, dtype=dtype, device=_local(p).device)
-    return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=p.shape, stride=p.stride())
-
-
-def _local_value(v: Tensor, p: Tensor, offset: int) -> Tensor:
-    """The part of ``v`` (a value for parameter ``p``) that ``p``'s local shard holds.
-
-    ``v`` a ``DTensor``: its local shard. ``v`` a plain tensor of ``p``'s global shape while
-    ``p`` is a ``DTensor``: the elements ``offset ..`` of its flattened form (dim-0 shards).
-    """
-    if _is_dtensor(v):
-        return _local(v)
-    lp = _local(p)
-    if _is_dtensor(p) and tuple(v.shape) != tuple(lp.shape):
-        return v.reshape(-1)[offset:offset + lp.numel()].view(lp.shape)
-    return v
-
-
-def _scalar_expand(v: Tensor) -> Tensor:
-    return v.reshape(())
-
-
-def _cat(views: list[Tensor]) -> Tensor:
-    return views[0] if len(views) == 1 else torch.cat(views)
-
-
-def _flat_view(t: Tensor, s: _Segment) -> Tensor | None:
-    """The segment's elements of ``t`` as a 1-D view; ``None`` for a whole non-contiguous tensor."""
-    if s.start == 0 and s.stop == t.numel():
-        return t.view(-1) if t.is_contiguous() else None
-    return t.view(-1)[s.start:s.stop]  # only contiguous tensors are cut into slices
-
-
-def _as_state_tensor(v: Any, p: Tensor, dtype: torch.dtype, copy: bool, offset: int = 0) -> Tensor:
-    t = v if isinstance(v, Tensor) else torch.as_tensor(v)
-    if tuple(t.shape) != tuple(p.shape):
-        raise ValueError(f"optimizer state of shape {tuple(t.shape)} for a parameter of shape {tuple(p.shape)}.")
-    if _is_dtensor(p):  # a DTensor state sharded like its parameter (from DCP, or a full tensor sliced)
-        lp = _local(p)
-        local = _local_value(t, p, offset).to(device=lp.device, dtype=dtype).clone(
-            memory_format=torch.contiguous_format)
-        out = _zeros_like(p, dtype)
-        _local(out).copy_(local)
-        return out
-    out = t.to(device=p.device, dtype=dtype, memory_format=torch.contiguous_format)
-    if copy and out is t:
-        out = out.clone(memory_format=torch.contiguous_format)
-    return out
-
-
-def _device_ctx(device: torch.device, grad_scale: Tensor | float | None, found_inf: Tensor | None) -> _DeviceCtx:
-    scale = None
-    if grad_scale is not None:
-        scale = torch.as_tensor(grad_scale, dtype=torch.float32).to(device, non_blocking=True).reshape(())
-    skip = keep = None
-    if found_inf is not None:
-        f = torch.as_tensor(found_inf).to(device, non_blocking=True).reshape(())
-        skip = f != 0
-        keep = (~skip).to(torch.float32)
-    return _DeviceCtx(scale, skip, keep)

@@ -1,0 +1,313 @@
+"""What every part of a :class:`~mixprec.optim.LowPrecisionOptimizer` stands on: its layout and its hooks.
+
+The optimizer is written in parts, one concept a module (``_base.py`` says how a step runs):
+
+* here: the buckets, segments and device context a step works on, the tensor helpers, and
+  :class:`OptimizerParts`, the members every part uses (the subclass hooks of the algorithm, the
+  state layout: state dtypes, compensation, random-stream slots, global offsets, step counting);
+* ``_fused_step.py``: the fused (``torch.compile``d) step;
+* ``_state_io.py``: state creation, ``state_dict``/``load_state_dict``, full-precision weights, memory;
+* ``_base.py``: ``LowPrecisionOptimizer`` itself (construction, ``step`` and the eager, chunked step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from itertools import chain
+from typing import Any, Literal, NamedTuple, cast
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["DEFAULT_CHUNK_NUMEL", "Compensation", "OptimizerParts"]
+
+
+Compensation = Literal["kahan", "stochastic", "none"]
+_HALF = (torch.bfloat16, torch.float16)
+_PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})  # tensor types that are never a DTensor
+_STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1 held generator states (dropped on load: see load_state_dict)
+#: Stream id of a buffer: ``16 * (parameter's position in the optimizer) + slot``.
+_SLOT_PARAM, _SLOT_COMP, _SLOT_STATE0 = 0, 1, 2
+_STREAMS_PER_PARAM = 16
+#: Default chunk: 16 Mi elements keeps the GPU busy (host work per chunk is fixed) while bounding
+#: the step's temporaries (~0.7 GiB for AdamW) however large the model or a single parameter is.
+DEFAULT_CHUNK_NUMEL = 1 << 24
+#: Group entries that are not compiled into a fused step (``lr`` is a tensor input).
+_DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
+_COMP_KEY = "kahan_comp"
+_STEP_KEY = "step"
+
+
+
+class _Segment(NamedTuple):
+    param: int  # position in the bucket's parameter list
+    start: int  # element range of the flattened parameter
+    stop: int
+
+
+class _Bucket(NamedTuple):
+    """One (device, dtype) bucket of a param group, as local tensors (a ``DTensor``'s shard)."""
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    comps: list[Tensor]  # Kahan compensation buffers; empty without Kahan
+    states: dict[str, list[Tensor]]  # per-element states by key, parallel to params
+    steps: list[Tensor]  # 0-d FP32 step counters
+    ids: list[int]  # position of each parameter in the optimizer (its random streams)
+    offsets: list[int]  # global flat position of each local tensor's first element
+    mirrors: list[Tensor | None]  # receives the committed value in its own dtype (see _mirrors)
+
+
+class _DeviceCtx(NamedTuple):
+    scale: Tensor | None  # grad_scale, on the device, the compute dtype applied at use
+    skip: Tensor | None  # 0-d bool: found_inf != 0
+    keep: Tensor | None  # 0-d float32: 1.0 - skip
+
+
+class _Plan:
+    """One (device, param dtype, grad dtype) bucket of a param group, kept across steps.
+
+    ``params`` are the parameters (the cache key holds their ids); the rest is filled by the
+    fused step: ``struct`` (shapes, strides and dtypes that select the compiled function) for
+    the mirrors ``struct_key``, and ``hp_key`` (the compiled-in hyper-parameters) for ``hp``.
+    """
+
+    __slots__ = ("device", "hp", "hp_key", "params", "struct", "struct_key")
+
+    def __init__(self, device: torch.device, params: list[Tensor]) -> None:
+        self.device = device
+        self.params = params
+        self.struct: tuple[Any, ...] | None = None
+        self.struct_key: tuple[int, ...] = ()
+        self.hp: dict[str, Any] | None = None
+        self.hp_key = ""
+
+
+def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a == b`` for hyper-parameter dicts; ``False`` where a value cannot be compared (a tensor)."""
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+class OptimizerParts(Optimizer):
+    """The members the parts of ``LowPrecisionOptimizer`` share (see the module docstring).
+
+    Attributes set by ``LowPrecisionOptimizer.__init__``, declared here so each part can use them.
+    """
+
+    _step_supports_amp_scaling = True
+    #: Every per-element state key the algorithm may use (for importing checkpoints).
+    _ALL_STATE_KEYS: tuple[str, ...] = ()
+
+    compensation: Compensation
+    state_dtype: torch.dtype
+    chunk_numel: int
+    seed: int
+    fused: bool | None
+    compile_seconds: float
+    _fused_fns: dict[Any, Callable[..., None]]
+    _fused_off: str | None
+    _key_cache: dict[Any, tuple[Tensor, ...]]
+    _offsets: dict[int, int]
+    _lr_tensors: dict[Any, Tensor]
+    _plan_cache: dict[int, tuple[Any, list[_Plan]]]
+    _mirrors: dict[int, Tensor]
+    _sync_mirrors: bool
+    _prefer_fused: bool
+
+    # ----- hooks for subclasses ------------------------------------------------------------------
+    def _state_keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
+        """State entries with one value per parameter element, stored in ``state_dtype``."""
+        raise NotImplementedError
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Check a param group's hyper-parameters; raise ``ValueError`` with the fix.
+
+        Checks ``lr`` and ``weight_decay``, which every optimizer here has; subclasses call it
+        first and check their own hyper-parameters after.
+        """
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}.")
+        elif not lr >= 0.0:
+            raise ValueError(f"invalid learning rate lr={lr!r}; use lr >= 0.")
+        if not group["weight_decay"] >= 0.0:
+            raise ValueError(f"invalid weight_decay={group['weight_decay']!r}; use weight_decay >= 0.")
+
+    def _step_scalars(
+        self, group: Mapping[str, Any], steps_old: Tensor, steps_new: Tensor, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
+        """Per-parameter quantities of the update (bias corrections, ...), one value per segment.
+
+        ``steps_old``/``steps_new`` hold one FP32 step count per segment (on the device); each
+        returned tensor has their shape, in ``dtype`` (the compute dtype). Computed once per
+        chunk (eager) or per bucket (fused, outside the compiled graph: Inductor would
+        otherwise recompute them for every vector of elements).
+        """
+        return {}
+
+    def _update(
+        self,
+        group: Mapping[str, Any],
+        w: Tensor,
+        grad: Tensor,
+        states: dict[str, Tensor],
+        scalars: Mapping[str, Tensor],
+        expand: Callable[[Tensor], Tensor],
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The update on flat compute-dtype buffers, all inputs read-only. Returns ``(w_new, states_new)``.
+
+        ``scalars`` is :meth:`_step_scalars`'s result; ``expand(v)`` turns such a per-segment
+        tensor into something broadcastable to ``w``. Elementwise, single-rounding ops only
+        (no ``lerp``/``addcmul``/``alpha=``), so the compiled step equals the eager one bit for
+        bit; and no instance attributes (compiled steps are shared between instances).
+        """
+        raise NotImplementedError
+
+    # ----- layout ----------------------------------------------------------------------------------------
+    def _streams(self) -> dict[int, int]:
+        """``id(param) -> position`` over all groups: the parameter's part of its random stream ids."""
+        return {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
+
+    def _bucket(self, group: Mapping[str, Any], params: list[Tensor], streams: Mapping[int, int] | None) -> _Bucket:
+        """The local tensors of a bucket (a ``DTensor``'s shard; the tensor itself otherwise).
+
+        ``streams`` (``id(param) -> position``): the parameters' random stream ids; ``None`` when
+        the step draws no random bits (``ids`` is then empty).
+        """
+        state = self.state
+        sts = [state[p] for p in params]
+        keys = self._state_keys(group)
+        return _Bucket(
+            [_local(p) for p in params],
+            [_local(cast(Tensor, p.grad)) for p in params],
+            [_local(s[_COMP_KEY]) for s in sts] if self._uses_kahan(params[0]) else [],
+            {k: [_local(s[k]) for s in sts] for k in keys},
+            [s[_STEP_KEY] for s in sts],
+            [streams[id(p)] for p in params] if streams is not None else [],
+            [self._offset(p) for p in params],
+            [self._mirrors.get(id(p)) for p in params],
+        )
+
+    def _offset(self, p: Tensor) -> int:
+        """The global flat position of ``p``'s first local element (cached; see :meth:`_set_global_offsets`)."""
+        off = self._offsets.get(id(p))
+        if off is None:
+            off = 0
+            if _is_dtensor(p):
+                from .._dist import global_flat_offset
+
+                off = global_flat_offset(p)
+            self._offsets[id(p)] = off
+        return off
+
+    @staticmethod
+    def _count_steps(b: _Bucket, ctx: _DeviceCtx) -> None:
+        if ctx.keep is None:
+            torch._foreach_add_(b.steps, 1.0)
+        else:
+            # The list-of-tensors overload stays on the device (the single-tensor one reads it on the host).
+            torch._foreach_add_(b.steps, [ctx.keep] * len(b.steps))
+
+    def _state_slot(self, key: str) -> int:
+        return _SLOT_STATE0 + self._ALL_STATE_KEYS.index(key)
+
+    def _state_dtype_for(self, p: Tensor) -> torch.dtype:
+        return torch.float64 if p.dtype == torch.float64 else self.state_dtype
+
+    def _uses_kahan(self, p: Tensor) -> bool:
+        return self.compensation == "kahan" and p.dtype in _HALF
+
+
+def _nbytes(t: Tensor) -> int:
+    t = _local(t)  # a DTensor counts what this rank holds
+    return t.numel() * t.element_size()
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return callable(getattr(t, "to_local", None)) and hasattr(t, "placements")
+
+
+def _local(t: Tensor) -> Tensor:
+    """A ``DTensor``'s local shard (the tensor itself: in-place writes reach the DTensor), else ``t``."""
+    if type(t) in _PLAIN or not _is_dtensor(t):  # the exact-type test first: the step calls this per tensor
+        return t
+    # _local_tensor, not to_local(): with grad mode on, to_local() returns a new autograd view each call.
+    local = getattr(t, "_local_tensor", None)
+    return cast(Tensor, local if isinstance(local, Tensor) else cast(Any, t).to_local())
+
+
+def _zeros_like(p: Tensor, dtype: torch.dtype) -> Tensor:
+    """Zeros of ``p``'s shape in ``dtype``; for a ``DTensor`` a ``DTensor`` of the same spec (sharded like ``p``)."""
+    if not _is_dtensor(p):
+        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+    from torch.distributed.tensor import DTensor
+
+    d = cast(Any, p)
+    local = torch.zeros(_local(p).shape, dtype=dtype, device=_local(p).device)
+    return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _local_value(v: Tensor, p: Tensor, offset: int) -> Tensor:
+    """The part of ``v`` (a value for parameter ``p``) that ``p``'s local shard holds.
+
+    ``v`` a ``DTensor``: its local shard. ``v`` a plain tensor of ``p``'s global shape while
+    ``p`` is a ``DTensor``: the elements ``offset ..`` of its flattened form (dim-0 shards).
+    """
+    if _is_dtensor(v):
+        return _local(v)
+    lp = _local(p)
+    if _is_dtensor(p) and tuple(v.shape) != tuple(lp.shape):
+        return v.reshape(-1)[offset:offset + lp.numel()].view(lp.shape)
+    return v
+
+
+def _scalar_expand(v: Tensor) -> Tensor:
+    return v.reshape(())
+
+
+def _cat(views: list[Tensor]) -> Tensor:
+    return views[0] if len(views) == 1 else torch.cat(views)
+
+
+def _flat_view(t: Tensor, s: _Segment) -> Tensor | None:
+    """The segment's elements of ``t`` as a 1-D view; ``None`` for a whole non-contiguous tensor."""
+    if s.start == 0 and s.stop == t.numel():
+        return t.view(-1) if t.is_contiguous() else None
+    return t.view(-1)[s.start:s.stop]  # only contiguous tensors are cut into slices
+
+
+def _as_state_tensor(v: Any, p: Tensor, dtype: torch.dtype, copy: bool, offset: int = 0) -> Tensor:
+    t = v if isinstance(v, Tensor) else torch.as_tensor(v)
+    if tuple(t.shape) != tuple(p.shape):
+        raise ValueError(f"optimizer state of shape {tuple(t.shape)} for a parameter of shape {tuple(p.shape)}.")
+    if _is_dtensor(p):  # a DTensor state sharded like its parameter (from DCP, or a full tensor sliced)
+        lp = _local(p)
+        local = _local_value(t, p, offset).to(device=lp.device, dtype=dtype).clone(
+            memory_format=torch.contiguous_format)
+        out = _zeros_like(p, dtype)
+        _local(out).copy_(local)
+        return out
+    out = t.to(device=p.device, dtype=dtype, memory_format=torch.contiguous_format)
+    if copy and out is t:
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def _device_ctx(device: torch.device, grad_scale: Tensor | float | None, found_inf: Tensor | None) -> _DeviceCtx:
+    scale = None
+    if grad_scale is not None:
+        scale = torch.as_tensor(grad_scale, dtype=torch.float32).to(device, non_blocking=True).reshape(())
+    skip = keep = None
+    if found_inf is not None:
+        f = torch.as_tensor(found_inf).to(device, non_blocking=True).reshape(())
+        skip = f != 0
+        keep = (~skip).to(torch.float32)
+    return _DeviceCtx(scale, skip, keep)

@@ -1,0 +1,254 @@
+"""The state of a :class:`~mixprec.optim.LowPrecisionOptimizer`: creation, checkpoints, full-precision weights, memory."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from copy import deepcopy
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._dtypes import dtype_name
+from ._parts import (
+    _COMP_KEY,
+    _READABLE_VERSIONS,
+    _STATE_VERSION,
+    _STEP_KEY,
+    OptimizerParts,
+    _as_state_tensor,
+    _local,
+    _local_value,
+    _nbytes,
+    _zeros_like,
+)
+
+__all__ = ["StateIO"]
+
+
+class StateIO(OptimizerParts):
+    """State of ``LowPrecisionOptimizer``: per-parameter creation, ``state_dict``/``load_state_dict``, FP32 weights, memory."""
+
+    def _init_state(self, p: Tensor, group: Mapping[str, Any]) -> None:
+        st = self.state[p]
+        if _STEP_KEY not in st:
+            st[_STEP_KEY] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for k in self._state_keys(group):
+            if k not in st:
+                st[k] = _zeros_like(p, self._state_dtype_for(p))
+        if self._uses_kahan(p) and _COMP_KEY not in st:
+            st[_COMP_KEY] = _zeros_like(p, p.dtype)
+
+    def _import_state(self, p: Tensor, group: Mapping[str, Any], value: Mapping[str, Any], copy: bool) -> dict[str, Any]:
+        """One parameter's state from a checkpoint or a torch optimizer, in this optimizer's dtypes."""
+        keys = self._state_keys(group)
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if v is None:
+                continue  # e.g. an unset momentum_buffer in old torch checkpoints
+            if k == _STEP_KEY:
+                t = torch.as_tensor(v).to(device=p.device, dtype=torch.float32).reshape(())
+                out[k] = t.clone() if copy else t
+            elif k == _COMP_KEY:
+                if not self._uses_kahan(p):
+                    continue  # resolved by the compensation check in load_state_dict
+                out[k] = _as_state_tensor(v, p, p.dtype, copy, self._offset(p))
+            elif k in keys or k in self._ALL_STATE_KEYS:
+                out[k] = _as_state_tensor(v, p, self._state_dtype_for(p), copy, self._offset(p))
+            else:
+                out[k] = deepcopy(v) if copy else v
+        if _STEP_KEY not in out and any(k in out for k in keys):
+            out[_STEP_KEY] = torch.ones((), dtype=torch.float32, device=p.device)  # buffers exist: not the first step
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``torch.optim`` state dict plus a ``"mixprec"`` entry.
+
+        Per-parameter ``state`` holds ``step`` (0-d FP32), the moments in ``state_dtype`` and,
+        for ``compensation="kahan"`` on FP16/BF16 parameters, ``kahan_comp`` (parameter dtype).
+        ``"mixprec"`` holds ``version`` (2), ``compensation``, ``state_dtype`` (name) and ``seed``.
+        The random bits of stochastic rounding are a function of the seed, the step counters and
+        the element positions, so these entries resume a run bit for bit, stochastic rounding
+        included (version 1 also held per-device generator states). Tensors are the live state
+        (as in torch); save or copy it.
+        """
+        sd = super().state_dict()
+        sd["mixprec"] = {
+            "version": _STATE_VERSION,
+            "compensation": self.compensation,
+            "state_dtype": dtype_name(self.state_dtype),
+            "seed": self.seed,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` or from a ``torch.optim`` optimizer of the same algorithm.
+
+        Tensors are copied into this optimizer's dtypes and devices (moments into
+        ``state_dtype``, ``kahan_comp`` into the parameter dtype, ``step`` to a 0-d FP32 tensor on
+        the parameter's device). A torch checkpoint has no compensation: the buffers start at zero.
+        To move FP32 weights into this run without losing what the cast drops, use
+        :meth:`load_full_precision_params_`.
+
+        A version-1 state dict (mixprec before counter-based stochastic rounding) loads: its
+        seed is kept and its generator states are dropped, so stochastic rounding continues with
+        the counter-based bits of that seed (the steps after resuming round differently from
+        what the old version would have done; everything else resumes exactly).
+
+        Raises:
+            ValueError: different group or parameter counts; a mixprec checkpoint whose
+                ``compensation`` differs from this optimizer's (resuming would silently drop or
+                invent compensation buffers); an unknown ``version``.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)  # type: ignore[arg-type]  # torch types it dict; any Mapping passes through, as in torch
+            if result is not None:
+                state_dict = result
+        meta = state_dict.get("mixprec")
+        if meta is not None:
+            if meta.get("version") not in _READABLE_VERSIONS:
+                raise ValueError(f"mixprec optimizer state version {meta.get('version')!r}; this mixprec reads "
+                                 f"versions {_READABLE_VERSIONS} (upgrade mixprec?).")
+            if meta.get("compensation") != self.compensation:
+                raise ValueError(
+                    f"the checkpoint was written with compensation={meta.get('compensation')!r}, this optimizer uses "
+                    f"compensation={self.compensation!r}; build it with compensation={meta.get('compensation')!r} to "
+                    "resume, or move only the weights (load_full_precision_params_)."
+                )
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} parameter group(s), this optimizer {len(groups)}.")
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"parameter group {i} has {len(g['params'])} parameters here and "
+                                 f"{len(sg['params'])} in the state dict.")
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        new_groups = []
+        for g, sg in zip(groups, saved_groups):
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+            new_groups.append(sg)
+        for sg in new_groups:
+            self._validate_group(sg)
+        owner = {id(p): g for g in new_groups for p in g["params"]}
+        state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        for k, v in state_dict["state"].items():
+            if k in id_map:
+                p = id_map[k]
+                state[p] = self._import_state(p, owner[id(p)], v, copy=True)
+            else:
+                state[k] = v
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        self._key_cache.clear()
+        if meta is not None and int(meta.get("seed", self.seed)) != self.seed:
+            self.seed = int(meta["seed"])
+            self._key_cache.clear()
+            self._fused_fns.clear()  # the seed's stream keys are constants of the compiled steps
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # ----- full-precision weights --------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_full_precision_params_(self, values: Mapping[Tensor, Tensor]) -> None:
+        """Set parameters from full-precision values, seeding the compensation with what the cast loses.
+
+        For each ``param: value``, ``param`` becomes ``value`` rounded to nearest in the parameter
+        dtype and, with ``compensation="kahan"`` on an FP16/BF16 parameter, its compensation
+        buffer becomes ``round(value - param)``, so ``param + compensation`` equals the FP32
+        weight to about 17 significant bits instead of 8 and nothing the cast dropped is lost
+        for the updates that follow. With ``"stochastic"`` or ``"none"`` there is no buffer:
+        only the nearest rounding is kept. Step counters and moments are left as they are
+        (created, at zero, when missing).
+
+        Args:
+            values: Maps parameters of this optimizer (the tensor objects in ``param_groups``)
+                to tensors of the same shape, any floating dtype and device (typically the FP32
+                weights from before the model was cast).
+
+        Raises:
+            ValueError: a key that is not a parameter of this optimizer, or a shape mismatch.
+
+        Example:
+            >>> from mixprec.optim import AdamW
+            >>> w32 = torch.randn(8)
+            >>> p = torch.nn.Parameter(w32.to(torch.bfloat16))
+            >>> opt = AdamW([p], compensation="kahan")
+            >>> opt.load_full_precision_params_({p: w32})
+            >>> bool((opt.full_precision_params()[p] - w32).abs().max() < 1e-4 * w32.abs().max())
+            True
+        """
+        owner: dict[int, dict[str, Any]] = {id(p): g for g in self.param_groups for p in g["params"]}
+        for p, v in values.items():
+            group = owner.get(id(p))
+            if group is None:
+                raise ValueError(f"load_full_precision_params_: a tensor of shape {tuple(p.shape)} is not a parameter "
+                                 "of this optimizer; key the mapping by the optimizer's own parameter tensors.")
+            if tuple(v.shape) != tuple(p.shape):
+                raise ValueError(f"load_full_precision_params_: value of shape {tuple(v.shape)} for a parameter of "
+                                 f"shape {tuple(p.shape)}.")
+        for p, v in values.items():
+            group = owner[id(p)]
+            self._init_state(p, group)
+            lp = _local(p)
+            lv = _local_value(v.detach(), p, self._offset(p)).to(lp.device)
+            lp.copy_(lv)
+            if self._uses_kahan(p):
+                acc = torch.promote_types(lv.dtype, torch.float32)
+                _local(self.state[p][_COMP_KEY]).copy_(lv.to(acc) - lp.to(acc))
+
+    @torch.no_grad()
+    def full_precision_params(self) -> dict[Tensor, Tensor]:
+        """The weights as the optimizer sees them: ``param + compensation`` in FP32 (a new tensor each).
+
+        For parameters without a compensation buffer this is ``param`` upcast to FP32 (FP64
+        parameters stay FP64). Use it to export or evaluate the run's best estimate of the weights.
+
+        Returns:
+            ``{param: tensor}`` over every parameter of every group.
+        """
+        out: dict[Tensor, Tensor] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                acc = torch.promote_types(p.dtype, torch.float32)
+                w = p.detach().to(acc)
+                comp = self.state.get(p, {}).get(_COMP_KEY)
+                out[p] = w + comp.to(acc) if comp is not None else w.clone()
+        return out
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held per category over all parameters of all groups (persistent model state).
+
+        Returns:
+            ``numel`` (parameter elements this process holds: a ``DTensor``'s local shard), ``params``, ``grads`` (existing ``.grad`` tensors),
+            ``compensation`` (``kahan_comp``), ``states`` (moments and other per-element
+            buffers), ``scalars`` (0-d step counters) and ``total`` (all but ``numel``).
+            ``(params + grads + compensation + states) / numel`` is the bytes-per-parameter
+            figure: 14 for Kahan with FP32 states on BF16 AdamW, 10 with BF16 states, 8 for
+            stochastic rounding with BF16 states, 16 for FP32 parameters with FP32 states.
+        """
+        out = dict.fromkeys(("numel", "params", "grads", "compensation", "states", "scalars"), 0)
+        for g in self.param_groups:
+            for p in g["params"]:
+                out["numel"] += _local(p).numel()
+                out["params"] += _nbytes(p)
+                if p.grad is not None:
+                    out["grads"] += _nbytes(p.grad)
+                for k, v in self.state.get(p, {}).items():
+                    if not isinstance(v, Tensor):
+                        continue
+                    if k == _COMP_KEY:
+                        out["compensation"] += _nbytes(v)
+                    elif v.dim() == 0:
+                        out["scalars"] += _nbytes(v)
+                    else:
+                        out["states"] += _nbytes(v)
+        out["total"] = sum(v for k, v in out.items() if k != "numel")
+        return out
+
+
+# ----- helpers ------------------------------------------------------------------------------------------------
