@@ -23,7 +23,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "combine_found_inf", "unscale_and_check_"]
+__all__ = ["all_finite", "combine_found_inf", "group_by_device_and_dtype", "unscale_and_check_", "unscale_groups"]
 
 
 def _dense(tensors: Iterable[Tensor | None]) -> list[Tensor]:
@@ -39,7 +39,7 @@ _IS_SPARSE = operator.attrgetter("is_sparse")
 Groups = dict[tuple[torch.device, torch.dtype], list[Tensor]]
 
 
-def _group(tensors: list[Tensor]) -> Groups:
+def group_by_device_and_dtype(tensors: list[Tensor]) -> Groups:
     """Group dense tensors by (device, dtype) with torch's C++ helper (no per-tensor Python work).
 
     Complex groups are replaced by their real views (same memory, a real dtype).
@@ -85,7 +85,7 @@ def all_finite(tensors: Iterable[Tensor | None] | Tensor) -> Tensor:
         return torch.ones((), dtype=torch.bool, device=given[0].device if given else "cpu")
     device = given[0].device
     norms: list[Tensor] = []
-    for (dev, _dtype), group in _group(floating).items():
+    for (dev, _dtype), group in group_by_device_and_dtype(floating).items():
         group_norms = torch._foreach_norm(group, float("inf"))
         norms += group_norms if dev == device else [n.to(device, non_blocking=True) for n in group_norms]
     # max|x| < inf is False for inf and for NaN (every comparison with NaN is False)
@@ -135,7 +135,7 @@ def unscale_and_check_(
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
     if not ts:
         return found_inf
-    return _unscale_groups(_group(ts), inv_scale, found_inf)
+    return unscale_groups(group_by_device_and_dtype(ts), inv_scale, found_inf)
 
 
 # (device type, dtype) pairs without a fused check-and-unscale kernel, learnt on first use: torch's
@@ -167,8 +167,8 @@ def _one(device: torch.device) -> Tensor:
     return one
 
 
-def _unscale_groups(groups: Groups, inv_scale: Tensor | None, found_inf: Tensor) -> Tensor:
-    """:func:`unscale_and_check_` on tensors already grouped by :func:`_group`."""
+def unscale_groups(groups: Groups, inv_scale: Tensor | None, found_inf: Tensor) -> Tensor:
+    """:func:`unscale_and_check_` on tensors already grouped by :func:`group_by_device_and_dtype`."""
     home = found_inf.device
     if len(groups) == 1:
         # The common case (one device, one dtype) without the per-device bookkeeping: this runs

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from ._dist import agree_found_inf_
-from ._finite import _group, _unscale_groups, combine_found_inf
+from ._finite import combine_found_inf, group_by_device_and_dtype, unscale_groups
 from ._scaler import (
     DEFAULT_CHECK_INTERVAL,
     DEFAULT_HISTORY,
@@ -380,12 +380,12 @@ class GradScaler:
         core = self._core
         assert core is not None and core.scale is not None  # callers ran _require_core (internal invariant)
         grads = self._grads_of(optimizer, allow_fp16)
-        groups = _group(grads) if grads else {}
+        groups = group_by_device_and_dtype(grads) if grads else {}
         if not allow_fp16 and any(dtype == torch.float16 for _dev, dtype in groups):
             raise ValueError(_FP16_GRADS)
         found_inf = torch.zeros((), dtype=torch.float32, device=core.scale.device)
         if groups:
-            _unscale_groups(groups, inv_scale, found_inf)
+            unscale_groups(groups, inv_scale, found_inf)
         if self.agree_across_ranks:
             # a collective: every rank runs it, also one without gradients, so the calls stay matched
             agree_found_inf_(found_inf, self.process_group)
@@ -447,7 +447,7 @@ class GradScaler:
                                   for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(_FP16_GRADS)
         grads = self._grads_of(optimizer, allow_fp16=True)
-        groups = _group(grads) if grads else {}
+        groups = group_by_device_and_dtype(grads) if grads else {}
         per_device: dict[torch.device, Tensor] = {}
         for dev, _dtype in groups:
             if dev not in per_device:
@@ -455,7 +455,7 @@ class GradScaler:
         for dev, flag in per_device.items():
             inv = inv_scale.to(dev, non_blocking=True).reshape(())
             # a 0-d view: the fused kernel and its fallback write through it into the flag returned
-            _unscale_groups({k: g for k, g in groups.items() if k[0] == dev}, inv, flag.view(()))
+            unscale_groups({k: g for k, g in groups.items() if k[0] == dev}, inv, flag.view(()))
         return per_device
 
     # legacy protocol: optimizers whose step() takes ``grad_scaler`` call these (as with torch.amp)
