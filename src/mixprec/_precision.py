@@ -9,7 +9,7 @@ bit for bit.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 from typing import cast as typing_cast
 
@@ -19,18 +19,6 @@ from torch.optim import Optimizer
 
 from ._autocast import autocast, resolve_device_type, tf32
 from ._casting import cast_module
-from ._checkpoint import (
-    STATE_VERSION,
-    canonical_name,
-    canonical_state,
-    check_model_state,
-    check_optimizer_entries,
-    key_mismatch_hint,
-    load_model_state,
-    model_state,
-    parameter_names,
-    validate_state,
-)
 from ._dist import local_grad
 from ._errors import check_fused
 from ._finite import combine_found_inf
@@ -45,9 +33,9 @@ from ._prepare import (
     warn_host_reads,
     wrap_optimizers,
 )
-from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, _ScalerBase, check_scaler_state
+from ._run_state import RunCheckpoint
+from ._scaler import DynamicScaler, LossScaler, NoOpScaler, StaticScaler, _ScalerBase
 from ._stepping import AppliedSteps, OptimizerRecord, StepInfo, install_step_guard, remove_step_guard, step_or_skip
-from ._tree import tree_leaves
 
 __all__ = ["MixedPrecision", "scaler_for_policy"]
 
@@ -66,7 +54,7 @@ def scaler_for_policy(policy: Policy | str) -> LossScaler:
     return DynamicScaler()
 
 
-class MixedPrecision:
+class MixedPrecision(RunCheckpoint):
     """Train any model under a precision policy with one object.
 
     Args:
@@ -324,11 +312,6 @@ class MixedPrecision:
                 )
 
         return check_unscaled
-
-    def _require_prepared(self, what: str) -> nn.Module:
-        if self.model is None:
-            raise ValueError(f"{what} before prepare(); call model, optimizer = prec.prepare(model, optimizer) first.")
-        return self.model
 
     def _record(self, optimizer: Optimizer, what: str) -> OptimizerRecord:
         """The record of a prepared optimizer; raises when not prepared, or for a foreign optimizer (hot path: one lookup)."""
@@ -621,138 +604,6 @@ class MixedPrecision:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
-    # ----- checkpoints ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: policy, model, optimizers (with masters), scaler, step count.
-
-        Keys (version 2):
-            ``version`` (2), ``policy`` (the grammar string), ``model`` (``model.state_dict()`` with
-            ``torch.compile``'s ``_orig_mod.`` left out of the keys, so compiled and uncompiled runs share checkpoints;
-            parameters in the policy's dtypes), ``optimizers`` (one ``state_dict()`` per prepared
-            optimizer; a ``MasterWeightOptimizer``'s includes the FP32 masters), ``param_names``
-            (per optimizer, the qualified parameter names in param-group order, derived now, so
-            ``add_param_group`` after ``prepare`` is covered), ``tied`` (``{alias: name}`` for
-            tied parameters), ``scaler`` (the loss scaler's ``state_dict()``),
-            ``applied_steps`` (int64 tensor), ``iteration`` (``{"found_inf": 0-d tensor or None,
-            "stepped": [bool per optimizer]}``: the steps of an iteration that has not ended yet,
-            so a checkpoint taken between two optimizers' steps resumes the same scale schedule).
-
-        The tensors are references to live state (as ``nn.Module.state_dict`` returns); save it
-        (``torch.save`` / ``mixprec.save``) before training on. Loads with ``weights_only=True``.
-        """
-        model = self._require_prepared("state_dict()")
-        names, tied = parameter_names(model, self.optimizers)
-        flags = self._iteration_flags
-        pending = None
-        if flags:
-            pending = combine_found_inf(flags).clone()
-        return {
-            "version": STATE_VERSION,
-            "policy": str(self.policy),
-            "model": model_state(model),
-            "optimizers": [o.state_dict() for o in self.optimizers],
-            "param_names": names,
-            "tied": tied,
-            "scaler": self.scaler.state_dict(),
-            "applied_steps": typing_cast(AppliedSteps, self._applied_steps).fold(),
-            "iteration": {"found_inf": pending, "stepped": [self._records[id(o)].stepped for o in self.optimizers]},
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (or a :func:`convert_state_dict` result) into a prepared run.
-
-        Checkpoints of mixprec 0.1 (state version 1) load too.
-
-        Raises:
-            ValueError: not a mixprec state dict, another version, a different policy (the message
-                names both and the conversion function), or a model/optimizer that does not match.
-                Everything is validated before anything is loaded.
-        """
-        model = self._require_prepared("load_state_dict()")
-        sd = validate_state(state_dict)
-        saved = Policy.parse(sd["policy"])
-        if saved != self.policy:
-            raise ValueError(
-                f"the checkpoint was saved under policy {str(saved)!r} but this run uses {str(self.policy)!r}; convert it "
-                f"explicitly with mixprec.checkpoint.convert_state_dict(state, {self.policy.label!r}) "
-                "before loading, or prepare the run with the saved policy."
-            )
-        if len(sd["optimizers"]) != len(self.optimizers):
-            raise ValueError(f"the checkpoint has {len(sd['optimizers'])} optimizer(s), this run {len(self.optimizers)}.")
-        check_model_state(model, sd["model"])
-        names, _ = parameter_names(model, self.optimizers)
-        if [list(n) for n in sd["param_names"]] != names:
-            raise ValueError("the checkpoint's optimizer parameter names differ from this run's (a different model?).")
-        # What the loads below would only find out after the model was already overwritten:
-        check_optimizer_entries(self.optimizers, sd["optimizers"])
-        kind = getattr(self.scaler, "_kind", None)  # mixprec's scalers; a user's LossScaler checks its own
-        if sd.get("scaler") is not None and kind is not None:
-            check_scaler_state(sd["scaler"], type(self.scaler).__name__, kind)
-        load_model_state(model, sd["model"])
-        named = {canonical_name(n): p for n, p in model.named_parameters()}
-        for opt, entry, pnames in zip(self.optimizers, sd["optimizers"], sd["param_names"]):
-            if isinstance(opt, MasterWeightOptimizer) and "masters" not in entry:
-                # A converted checkpoint: FP32 weights are in sd["model"], state in torch format.
-                opt.optimizer.load_state_dict(entry)
-                values: dict[torch.Tensor, torch.Tensor] = {named[n]: sd["model"][n] for n in pnames if n in sd["model"]}
-                opt.load_master_values_(values)
-            else:
-                opt.load_state_dict(entry)
-            _unalias_state(opt, entry)
-        if sd.get("scaler") is not None:
-            self.scaler.load_state_dict(sd["scaler"])
-        counter = typing_cast(AppliedSteps, self._applied_steps)
-        # A fresh tensor: the old one may be held by a StepInfo (or an earlier state_dict()).
-        steps = sd["applied_steps"].to(device=counter.base.device, dtype=torch.int64, copy=True)
-        counter.reset(steps)
-        iteration = sd.get("iteration") or {}
-        pending = iteration.get("found_inf")
-        self._iteration_flags = [pending.to(steps.device)] if pending is not None else []
-        stepped = iteration.get("stepped") or [False] * len(self.optimizers)
-        for opt, was in zip(self.optimizers, stepped):
-            rec = self._records[id(opt)]
-            rec.stepped, rec.stage, rec.found_inf = bool(was), "idle", None
-
-    @torch.no_grad()
-    def load_model_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a plain FP32 model checkpoint into the prepared run; masters take the exact FP32 values.
-
-        Args:
-            state_dict: ``model.state_dict()`` of an FP32 model (any dtype is accepted; values are
-                cast into the model's dtypes).
-            strict: As ``nn.Module.load_state_dict``.
-
-        Raises:
-            ValueError: (checked before anything is loaded: ``nn.Module.load_state_dict`` would
-                copy the matching entries first) missing/unexpected keys with ``strict``, or a
-                shape that differs from the model's.
-        """
-        model = self._require_prepared("load_model_state_dict()")
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"load_model_state_dict needs a model state dict (a mapping), got {type(state_dict).__name__}")
-        own = model_state(model)
-        state_dict = canonical_state(state_dict)  # keys of a compiled model (or for one) match by canonical name
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise ValueError(
-                f"load_model_state_dict: the state dict does not match the model: missing {missing[:5]}, unexpected "
-                f"{unexpected[:5]}; nothing was loaded. Pass strict=False to load the matching entries only."
-                + key_mismatch_hint(missing, unexpected)
-            )
-        shapes = [k for k, v in state_dict.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
-        if shapes:
-            k = shapes[0]
-            raise ValueError(
-                f"load_model_state_dict: {k!r} has shape {tuple(state_dict[k].shape)} in the state dict but "
-                f"{tuple(own[k].shape)} in the model ({len(shapes)} mismatch(es)); nothing was loaded."
-            )
-        load_model_state(model, state_dict, strict=strict)
-        named = {canonical_name(n): p for n, p in model.named_parameters()}
-        for opt in self.optimizers:
-            if isinstance(opt, MasterWeightOptimizer):
-                opt.load_master_values_({named[n]: v for n, v in state_dict.items() if n in named})
-
     def release(self) -> None:
         """Undo the step guards ``prepare`` installed on the optimizers (the model stays cast)."""
         for opt in self.optimizers:
@@ -772,24 +623,6 @@ def _check_loss(loss: Any) -> None:
         )
     if not loss.requires_grad:
         raise ValueError("the loss does not require grad (computed under torch.no_grad(), or from detached tensors?).")
-
-
-def _unalias_state(optimizer: Optimizer, entry: Any) -> None:
-    """Give the optimizer its own copy of every state tensor it took over from ``entry`` itself.
-
-    ``torch.optim.Optimizer.load_state_dict`` keeps a state tensor that already has the right
-    dtype and device as it is, so the next step would write into the caller's state dict: a
-    state dict kept to roll back to (or compared against) would silently change. Only tensors
-    that alias the given ones are copied (a load from another device copied them already).
-    """
-    given = {t.data_ptr() for t in tree_leaves(entry) if t.numel()}
-    if not given:
-        return
-    for state in optimizer.state.values():
-        if isinstance(state, dict):
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() in given:
-                    state[k] = v.clone()
 
 
 def _follow_param_groups(given: Optimizer, converted: Optimizer) -> None:
