@@ -1,4 +1,4 @@
-"""NoOpScaler, StaticScaler, DynamicScaler and step_optimizer: exact scale paths, statistics, escalation, state."""
+"""NoOpScaler, StaticScaler, DynamicScaler and the skip-or-step protocol: exact scale paths, statistics, escalation, state."""
 
 from __future__ import annotations
 
@@ -25,8 +25,13 @@ from mixprec._scaler import (
     ScalerStateError,
     StaticScaler,
 )
-from mixprec._stepping import step_optimizer
+from mixprec._stepping import step_with_result
 from mixprec.bench._timing import OpCounter
+
+
+def step_optimizer(opt, found_inf, grad_scale=None):
+    """Step ``opt`` unless ``found_inf`` says skip (GradScaler's path: no fused twin); return ``skipped``."""
+    return step_with_result(opt, found_inf, grad_scale, (), {})[0]
 
 INF = torch.tensor(1.0)
 CLEAN = torch.tensor(0.0)

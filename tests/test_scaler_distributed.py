@@ -15,7 +15,7 @@ from mixprec.distributed import agree_found_inf_, is_distributed
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from mixprec._grad_scaler import GradScaler
     from mixprec._scaler import DynamicScaler, NoOpScaler
-    from mixprec._stepping import step_optimizer
+    from mixprec._stepping import step_with_result
 
     c.init(rank, port)  # gloo on 127.0.0.1, one thread
     result: dict[str, object] = {"distributed": is_distributed()}
@@ -30,7 +30,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         if step == 1 and rank == 1:
             p.grad[0] = float("inf")
         found = scaler.unscale_([p])
-        skips.append(bool(step_optimizer(opt, found).item()))
+        skips.append(bool(step_with_result(opt, found, None, (), {})[0].item()))
         scaler.update(found)
         scales.append(scaler.loss_scale.item())
         opt.zero_grad()

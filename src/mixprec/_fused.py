@@ -143,11 +143,11 @@ class FusedShadow:
                 self.off = True
                 return None
             view.state = opt.state  # shared: torch's AdamW/Adam/SGD state keys are mixprec's
-            view._mirrors = self.mirrors
+            view.mirrors = self.mirrors
             self._view = view
             self._devices = {p.device for g in opt.param_groups for p in g["params"]}
             self._steps_on_device = False
-        view._prefer_fused = self._prefer
+        view.prefer_fused = self._prefer
         devices = self._devices
         if not all(view.fused_enabled(d) for d in devices):
             self._steps_on_device = False

@@ -552,11 +552,11 @@ class MasterWeightOptimizer(Optimizer):
         """Steps 3-4 of the class docstring: edits carried in, the update (skipping on the device), the copy back."""
         view = self._fused_shadow()  # the mixprec.optim optimizer that runs the fused step, or None
         # With "values" the fused kernel compares every weight it steps with its rounded master as it
-        # reads them (optim/_fused_step.py, _sync_mirrors); weights without a gradient (not stepped) keep an
+        # reads them (optim/_fused_step.py, sync_mirrors); weights without a gradient (not stepped) keep an
         # edit in the model until their next step or state_dict(), which sync them.
         in_kernel = view is not None and self.weight_edits == "values"
         if view is not None:
-            view._sync_mirrors = in_kernel
+            view.sync_mirrors = in_kernel
         if not in_kernel:
             self._sync_edits()
         if view is not None:

@@ -15,8 +15,8 @@ only where named:
   read of a small snapshot (on CUDA it is copied asynchronously into pinned memory and read
   one interval later, so it does not stall the stream either);
 * :meth:`statistics`, :meth:`state_dict` and pickling (they return Python numbers);
-* :func:`mixprec._stepping.step_optimizer` for an optimizer that cannot skip on the device
-  (one read of ``found_inf``).
+* :func:`mixprec._stepping.step_or_skip` for an optimizer that cannot skip on the device
+  (one read of ``found_inf``; torch's AdamW/Adam/SGD skip on the device through their fused kernel).
 
 This module holds the configuration, the scalers and the scale algorithm; the statistics,
 history and escalation bookkeeping (ring buffer, counters, periodic check, overflow log line,

@@ -34,7 +34,6 @@ __all__ = [
     "host_read_reason",
     "install_step_guard",
     "remove_step_guard",
-    "step_optimizer",
     "step_or_skip",
     "step_with_result",
 ]
@@ -42,7 +41,10 @@ __all__ = [
 
 def step_with_result(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, args: tuple[Any, ...],
                      kwargs: dict[str, Any], *, twin: bool = False) -> tuple[Tensor, Any]:
-    """step_optimizer's body, also returning what ``optimizer.step`` returned (None when skipped)."""
+    """Step ``optimizer`` unless ``found_inf`` says skip (:func:`step_or_skip`); return ``(skipped, what step returned)``.
+
+    ``skipped`` is a 0-d bool tensor on ``found_inf``'s device; the step's result is ``None`` when skipped.
+    """
     flag, ret = step_or_skip(optimizer, found_inf, grad_scale, args, kwargs, twin=twin)
     return flag > 0, ret
 
@@ -248,36 +250,6 @@ def _own_step(optimizer: Any) -> Callable[..., Any]:
     if guard is not None and guard.depth > 0:
         return functools.partial(guard.raw_step, optimizer)
     return optimizer.step
-
-
-def step_optimizer(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None = None, *args: Any,
-                   **kwargs: Any) -> Tensor:
-    """Run ``optimizer.step(*args, **kwargs)`` unless ``found_inf`` says to skip; return ``skipped``.
-
-    * Optimizers with ``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam/AdamW/SGD,
-      ``mixprec.optim``, ``MasterWeightOptimizer``): ``optimizer.grad_scale`` and
-      ``optimizer.found_inf`` are set as ``torch.amp.GradScaler`` does, ``step`` is called and
-      skips on the device, and the attributes are removed again. No host sync.
-    * Any other optimizer: exactly one host sync (reading ``found_inf``) decides whether to call
-      ``step``. A ``grad_scale`` is then applied first by a fused unscale of its gradients.
-
-    Args:
-        optimizer: A ``torch.optim.Optimizer`` (or anything with ``step`` and ``param_groups``).
-        found_inf: 0-d float32 flag from ``unscale_`` (non-zero: skip).
-        grad_scale: Scale the gradients still carry (``None``: already unscaled).
-        *args, **kwargs: Passed to ``optimizer.step``.
-
-    Returns:
-        ``skipped``: 0-d bool tensor on ``found_inf``'s device.
-
-    Example:
-        >>> import torch
-        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2)
-        >>> opt = torch.optim.SGD([p], lr=0.5, fused=True)
-        >>> bool(step_optimizer(opt, torch.tensor(1.0))), p.tolist()
-        (True, [1.0, 1.0])
-    """
-    return step_with_result(optimizer, found_inf, grad_scale, args, kwargs)[0]
 
 
 # --------------------------------------------------------------------------------------------------

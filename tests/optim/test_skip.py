@@ -138,7 +138,7 @@ def test_torch_amp_grad_scaler_uses_the_on_device_path(comp):
 
 
 def test_mixprec_step_optimizer_uses_the_on_device_path():
-    from mixprec._stepping import step_optimizer
+    from mixprec._stepping import step_with_result
 
     model = _half_model()
     opt = _opt("adamw", model, "kahan", torch.float32)
@@ -149,7 +149,7 @@ def test_mixprec_step_optimizer_uses_the_on_device_path():
 
     loss_fn(model, *batch(1)).backward()
     _poison(model)
-    skipped = step_optimizer(opt, torch.tensor(1.0))
+    skipped, _ = step_with_result(opt, torch.tensor(1.0), None, (), {})
     assert bool(skipped)
     assert_bit_identical(snapshot(opt), before)
 

@@ -160,10 +160,10 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         self._plan_cache: dict[int, tuple[Any, list[_Plan]]] = {}
         #: id(param) -> a tensor that receives the committed value in its own dtype (the model's
         #: half weight of an FP32 master: MasterWeightOptimizer's fused step copies back in-graph).
-        self._mirrors: dict[int, Tensor] = {}
+        self.mirrors: dict[int, Tensor] = {}
         #: Carry edits of a mirror into its parameter before the update (``weight_edits="values"``
         #: of MasterWeightOptimizer, done in the fused kernel): ``p = where(mirror == round(p), p, mirror)``.
-        self._sync_mirrors = False
+        self.sync_mirrors = False
         #: fused=None on a CPU: on when set (MixedPrecision sets it once the model ran compiled).
         self._prefer_fused = False
         super().__init__(params, defaults)
@@ -213,8 +213,8 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             _offsets={},
             _lr_tensors={},
             _plan_cache={},
-            _mirrors={},
-            _sync_mirrors=False,
+            mirrors={},
+            sync_mirrors=False,
             _prefer_fused=self._prefer_fused,
         )
         return state
@@ -327,7 +327,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                 self._init_state(p, group)
 
     def _step_bucket(self, group: dict[str, Any], b: _Bucket, ctx: _DeviceCtx) -> None:
-        if self._sync_mirrors:
+        if self.sync_mirrors:
             self._sync_from_mirrors(b)
         grads = [g.reshape(-1) for g in b.grads]
         for segs in self._chunks(b.params):

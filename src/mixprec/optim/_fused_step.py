@@ -116,7 +116,7 @@ class FusedStep(OptimizerParts):
                 for p, g, m in zip(b.params, b.grads, b.mirrors))
         spec: tuple[Any, ...] = (
             type(self), self.compensation, self.state_dtype, plan.struct, keys, plan.hp_key,
-            ctx.scale is not None, ctx.skip is not None, device, self._sync_mirrors,
+            ctx.scale is not None, ctx.skip is not None, device, self.sync_mirrors,
         )
         acc = torch.promote_types(p0.dtype, torch.float32)
         # Per-parameter scalars and random keys outside the graph (a few tiny kernels per bucket):
@@ -209,7 +209,7 @@ class FusedStep(OptimizerParts):
         half = pdt in _HALF
         kahan = bool(b.comps)
         stochastic = half and self.compensation == "stochastic"
-        sync_mirrors = self._sync_mirrors
+        sync_mirrors = self.sync_mirrors
         sdt = self._state_dtype_for(p0)
         cls = type(self)
         update = cls.__new__(cls)._update

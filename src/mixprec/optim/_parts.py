@@ -59,7 +59,7 @@ class _Bucket(NamedTuple):
     steps: list[Tensor]  # 0-d FP32 step counters
     ids: list[int]  # position of each parameter in the optimizer (its random streams)
     offsets: list[int]  # global flat position of each local tensor's first element
-    mirrors: list[Tensor | None]  # receives the committed value in its own dtype (see _mirrors)
+    mirrors: list[Tensor | None]  # receives the committed value in its own dtype (see OptimizerParts.mirrors)
 
 
 class _DeviceCtx(NamedTuple):
@@ -117,8 +117,13 @@ class OptimizerParts(Optimizer):
     _offsets: dict[int, int]
     _lr_tensors: dict[Any, Tensor]
     _plan_cache: dict[int, tuple[Any, list[_Plan]]]
-    _mirrors: dict[int, Tensor]
-    _sync_mirrors: bool
+    #: id(param) -> a tensor that receives the committed value in its own dtype: the model's half weight of
+    #: an FP32 master (``MasterWeightOptimizer``'s fused step copies back in the same kernel; set by
+    #: ``mixprec._fused.FusedShadow``).
+    mirrors: dict[int, Tensor]
+    #: Carry edits of a mirror into its parameter before the update (``weight_edits="values"`` of
+    #: ``MasterWeightOptimizer``, in the fused kernel): ``p = where(mirror == round(p), p, mirror)``.
+    sync_mirrors: bool
     _prefer_fused: bool
 
     # ----- hooks for subclasses ------------------------------------------------------------------
@@ -193,7 +198,7 @@ class OptimizerParts(Optimizer):
             [s[_STEP_KEY] for s in sts],
             [streams[id(p)] for p in params] if streams is not None else [],
             [self._offset(p) for p in params],
-            [self._mirrors.get(id(p)) for p in params],
+            [self.mirrors.get(id(p)) for p in params],
         )
 
     def _offset(self, p: Tensor) -> int:
