@@ -138,6 +138,7 @@ def test_host_read_reason_names_what_cannot_skip_on_the_device() -> None:
     assert host_read_reason(torch.optim.SGD(ps, lr=0.1, fused=True)) is None
     assert "torch.optim.rmsprop.RMSprop cannot skip a step on the device" in host_read_reason(torch.optim.RMSprop(ps))
     assert "differentiable=True" in host_read_reason(torch.optim.Adam(ps, differentiable=True))
+    assert "fused=False" in host_read_reason(torch.optim.AdamW(ps, fused=False))  # an explicit choice is respected
     assert FusedTwin.unsupported(torch.optim.AdamW([nn.Parameter(torch.zeros(2, dtype=torch.complex64))])) is not None
 
 

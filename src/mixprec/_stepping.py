@@ -88,7 +88,8 @@ class FusedTwin:
     zero buffer gives exactly the first step's ``buf = grad``.
 
     The optimizer's ``state_dict()`` keeps the options the user gave (the switch lasts for the
-    step only). Torch's step hooks run as around any ``step``.
+    step only). Torch's step hooks run as around any ``step``. An optimizer built with an explicit
+    ``fused=False`` keeps its own step (and the host read; ``prepare`` says so on a GPU).
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -109,6 +110,8 @@ class FusedTwin:
         for g in optimizer.param_groups:
             if g.get("differentiable"):
                 return f"{name}(differentiable=True) has no fused form"
+            if g.get("fused") is False:  # asked for by name: respected (foreach/for-loop, decided on the host)
+                return f"{name}(fused=False) asks for its non-fused step"
             for p in g["params"]:
                 if not p.is_floating_point() or p.device.type not in devices:
                     return (f"{name}'s fused kernel takes floating parameters on {sorted(devices)}, got a {p.dtype} "
