@@ -44,7 +44,9 @@ def test_every_row_compiles_and_trains_like_eager() -> None:
         assert r.compile_seconds is not None and r.compile_seconds >= 0.0
         assert r.step_time_ms is not None
         ref = eager.row(r.name)
-        assert ref.compiled is None and ref.compile_seconds is None
+        assert ref.compiled is None and ref.compile_seconds is None and ref.recompiles is None
+        # same shapes every step: nothing compiles again once the warm-up is over
+        assert r.recompiles == 0, (r.name, r.recompiles)
         # the same weights and batches: the compiled run follows the eager one step for step
         assert len(r.losses) == len(ref.losses) == 5
         for a, b in zip(r.losses, ref.losses):
@@ -57,13 +59,15 @@ def test_the_table_shows_compile_time_as_its_own_column() -> None:
     header, cells = table_rows(result)
     col = header.index("compile s")
     assert header[1] == "step ms" and col == 3
+    assert header[col + 1] == "recompiles"
     for c in cells:
         float(c[col])  # a number for every row, the baseline included
+        assert c[col + 1] == "0"  # fixed shapes: no timed step recompiled
     text = format_table_plain(result)
     assert "compiled (aot_eager)" in text
     assert any("torch.compile(backend='aot_eager')" in n for n in result.notes)
     plain = _run(None, "bf16-mixed")
-    assert "compile s" not in table_rows(plain)[0]
+    assert "compile s" not in table_rows(plain)[0] and "recompiles" not in table_rows(plain)[0]
 
 
 def test_unknown_backend_is_a_clear_error() -> None:

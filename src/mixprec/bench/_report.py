@@ -72,6 +72,7 @@ def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
     compiled = bool(result.settings.get("compile"))
     if compiled:
         header.insert(3, "compile s")
+        header.insert(4, "recompiles")
     cells: list[list[str]] = []
     for r in result.rows:
         if r.status != "ok":
@@ -97,6 +98,7 @@ def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
             row.append("-" if r.mfu is None else f"{100 * r.mfu:.1f}%")
         if compiled:
             row.insert(3, _num(r.compile_seconds, ".1f"))
+            row.insert(4, "-" if r.recompiles is None else str(r.recompiles))
         cells.append(row)
     return header, cells
 

@@ -160,6 +160,7 @@ class RowResult:
     wall_seconds: float | None = None
     compiled: str | None = None  # the torch.compile backend, None when eager
     compile_seconds: float | None = None  # extra time of the warm-up steps over timed ones (compilation)
+    recompiles: int | None = None  # timed steps during which dynamo compiled again (None when eager)
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(dataclasses.asdict(self))
@@ -295,6 +296,7 @@ class _Run:
         self.skipped: list[torch.Tensor] = []
         self.times: list[float] = []
         self.warmup_times: list[float] = []  # and timed steps during which dynamo compiled (see step())
+        self.recompiles = 0  # those timed steps: a compiled row should have none after its warm-up
         self.compiled = False
         self.model: nn.Module
         self.active_seconds = 0.0
@@ -322,6 +324,7 @@ class _Run:
         # A compiled row's step that compiled (a recompile after the warm-up: a new shape, a torchao
         # subclass dispatch, ...) is compile time, not step time.
         recompiled = self.compiled and _compiled_frames() != frames
+        self.recompiles += timed_step and recompiled
         (self.times if timed_step and not recompiled else self.warmup_times).append(seconds)
 
     def _memory_region(self, measure: bool, optimizer: Any) -> contextlib.AbstractContextManager[Any]:
@@ -814,6 +817,8 @@ def _summarise(run: _Run, row: RowResult, items: int, flops: int | None, dev: to
     if row.compiled is not None and run.times:
         typical = sorted(run.times)[len(run.times) // 2]
         row.compile_seconds = sum(max(0.0, t - typical) for t in run.warmup_times)
+    if row.compiled is not None:
+        row.recompiles = run.recompiles
 
 
 def _gaps(rows: list[RowResult], w: Workload) -> None:
