@@ -1,0 +1,129 @@
+"""An FP32 value as a BF16 value plus a 16-bit remainder, split and joined bit for bit.
+
+The groundwork of issue 29 (FP32 masters at 2 extra bytes per parameter): a BF16 model's weight
+already holds the top 16 bits of its FP32 master, so 16 more bits (an ``int16`` remainder) recover
+the master exactly. Not wired into any policy yet; ``split``/``join`` are the exact primitives the
+master step will call (reconstruct, update in FP32, split again).
+
+The rounding, and why it is not round-to-nearest-even: the pair (BF16 weight, remainder) must
+determine the FP32 value. With ties to even, an exact tie (low 16 bits ``0x8000``) rounded down has
+the remainder ``+0x8000``, outside ``int16``, and storing the low bits unsigned instead leaves the tie
+ambiguous (both roundings of a tie give an even BF16 pattern). So ``split`` rounds ties away from
+zero (half up on the magnitude's bit pattern): the remainder, counted in FP32 ulps of the magnitude
+(``|x| = |hi| + lo * ulp``), is then always in ``[-2^15, 2^15)``.
+It differs from ``tensor.to(torch.bfloat16)`` only at exact ties, 1 low-half pattern in 65,536, and
+there by one BF16 ulp, away from zero. Values that round past BF16's largest finite number become
+``inf`` (as ``.to(torch.bfloat16)`` does) and still join back exactly. Non-finite inputs split as
+``.to(torch.bfloat16)`` with a zero remainder: an ``inf`` joins back as itself, a NaN as a NaN
+(payload not kept).
+
+No host syncs: every function is elementwise tensor arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["join", "join_into_", "split", "split_into_"]
+
+_LOW = 0xFFFF
+_HALF = 0x8000
+_BASE = 0x10000
+
+
+def _check_f32(x: torch.Tensor, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"{what} must be float32 (the FP32 master), got {x.dtype}; pass the FP32 value")
+
+
+def _check_pair(hi: torch.Tensor, lo: torch.Tensor) -> None:
+    if not isinstance(hi, torch.Tensor) or not isinstance(lo, torch.Tensor):
+        raise TypeError(f"hi and lo must be tensors, got {type(hi).__name__} and {type(lo).__name__}")
+    if hi.dtype != torch.bfloat16:
+        raise TypeError(f"hi must be bfloat16 (the model's weight), got {hi.dtype}")
+    if lo.dtype != torch.int16:
+        raise TypeError(f"lo must be int16 (the remainder split() returned), got {lo.dtype}")
+    if hi.shape != lo.shape:
+        raise ValueError(f"hi and lo must have the same shape, got {tuple(hi.shape)} and {tuple(lo.shape)}")
+
+
+def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split FP32 values into a BF16 value and an ``int16`` remainder that together are exact.
+
+    Algorithm, on the FP32 bit pattern ``b`` (as ``int32``): ``low = b & 0xFFFF``,
+    ``carry = low >= 0x8000``; the BF16 pattern is ``(b >> 16) + carry`` (rounding the magnitude half
+    up, so ties go away from zero) and the remainder ``low - carry * 0x10000``, in ``[-2^15, 2^15)``.
+    ``join`` computes ``(hi << 16) + lo``. Non-finite values take torch's cast and remainder 0.
+
+    Args:
+        x: float32 values, any shape and device.
+
+    Returns:
+        ``(hi, lo)``: ``hi`` bfloat16 (equal to ``x.to(torch.bfloat16)`` except at exact ties, which
+        round away from zero), ``lo`` int16, both of ``x``'s shape.
+
+    Raises:
+        TypeError: ``x`` is not a float32 tensor.
+    """
+    _check_f32(x, "x")
+    bits = x.contiguous().view(torch.int32)
+    low = bits & _LOW
+    carry = (low >= _HALF).to(torch.int32)
+    top = (bits >> 16) + carry  # arithmetic shift: the low 16 bits are the BF16 pattern, any sign
+    finite = torch.isfinite(x)
+    hi_bits = torch.where(finite, top, x.to(torch.bfloat16).view(torch.int16).to(torch.int32))
+    lo_bits = torch.where(finite, low - carry * _BASE, 0)
+    # int32 -> int16 keeps the low 16 bits; both values are in int16's range by construction
+    return hi_bits.to(torch.int16).view(torch.bfloat16), lo_bits.to(torch.int16)
+
+
+def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Rebuild the FP32 values that ``split`` took apart, bit for bit.
+
+    Args:
+        hi: the bfloat16 half (the model's weight).
+        lo: the int16 remainder, of ``hi``'s shape.
+
+    Returns:
+        A new float32 tensor: ``(hi's pattern << 16) + lo`` reinterpreted as FP32.
+
+    Raises:
+        TypeError: wrong dtypes.
+        ValueError: shapes differ.
+    """
+    _check_pair(hi, lo)
+    bits = (hi.contiguous().view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def join_into_(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``join`` into an existing float32 buffer (the step's scratch master); returns ``out``.
+
+    Raises:
+        TypeError: wrong dtypes.
+        ValueError: shapes differ.
+    """
+    _check_f32(out, "out")
+    _check_pair(hi, lo)
+    if out.shape != hi.shape:
+        raise ValueError(f"out must have hi's shape {tuple(hi.shape)}, got {tuple(out.shape)}")
+    out.copy_(join(hi, lo))
+    return out
+
+
+def split_into_(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """``split`` ``x`` into the existing ``hi`` (the BF16 weight, in place) and ``lo`` buffers.
+
+    Raises:
+        TypeError: wrong dtypes.
+        ValueError: shapes differ.
+    """
+    _check_f32(x, "x")
+    _check_pair(hi, lo)
+    if x.shape != hi.shape:
+        raise ValueError(f"x must have hi's shape {tuple(hi.shape)}, got {tuple(x.shape)}")
+    h, l_ = split(x)
+    hi.copy_(h)
+    lo.copy_(l_)

@@ -1,0 +1,129 @@
+"""The exact BF16 + int16 split of FP32 values (issue 29's groundwork)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec._remainder import join, join_into_, split, split_into_
+
+TOPS_EDGE = [0x0000, 0x0001, 0x007F, 0x0080, 0x3F7F, 0x3F80, 0x7F7E, 0x7F7F, 0x8000, 0x8001, 0x807F, 0xBF80, 0xFF7F]
+LOWS_EDGE = [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFE, 0xFFFF]
+
+
+def _patterns(tops: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    """Every (top, low) pair as an int32 bit pattern (int64 arithmetic, then wrapped)."""
+    b = (tops.to(torch.int64)[:, None] << 16) | lows.to(torch.int64)[None, :]
+    b = torch.where(b >= 2**31, b - 2**32, b)
+    return b.reshape(-1).to(torch.int32)
+
+
+def _finite_f32(bits: torch.Tensor) -> torch.Tensor:
+    x = bits.view(torch.float32)
+    return x[torch.isfinite(x)]
+
+
+def _assert_roundtrip(x: torch.Tensor) -> None:
+    hi, lo = split(x)
+    assert hi.dtype == torch.bfloat16 and lo.dtype == torch.int16 and hi.shape == x.shape
+    back = join(hi, lo)
+    mismatch = back.view(torch.int32) != x.view(torch.int32)
+    assert not mismatch.any(), [hex(int(v)) for v in x.view(torch.int32)[mismatch][:5]]
+
+
+def test_every_top_half_with_the_edge_low_halves_joins_back_bit_for_bit() -> None:
+    x = _finite_f32(_patterns(torch.arange(0x10000), torch.tensor(LOWS_EDGE)))
+    assert x.numel() > 6 * 0xFF00  # every finite exponent and sign
+    _assert_roundtrip(x)
+
+
+def test_every_low_half_with_the_edge_top_halves_joins_back_bit_for_bit() -> None:
+    # zeros, subnormals, the smallest normal, values next to 1.0 (rounding up to a power of two), the largest finite
+    x = _finite_f32(_patterns(torch.tensor(TOPS_EDGE), torch.arange(0x10000)))
+    assert x.numel() == len(TOPS_EDGE) * 0x10000
+    _assert_roundtrip(x)
+
+
+def test_a_large_random_sample_of_bit_patterns_joins_back_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(29)
+    bits = torch.randint(-(2**31), 2**31, (1 << 22,), generator=g, dtype=torch.int64).to(torch.int32)
+    _assert_roundtrip(_finite_f32(bits))
+
+
+def test_hi_is_torchs_cast_except_exact_ties_which_round_away_from_zero() -> None:
+    x = _finite_f32(_patterns(torch.arange(0x10000), torch.tensor(LOWS_EDGE)))
+    hi, lo = split(x)
+    rne = x.to(torch.bfloat16)
+    tie = (x.view(torch.int32) & 0xFFFF) == 0x8000
+    same = hi.view(torch.int16) == rne.view(torch.int16)
+    assert same[~tie].all()
+    # at a tie: one ulp further from zero than truncation, whatever torch's even choice was
+    trunc = (x.view(torch.int32)[tie] >> 16).to(torch.int16)
+    assert (hi.view(torch.int16)[tie] == trunc + 1).all()
+    assert (hi[tie].float().abs() > x[tie].abs()).all()
+    assert (lo[tie] == -0x8000).all()
+    assert 0 < int((~same).sum()) < int(tie.sum())  # half the ties differ from ties-to-even
+
+
+def test_the_remainder_is_the_exact_fp32_difference() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100_000, generator=g) * torch.logspace(-30, 30, 100_000)
+    hi, lo = split(x)
+    diff = x.double().abs() - hi.double().abs()  # exact in float64; the remainder is of the magnitude
+    ulp = torch.ldexp(torch.ones_like(diff), torch.frexp(x.double())[1] - 24)  # one FP32 ulp of x
+    scaled = diff / ulp
+    assert torch.equal(scaled, lo.double())
+
+
+def test_values_past_bf16s_largest_finite_become_inf_and_still_join_back() -> None:
+    x = torch.tensor([3.4028234e38, -3.4028234e38, 3.3895314e38], dtype=torch.float32)
+    hi, lo = split(x)
+    assert torch.equal(hi[:2].float(), x[:2].to(torch.bfloat16).float())  # inf, as torch's cast
+    assert torch.isinf(hi[:2]).all() and torch.isfinite(hi[2])
+    assert torch.equal(join(hi, lo).view(torch.int32), x.view(torch.int32))
+
+
+def test_non_finite_values_split_as_torchs_cast() -> None:
+    x = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    hi, lo = split(x)
+    assert torch.equal(lo, torch.zeros(3, dtype=torch.int16))
+    back = join(hi, lo)
+    assert back[0] == float("inf") and back[1] == float("-inf") and torch.isnan(back[2])
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4)])
+def test_in_place_forms_write_the_existing_buffers(shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(1)
+    master = torch.randn(shape, generator=g)
+    weight = torch.empty(shape, dtype=torch.bfloat16)
+    rem = torch.empty(shape, dtype=torch.int16)
+    ptr = weight.data_ptr()
+    split_into_(master, weight, rem)
+    assert weight.data_ptr() == ptr
+    out = torch.empty(shape)
+    assert join_into_(out, weight, rem) is out and torch.equal(out, master)
+    # an FP32 update lands exactly in the pair
+    updated = out - 1e-3 * torch.randn(shape, generator=g)
+    split_into_(updated, weight, rem)
+    assert torch.equal(join(weight, rem), updated)
+
+
+def test_non_contiguous_input_is_split_by_value() -> None:
+    x = torch.randn(8, 6).t()
+    hi, lo = split(x)
+    assert torch.equal(join(hi, lo), x)
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="x must be float32.*got torch.float16"):
+        split(torch.ones(2, dtype=torch.float16))
+    with pytest.raises(TypeError, match="hi must be bfloat16"):
+        join(torch.ones(2), torch.zeros(2, dtype=torch.int16))
+    with pytest.raises(TypeError, match="lo must be int16"):
+        join(torch.ones(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"same shape, got \(2,\) and \(3,\)"):
+        join(torch.ones(2, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int16))
+    with pytest.raises(ValueError, match="out must have hi's shape"):
+        join_into_(torch.empty(3), torch.ones(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int16))
+    with pytest.raises(TypeError, match="must be a torch.Tensor, got list"):
+        split([1.0])  # type: ignore[arg-type]
