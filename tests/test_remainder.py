@@ -127,3 +127,18 @@ def test_bad_input_is_a_clear_error() -> None:
         join_into_(torch.empty(3), torch.ones(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int16))
     with pytest.raises(TypeError, match="must be a torch.Tensor, got list"):
         split([1.0])  # type: ignore[arg-type]
+
+
+def test_the_cost_benchmark_runs_and_reports_ratios_to_a_cast(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "remainder_cost.py"
+    spec = importlib.util.spec_from_file_location("remainder_cost", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--numel", "65536", "--repeats", "1", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "f32->bf16 copy_" in out and "1.00x" in out
+    assert "split_into_ eager" in out and "join_into_ eager" in out and "exact ties" in out
