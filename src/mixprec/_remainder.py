@@ -38,7 +38,10 @@ def _check_f32(x: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} must be float32 (the FP32 master), got {x.dtype}; pass the FP32 value")
 
 
-def _check_pair(hi: torch.Tensor, lo: torch.Tensor) -> None:
+def _check_pair(hi: torch.Tensor, lo: torch.Tensor, full: tuple[str, torch.Tensor] | None = None) -> None:
+    """Check a (BF16, int16) pair and, when given, the FP32 tensor ``full = (name, tensor)`` of its shape."""
+    if full is not None:
+        _check_f32(full[1], full[0])
     if not isinstance(hi, torch.Tensor) or not isinstance(lo, torch.Tensor):
         raise TypeError(f"hi and lo must be tensors, got {type(hi).__name__} and {type(lo).__name__}")
     if hi.dtype != torch.bfloat16:
@@ -47,6 +50,8 @@ def _check_pair(hi: torch.Tensor, lo: torch.Tensor) -> None:
         raise TypeError(f"lo must be int16 (the remainder split() returned), got {lo.dtype}")
     if hi.shape != lo.shape:
         raise ValueError(f"hi and lo must have the same shape, got {tuple(hi.shape)} and {tuple(lo.shape)}")
+    if full is not None and full[1].shape != hi.shape:
+        raise ValueError(f"{full[0]} must have hi's shape {tuple(hi.shape)}, got {tuple(full[1].shape)}")
 
 
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,10 +110,7 @@ def join_into_(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.T
         TypeError: wrong dtypes.
         ValueError: shapes differ.
     """
-    _check_f32(out, "out")
-    _check_pair(hi, lo)
-    if out.shape != hi.shape:
-        raise ValueError(f"out must have hi's shape {tuple(hi.shape)}, got {tuple(out.shape)}")
+    _check_pair(hi, lo, ("out", out))
     out.copy_(join(hi, lo))
     return out
 
@@ -120,10 +122,7 @@ def split_into_(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
         TypeError: wrong dtypes.
         ValueError: shapes differ.
     """
-    _check_f32(x, "x")
-    _check_pair(hi, lo)
-    if x.shape != hi.shape:
-        raise ValueError(f"x must have hi's shape {tuple(hi.shape)}, got {tuple(x.shape)}")
+    _check_pair(hi, lo, ("x", x))
     h, l_ = split(x)
     hi.copy_(h)
     lo.copy_(l_)

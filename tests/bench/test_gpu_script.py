@@ -14,22 +14,25 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_gpt2.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TINY = ["--tiny", "--steps", "3", "--warmup", "1"]
+
+
+def _run_script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """Run gpu_gpt2.py with ``args`` in a subprocess (one torch thread) and return what it printed."""
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout, check=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU path")
 def test_skips_cleanly_without_cuda() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=ENV, timeout=120, check=False)
+    proc = _run_script(timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "needs a GPU. Skipped." in proc.stdout
     assert "Traceback" not in proc.stderr
 
 
 def test_tiny_cpu_run_prints_each_pair_as_it_finishes_and_writes_json(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-mixed,fp16-mixed",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, env=ENV, timeout=300, check=False,
-    )
+    proc = _run_script(*TINY, "--presets", "bf16-mixed,fp16-mixed", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     first = out.index("bf16-mixed     vs torch-amp bf16: step time x")
@@ -46,11 +49,7 @@ def test_tiny_cpu_run_prints_each_pair_as_it_finishes_and_writes_json(tmp_path: 
 
 
 def test_budget_leaves_out_the_pairs_that_would_not_fit(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-mixed,fp16-mixed,fp32",
-         "--budget", "0.001", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=ENV, timeout=300, check=False,
-    )
+    proc = _run_script(*TINY, "--presets", "bf16-mixed,fp16-mixed,fp32", "--budget", "0.001", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "left out: fp16-mixed, fp32" in proc.stdout
     d = json.loads((tmp_path / "gpu_gpt2.json").read_text())
@@ -58,11 +57,7 @@ def test_budget_leaves_out_the_pairs_that_would_not_fit(tmp_path: Path) -> None:
 
 
 def test_profile_prints_the_differences(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-master", "--profile",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, env=ENV, timeout=300, check=False,
-    )
+    proc = _run_script(*TINY, "--presets", "bf16-master", "--profile", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "profile bf16-master minus torch-amp bf16: host time per step" in proc.stdout
     prof = json.loads((tmp_path / "gpu_gpt2.json").read_text())["pairs"][0]["profile"]
@@ -72,11 +67,7 @@ def test_profile_prints_the_differences(tmp_path: Path) -> None:
 
 
 def test_tiny_cpu_run_compiled(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--steps", "3", "--warmup", "1", "--presets", "bf16-mixed,bf16-master",
-         "--compile", "aot_eager", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=ENV, timeout=300, check=False,
-    )
+    proc = _run_script(*TINY, "--presets", "bf16-mixed,bf16-master", "--compile", "aot_eager", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "compiled (aot_eager)" in proc.stdout and "compile s" in proc.stdout
     assert "bf16-master    vs torch-amp bf16: step time x" in proc.stdout
