@@ -23,7 +23,7 @@ import mixprec._checkpoint as ckpt
 from mixprec._checkpoint import FORMAT, CheckpointError, load, save
 from mixprec._precision import MixedPrecision
 
-PRESETS = ["fp16-master", "bf16-pure", "bf16-mixed"]
+PRESETS = ["fp16-master", "bf16-master-r16", "bf16-pure", "bf16-mixed"]
 
 
 # ----- a tiny deterministic training run -------------------------------------------------------------

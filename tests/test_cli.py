@@ -187,6 +187,6 @@ def test_console_entry_point_errors_without_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "mixprec compare: error: unknown preset 'fp16-mixd'; Did you mean 'fp16-mixed'? choose from: fp32, tf32, "
-        "bf16-mixed, fp16-mixed, bf16-master, fp16-master, bf16-pure, fp16-pure, or 'all' (the torch-amp baseline is "
+        "bf16-mixed, fp16-mixed, bf16-master, bf16-master-r16, fp16-master, bf16-pure, fp16-pure, or 'all' (the torch-amp baseline is "
         "set with --baseline)"
     )

@@ -113,7 +113,9 @@ def _train(preset: str, order: str, steps: int = 10, backend: str = "aot_eager")
     return _run_segment(prec, model, opt, _batches(steps))
 
 
-@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure"])
+@pytest.mark.parametrize(
+    "preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-master-r16", "fp16-master", "bf16-pure"]
+)
 @pytest.mark.parametrize("order", ["prepare-first", "compile-first"])
 def test_compiled_training_matches_eager(preset: str, order: str) -> None:
     eager = _train(preset, "eager")
@@ -384,7 +386,7 @@ def _recompile_scenario(preset: str, backend: str, fused: bool | None, steps: in
     return end[0] - after_warm[0], end[1] - after_warm[1], float(prec.scaler.loss_scale)
 
 
-@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "bf16-pure", "fp16-mixed"])
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "bf16-master-r16", "bf16-pure", "fp16-mixed"])
 def test_no_recompiles_after_warm_up(preset: str) -> None:
     new_graphs, recompiles, scale = _recompile_scenario(preset, "aot_eager", None)
     assert (new_graphs, recompiles) == (0, 0)
@@ -393,9 +395,10 @@ def test_no_recompiles_after_warm_up(preset: str) -> None:
 
 
 @pytest.mark.slow
-def test_no_recompiles_with_inductor_and_the_fused_step() -> None:
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-master-r16"])
+def test_no_recompiles_with_inductor_and_the_fused_step(preset: str) -> None:
     """The model and the fused (compiled) master step: nothing compiled after warm-up (overflow, LR, load_state_dict)."""
-    new_graphs, recompiles, _ = _recompile_scenario("bf16-master", "inductor", True, steps=40, add_group=False)
+    new_graphs, recompiles, _ = _recompile_scenario(preset, "inductor", True, steps=40, add_group=False)
     assert (new_graphs, recompiles) == (0, 0)
 
 

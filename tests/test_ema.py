@@ -14,7 +14,7 @@ from torch import nn
 import mixprec as mp
 from mixprec import EMA, MasterWeightOptimizer, MixedPrecision
 
-PRESETS = ["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16-pure"]
+PRESETS = ["fp32", "bf16-mixed", "bf16-master", "bf16-master-r16", "fp16-master", "bf16-pure"]
 
 
 def mlp() -> nn.Module:
@@ -53,7 +53,7 @@ def truth(prec, model):
     masters = {}
     for opt in prec.optimizers:
         if isinstance(opt, MasterWeightOptimizer):
-            masters.update({id(p): m for p, m in zip(opt.model_params, opt.masters)})
+            masters.update({id(p): m for p, m in zip(opt.model_params, opt.master_values())})
     return {n: masters.get(id(p), p).detach().double() for n, p in model.named_parameters()}
 
 
@@ -62,7 +62,7 @@ def state_of(prec, model):
     out = {f"model.{n}": t.detach().clone() for n, t in model.state_dict().items()}
     for i, opt in enumerate(prec.optimizers):
         if isinstance(opt, MasterWeightOptimizer):
-            out.update({f"master.{i}.{j}": m.detach().clone() for j, m in enumerate(opt.masters)})
+            out.update({f"master.{i}.{j}": m.detach().clone() for j, m in enumerate(opt.master_values())})
     return out
 
 

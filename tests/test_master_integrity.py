@@ -24,7 +24,7 @@ from mixprec import checkpoint
 from mixprec._master import MasterWeightOptimizer
 from mixprec._scaler import DynamicScaler
 
-PRESETS = ["bf16-master", "fp16-master", "bf16-pure", "bf16-mixed"]
+PRESETS = ["bf16-master", "bf16-master-r16", "fp16-master", "bf16-pure", "bf16-mixed"]
 # max |weight - FP32 loop's weight| after a few SGD steps on O(1) weights: half-precision forward
 # and backward, FP32 (or compensated) updates.
 TOL = {"bf16": 5e-3, "fp16": 5e-4}
@@ -331,7 +331,9 @@ def test_parametrize_trains_like_fp32(preset: str) -> None:
     assert torch.equal(w, w.T)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+# bf16-master-r16 keeps each element's low 16 bits through an edit of its weight (docs/training-loop.md):
+# tests/test_master_remainder.py checks what it does instead.
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "bf16-master-r16"])
 def test_loading_weights_into_the_model_reaches_the_masters(preset: str) -> None:
     run = make_run(preset, mlp)
     _train_clearing(run, "returned", True, steps=2)
@@ -388,7 +390,7 @@ def test_tied_gpt2_exports_and_converts_the_master_for_every_alias(preset: str) 
 
 def _master_of(run: Run, p: torch.Tensor) -> torch.Tensor:
     if isinstance(run.opt, MasterWeightOptimizer):
-        return run.opt.master_for(p).float()
+        return dict(zip(map(id, run.opt.model_params), run.opt.master_values()))[id(p)].float()
     return p.detach().float()
 
 

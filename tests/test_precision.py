@@ -13,7 +13,7 @@ from mixprec._policy import Policy
 from mixprec._precision import MixedPrecision
 from mixprec.checkpoint import convert_state_dict, for_inference, fp32_state_dict
 
-ALL = ["fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "fp16-pure", "bf16-pure"]
+ALL = ["fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-master-r16", "fp16-pure", "bf16-pure"]
 # Loss-gap tolerance against FP32 after training, per compute dtype (relative).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 0.05, torch.float16: 0.02}
 

@@ -91,6 +91,16 @@ def test_non_finite_values_split_as_torchs_cast() -> None:
     assert back[0] == float("inf") and back[1] == float("-inf") and torch.isnan(back[2])
 
 
+def test_every_nan_payload_splits_into_a_nan_not_inf_or_a_sign_flip() -> None:
+    """NaN bit patterns whose low half would round into inf (0x7F800001) or carry across the sign (0x7FFFFFFF)."""
+    patterns = [0x7F800001, 0x7F807FFF, 0x7F808000, 0x7FC00000, 0x7FFFFFFF, -0x007FFFFF, -0x00000001, -0x00400000]
+    x = torch.tensor(patterns, dtype=torch.int32).view(torch.float32)
+    assert torch.isnan(x).all()
+    hi, lo = split(x)
+    assert torch.isnan(hi).all() and torch.equal(lo, torch.zeros(len(patterns), dtype=torch.int16))
+    assert torch.isnan(join(hi, lo)).all()
+
+
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4)])
 def test_in_place_forms_write_the_existing_buffers(shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(1)

@@ -153,6 +153,13 @@ def check_fsdp_policy(policy: Any) -> None:
             f"policy {policy.label!r} keeps {policy.master_dtype} masters, which FSDP2 cannot do: under FSDP2 the "
             "sharded FP32 parameters are the masters. Use m=f32 (as 'bf16-master' / 'fp16-master' do)."
         )
+    if getattr(policy, "master_storage", "full") == "remainder":
+        # Not silently FP32 shards: that would cost the 2 bytes per parameter the policy was chosen to save.
+        raise ValueError(
+            f"policy {policy.label!r} stores masters as the BF16 weight plus a 16-bit remainder, which mixprec does not "
+            "do under FSDP2 yet (sharded remainders, issue 29). Use 'bf16-master' (FSDP2's FP32 shards are the masters), "
+            "or DDP (mixprec.distributed.wrap_ddp) with 'bf16-master-r16'."
+        )
 
 
 def _fsdp_half_params(policy: Any) -> bool:

@@ -129,7 +129,8 @@ class EMA:
             for opt in self.prec.optimizers:
                 if isinstance(opt, MasterWeightOptimizer):
                     # Looked up at each call: masters of unfrozen parameters and added param groups appear later.
-                    masters.update((id(p), m) for p, m in zip(opt.model_params, opt.masters) if p is not m)
+                    # master_values: exact FP32 values also where masters are stored as weight + remainder.
+                    masters.update((id(p), m) for p, m in zip(opt.model_params, opt.master_values()) if p is not m)
         return [masters.get(id(p), p).detach() for p in self._params]
 
     @property

@@ -23,10 +23,12 @@ from ._errors import check_fused
 from ._finite import unscale_and_check_
 from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
+from ._remainder import join, split
 from ._stepping import step_or_skip
 
 __all__ = [
     "GradAccumulation",
+    "MasterStorage",
     "MasterWeightOptimizer",
     "WeightEdits",
     "check_grad_accumulation",
@@ -36,6 +38,7 @@ __all__ = [
 
 GradAccumulation = Literal["fp32", "compute"]
 WeightEdits = Literal["values", "versions"]
+MasterStorage = Literal["full", "remainder"]
 _STATE_VERSION = 1
 _WARNED_UNFROZEN = False
 
@@ -99,11 +102,26 @@ class MasterWeightOptimizer(Optimizer):
             says it pays off (CUDA/XPU with Triton; on a CPU only once :attr:`prefer_fused` is
             set, which ``MixedPrecision`` does when the model runs compiled; see ``docs/optim.md``).
             ``compile_seconds`` reports the first-step compile time.
+        master_storage: ``"full"`` (default): each master is an FP32 tensor of its own.
+            ``"remainder"`` (``bf16-master-r16``): a BF16 parameter's master is the parameter
+            itself plus an ``int16`` remainder (:mod:`mixprec._remainder`), 2 bytes per element
+            instead of 4, and still exact. Inside :meth:`step` each master is joined into an FP32
+            tensor (the one the wrapped optimizer holds; between steps its data is a one-element
+            NaN placeholder broadcast to the parameter's shape, so the state keyed by it survives), the
+            wrapped optimizer (or the fused step) updates it, and it is split again into the weight
+            (FP32 rounded with ties away from zero, not to even) and the remainder. What differs
+            from ``"full"``: edits of the model's weights outside the step are not compared with
+            the masters (:meth:`sync_edits_` does nothing): an edited weight *is* the top half of its
+            master, so the master becomes the edited value with the element's old 16 low bits
+            (within one BF16 ulp of the edit; an untouched element keeps its exact master).
+            :attr:`masters`, :meth:`master_for` and :meth:`state_dict` give joined FP32 copies.
+            Needs ``master_dtype`` FP32 and BF16 half parameters.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped.
-        ValueError: unknown ``grad_accumulation`` or ``weight_edits``; ``fused=True`` for an
-            optimizer other than torch's AdamW, Adam or SGD.
+        ValueError: unknown ``grad_accumulation``, ``weight_edits`` or ``master_storage``;
+            ``fused=True`` for an optimizer other than torch's AdamW, Adam or SGD;
+            ``master_storage="remainder"`` with FP16 parameters or non-FP32 masters.
 
     Host syncs: none in ``step`` when the wrapped optimizer declares
     ``_step_supports_amp_scaling`` or the fused step runs; one (``found_inf`` read) otherwise,
@@ -122,6 +140,8 @@ class MasterWeightOptimizer(Optimizer):
     # None: rebuild at the next use (a copy rebuilds its own: __getstate__ drops them).
     _pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     _pair_lists: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    _live = False  # "remainder": the masters hold their joined FP32 values (inside a step)
+    master_storage: MasterStorage = "full"  # set in __init__; the default reads instances pickled before it existed
 
     def __init__(
         self,
@@ -132,6 +152,7 @@ class MasterWeightOptimizer(Optimizer):
         initial_masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
         weight_edits: WeightEdits = "values",
         fused: bool | None = None,
+        master_storage: MasterStorage = "full",
     ) -> None:
         check_fused(fused)
         if fused and type(optimizer) not in FUSABLE:
@@ -145,6 +166,13 @@ class MasterWeightOptimizer(Optimizer):
             raise TypeError(f"MasterWeightOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         check_grad_accumulation(grad_accumulation)
         check_weight_edits(weight_edits)
+        if master_storage not in ("full", "remainder"):
+            raise ValueError(
+                f"master_storage={master_storage!r}; use 'full' (an FP32 tensor per master) or 'remainder' (the BF16 "
+                "weight plus an int16 remainder, exact)."
+            )
+        if master_storage == "remainder" and parse_dtype(master_dtype) != torch.float32:
+            raise ValueError(f"master_storage='remainder' keeps FP32 masters; got master_dtype={master_dtype!r}.")
         # Deliberately not calling Optimizer.__init__: state and param_groups live in the wrapped
         # optimizer. The attributes below are what torch's hooks and LR schedulers look for.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -158,6 +186,10 @@ class MasterWeightOptimizer(Optimizer):
         self.grad_accumulation: GradAccumulation = grad_accumulation
         self.weight_edits: WeightEdits = weight_edits
         self.fused: bool | None = fused
+        self.master_storage: MasterStorage = master_storage
+        # "remainder": model parameter i's int16 remainder, parallel to _model_params (None: no remainder).
+        self._rems: list[torch.Tensor | None] = []
+        self._rem_list: list[torch.Tensor] = []  # the remainders of the cached pairs, parallel to them
         self._shadow: Any = None  # the _fused.FusedShadow that runs the fused step (built on first use)
         self._prefer_fused = False
         self._versions: list[tuple[int, int]] = []  # (version, data_ptr) of each half param after the last copy
@@ -192,7 +224,8 @@ class MasterWeightOptimizer(Optimizer):
         d = self.__dict__.copy()
         for key in ("step", "_mixprec_step_guard"):  # a MixedPrecision run's routing guard
             d.pop(key, None)
-        d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None, _pairs=None, _pair_lists=([], []))
+        d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None, _pairs=None, _pair_lists=([], []),
+                 _rem_list=[])
         return d
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -216,11 +249,13 @@ class MasterWeightOptimizer(Optimizer):
         if not p.dtype.is_floating_point or p.dtype == self.master_dtype:
             self._model_params.append(p)
             self._masters.append(p)
+            self._rems.append(None)
             return p
         if not p.requires_grad:
             # Frozen: no master (no memory) until unfrozen; the optimizer skips it without a gradient.
             self._model_params.append(p)
             self._masters.append(p)
+            self._rems.append(None)
             self._frozen.append(p)
             return p
         src = self._initial.get(p)
@@ -231,11 +266,35 @@ class MasterWeightOptimizer(Optimizer):
             master = src.detach().to(device=p.device, dtype=self.master_dtype)
         else:
             master = p.detach().to(self.master_dtype).clone()
+        rem = None
+        if self.master_storage == "remainder":
+            master, rem = self._to_remainder(p, master)
         master.requires_grad_(False)
         self._model_params.append(p)
         self._masters.append(master)
+        self._rems.append(rem)
         self._attach(p, master)
         return master
+
+    @staticmethod
+    def _to_remainder(p: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split the FP32 ``value`` into ``p`` (its BF16 top half, written in place) and a remainder.
+
+        Returns:
+            ``(master, remainder)``: the placeholder master the wrapped optimizer holds, and the ``int16`` remainder.
+        """
+        if p.dtype != torch.bfloat16:
+            raise ValueError(
+                f"master_storage='remainder' stores a master as its BF16 weight plus 16 bits, but a parameter of shape "
+                f"{tuple(p.shape)} is {dtype_name(p.dtype)}; use master_storage='full' (bf16-master, fp16-master) for "
+                "non-BF16 parameters."
+            )
+        with torch.no_grad():
+            hi, lo = split(value.contiguous())
+            p.copy_(hi)
+        master = torch.empty(0, dtype=torch.float32, device=p.device)
+        master.data = _placeholder(p)
+        return master, lo
 
     def _attach(self, p: torch.Tensor, master: torch.Tensor) -> None:
         """Give ``p`` its gradient view and (FP32 accumulation) the hook that feeds the master."""
@@ -294,6 +353,8 @@ class MasterWeightOptimizer(Optimizer):
             self._frozen = [q for q in self._frozen if q is not p]
             master = p.detach().to(self.master_dtype).clone()
             i = next(k for k, q in enumerate(self._model_params) if q is p)
+            if self.master_storage == "remainder":
+                master, self._rems[i] = self._to_remainder(p, master)  # remainder 0: the master is the BF16 weight
             self._masters[i] = master
             self._refresh_pairs()
             for group in self.optimizer.param_groups:
@@ -314,6 +375,7 @@ class MasterWeightOptimizer(Optimizer):
         """Rebuild the cached pairs and :attr:`_pair_lists` (after parameters were adopted or unfrozen)."""
         pairs = self._pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
         self._pair_lists = ([p for p, _ in pairs], [m for _, m in pairs])
+        self._rem_list = [r for r in self._rems if r is not None]  # parallel to the pairs ("remainder" only)
 
     def _record_versions(self) -> None:
         """Remember each half parameter's (version, storage) after a copy (``weight_edits="versions"`` reads them)."""
@@ -338,12 +400,17 @@ class MasterWeightOptimizer(Optimizer):
           ``nn.Embedding(max_norm=...)``, ``load_state_dict``). Free when nothing changed;
           edits through ``.data`` are not seen.
 
+        With ``master_storage="remainder"`` there is nothing to carry: the weight is the master's
+        top half, so an edit is already in the master (with the element's old low 16 bits).
+
         No host sync in either mode.
         """
         self._sync_edits()
 
     def _sync_edits(self) -> None:
         """:meth:`sync_edits_` without its ``no_grad`` decorator (the step runs with grad mode off)."""
+        if self.master_storage == "remainder":
+            return
         if self._pairs is None:
             self._refresh_pairs()
         if self.weight_edits == "versions":
@@ -402,8 +469,33 @@ class MasterWeightOptimizer(Optimizer):
 
     @property
     def masters(self) -> list[torch.Tensor]:
-        """The master tensors, in param-group order (FP32 parameters are their own masters)."""
+        """The master tensors, in param-group order (FP32 parameters are their own masters).
+
+        Their ``.grad`` is the FP32 gradient the step uses (clip it, read it). With
+        ``master_storage="remainder"`` the values of BF16 parameters' masters exist only inside
+        :meth:`step`: between steps these tensors read as NaN and refuse in-place writes (a
+        one-element placeholder, see the class); :meth:`master_values` gives the exact values.
+        """
         return list(self._masters)
+
+    @torch.no_grad()
+    def master_values(self) -> list[torch.Tensor]:
+        """The masters' exact FP32 values, parallel to :attr:`masters`.
+
+        Under ``"full"`` the masters themselves; under ``"remainder"`` new tensors joined from
+        each weight and its remainder (no gradient; FP32 parameters are themselves).
+        """
+        self._sync_edits()
+        return self._joined()
+
+    @property
+    def remainders(self) -> list[torch.Tensor | None]:
+        """The ``int16`` remainders, parallel to :attr:`model_params` (``None`` without one; all ``None`` under ``"full"``)."""
+        return list(self._rems)
+
+    def _joined(self) -> list[torch.Tensor]:
+        """Every master's FP32 value: joined from weight and remainder where there is one, else the tensor itself."""
+        return [m if r is None else _join_master(p.detach(), r) for p, m, r in zip(self._model_params, self._masters, self._rems)]
 
     @property
     def model_params(self) -> list[torch.Tensor]:
@@ -411,7 +503,7 @@ class MasterWeightOptimizer(Optimizer):
         return list(self._model_params)
 
     def master_for(self, param: torch.Tensor) -> torch.Tensor:
-        """Return the master of a model parameter.
+        """Return the master of a model parameter (under ``"remainder"`` its placeholder: see :attr:`masters`).
 
         Raises:
             KeyError: ``param`` is not managed by this optimizer.
@@ -425,7 +517,8 @@ class MasterWeightOptimizer(Optimizer):
         n_half = sum(1 for p, m in zip(self._model_params, self._masters) if p is not m)
         return (
             f"MasterWeightOptimizer({type(self.optimizer).__name__}, masters={dtype_name(self.master_dtype)}, "
-            f"{n_half} half-precision params with masters, grad_accumulation={self.grad_accumulation!r})"
+            f"{n_half} half-precision params with masters, grad_accumulation={self.grad_accumulation!r}"
+            + (", master_storage='remainder')" if self.master_storage == "remainder" else ")")
         )
 
     # ----- gradients ---------------------------------------------------------------------------
@@ -441,7 +534,7 @@ class MasterWeightOptimizer(Optimizer):
         if self.grad_accumulation == "compute":
             pending = [(p, m) for p, m in self._half_pairs() if p.grad is not None and not isinstance(p.grad, MasterGradView)]
             if pending:
-                bufs = [torch.empty_like(m) for _, m in pending]
+                bufs = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for _, m in pending]  # m may be a placeholder
                 torch._foreach_copy_(bufs, [p.grad for p, _ in pending if p.grad is not None])
                 for (p, m), b in zip(pending, bufs):
                     m.grad = b if m.grad is None else m.grad.add_(b)
@@ -507,10 +600,49 @@ class MasterWeightOptimizer(Optimizer):
         if self._pairs is None:
             self._refresh_pairs()
         params, masters = self._pair_lists
-        if params:
+        if self.master_storage == "remainder":
+            self._split_masters()
+        elif params:
             torch._foreach_copy_(params, masters)  # one foreach op: the copy-back of every weight
         if self.weight_edits == "versions":
             self._record_versions()
+
+    def _join_masters(self, compiled: bool = False) -> None:
+        """``"remainder"``: give each placeholder master its exact FP32 value (joined from weight and remainder).
+
+        Args:
+            compiled: join through :func:`_compiled_remainder_fns` (contiguous weights; others eagerly).
+        """
+        if self._live:
+            return
+        if self._pairs is None:
+            self._refresh_pairs()
+        params, masters = self._pair_lists
+        join_fn = _compiled_remainder_fns()[0] if compiled else None
+        for p, m, r in zip(params, masters, self._rem_list):
+            if join_fn is not None and p.is_contiguous():
+                m.data = join_fn(p.view(-1), r.view(-1)).view(p.shape)
+            else:
+                m.data = _join_master(p, r)
+        self._live = True
+
+    def _split_masters(self, compiled: bool = False) -> None:
+        """``"remainder"``: split each joined master into its weight and remainder, then drop its FP32 storage.
+
+        Without joined masters (a copy-back outside a step: the weights and remainders already
+        hold the masters) nothing happens.
+        """
+        if not self._live:
+            return
+        params, masters = self._pair_lists
+        split_fn = _compiled_remainder_fns()[1] if compiled else _split_into
+        for p, m, r in zip(params, masters, self._rem_list):
+            if compiled and p.is_contiguous() and m.is_contiguous():
+                split_fn(m.view(-1), p.view(-1), r.view(-1))
+            else:
+                _split_into(m, p, r)
+            m.data = _placeholder(p)
+        self._live = False
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the wrapped optimizer on the masters, then copy the masters back.
@@ -549,12 +681,26 @@ class MasterWeightOptimizer(Optimizer):
         return result
 
     def _step(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> Any:
+        """Steps 3-4 of the class docstring; with remainders, inside a join of the masters and a split after."""
+        if self.master_storage != "remainder":
+            return self._update(args, grad_scale, found_inf)
+        # Beside the compiled step, join and split compiled too (one graph for every size: 5x faster on a CPU).
+        compiled = self._fused_shadow() is not None
+        self._join_masters(compiled)
+        try:
+            return self._update(args, grad_scale, found_inf)
+        finally:
+            # Also when the update raised: the weights and remainders then hold whatever it wrote (a
+            # skipped or not-started update splits back into the very same bits).
+            self._split_masters(compiled)
+
+    def _update(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> Any:
         """Steps 3-4 of the class docstring: edits carried in, the update (skipping on the device), the copy back."""
         view = self._fused_shadow()  # the mixprec.optim optimizer that runs the fused step, or None
         # With "values" the fused kernel compares every weight it steps with its rounded master as it
         # reads them (optim/_fused_step.py, sync_mirrors); weights without a gradient (not stepped) keep an
         # edit in the model until their next step or state_dict(), which sync them.
-        in_kernel = view is not None and self.weight_edits == "values"
+        in_kernel = view is not None and self.weight_edits == "values" and self.master_storage != "remainder"
         if view is not None:
             view.sync_mirrors = in_kernel
         if not in_kernel:
@@ -598,7 +744,9 @@ class MasterWeightOptimizer(Optimizer):
         if self._shadow is not None and self._shadow.off:  # decided: the wrapped optimizer's own step (no call)
             return None
         if self._shadow is None:
-            self._shadow = FusedShadow(self.optimizer, self.fused, {id(m): p for p, m in self._half_pairs()})
+            # Under "remainder" the kernel writes no weights: the split after the step does (ties away from zero).
+            mirrors = {} if self.master_storage == "remainder" else {id(m): p for p, m in self._half_pairs()}
+            self._shadow = FusedShadow(self.optimizer, self.fused, mirrors)
             self._shadow.prefer = self._prefer_fused
         return self._shadow.view()
 
@@ -623,12 +771,15 @@ class MasterWeightOptimizer(Optimizer):
             ``version`` (int, 1), ``optimizer`` (the wrapped optimizer's ``state_dict()``),
             ``masters`` (list of FP32 tensors in param-group order, ``None`` where the
             parameter is its own master), ``master_dtype`` (``"f32"``), ``grad_accumulation``.
+            Under ``master_storage="remainder"`` the masters are the joined exact FP32 values (new
+            tensors): the same format, so the state loads under ``"full"`` and back bit for bit.
         """
         self.sync_edits_()
+        masters = self._joined() if self.master_storage == "remainder" else self._masters
         return {
             "version": _STATE_VERSION,
             "optimizer": self.optimizer.state_dict(),
-            "masters": [m if p is not m else None for p, m in zip(self._model_params, self._masters)],
+            "masters": [m if p is not m else None for p, m in zip(self._model_params, masters)],
             "master_dtype": dtype_name(self.master_dtype),
             "grad_accumulation": self.grad_accumulation,
         }
@@ -664,7 +815,23 @@ class MasterWeightOptimizer(Optimizer):
             if src is not None and src.shape != m.shape:
                 raise ValueError(f"parameter {i}: master of shape {tuple(src.shape)} in the checkpoint, {tuple(m.shape)} here.")
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        for src, m in zip(masters, self._masters):
+        self._set_masters(masters)
+
+    def _set_masters(self, values: list[torch.Tensor | None]) -> None:
+        """Give each master the value at its position (``None``: keep it), then copy the masters to the model."""
+        if self.master_storage == "remainder":
+            for src, p, m, r in zip(values, self._model_params, self._masters, self._rems):
+                if src is None:
+                    continue
+                if r is None:
+                    m.copy_(src)  # an FP32 parameter (or a frozen one): it is its own master
+                else:
+                    hi, lo = split(src.detach().to(device=p.device, dtype=torch.float32).contiguous())
+                    p.copy_(hi)
+                    r.copy_(lo)
+            self._copy_to_model()  # records versions; the weights already hold the masters' top halves
+            return
+        for src, m in zip(values, self._masters):
             if src is not None:
                 m.copy_(src)
         self.copy_to_model_()
@@ -676,17 +843,59 @@ class MasterWeightOptimizer(Optimizer):
         Used to load a plain FP32 model checkpoint into a master-weights run without rounding
         the masters through the half-precision dtype.
         """
-        for p, m in zip(self._model_params, self._masters):
-            v = values.get(p)
-            if v is not None:
-                m.copy_(v)
-        self.copy_to_model_()
+        self._set_masters([values.get(p) for p in self._model_params])
 
     def remove_hooks(self) -> None:
         """Remove the gradient-accumulation hooks from the model's parameters."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _join_master(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The FP32 master of a BF16 weight ``p`` and its remainder ``r``: ``join(p, r)``, where the weight is ±0 or ±inf that weight.
+
+    ``split`` never pairs a zero weight with a negative remainder nor an infinite one with a positive
+    remainder, but an edit of the weight outside the step can (a pruning mask, a clamp to inf):
+    joined as bits those pairs would be NaN. A zero or infinite weight therefore gives its master
+    exactly (a pruned weight's master is 0). What this changes for masters the step produced:
+    values below 2^-133 in magnitude (their weight is 0) read as ±0, values beyond BF16's largest
+    finite number (their weight is inf) as ±inf.
+    """
+    j = join(p, r)
+    return torch.where(torch.isfinite(p) & (p != 0), j, p.to(torch.float32))
+
+
+def _split_into(m: torch.Tensor, p: torch.Tensor, r: torch.Tensor) -> None:
+    """Write ``split(m)`` into the weight ``p`` and the remainder ``r``."""
+    hi, lo = split(m)
+    p.copy_(hi)
+    r.copy_(lo)
+
+
+_REMAINDER_FNS: list[Callable[..., Any]] = []
+
+
+def _compiled_remainder_fns() -> list[Callable[..., Any]]:
+    """``[join, split_into]`` of flat tensors under ``torch.compile(dynamic=True)``, built on first use.
+
+    Dynamic shapes: one graph serves every parameter size (sizes 0 and 1 aside), so the compile
+    (about 3 s on a CPU, once per process) does not grow with the model. Measured on 24 tensors of
+    4.7M elements, 1 CPU thread: join 5.7 ms, split 3.3 ms, against 24.6 and 16.7 ms eagerly.
+    """
+    if not _REMAINDER_FNS:
+        _REMAINDER_FNS.extend([torch.compile(_join_master, dynamic=True), torch.compile(_split_into, dynamic=True)])
+    return _REMAINDER_FNS
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    """A remainder-stored master's data between steps: one FP32 NaN broadcast to ``p``'s shape (4 bytes).
+
+    It keeps the shape (gradients attach to it) and reads as NaN, and an in-place write raises
+    (its elements share one memory location): a master read or written outside the step is never a
+    silently stale value.
+    """
+    return torch.full((), float("nan"), dtype=torch.float32, device=p.device).expand(p.shape)
 
 
 _GRAD = operator.attrgetter("grad")

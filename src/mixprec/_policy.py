@@ -28,19 +28,25 @@ from torch import nn
 from ._dtypes import dtype_name, parse_dtype
 from ._errors import unknown_choice
 
-__all__ = ["ALIASES", "FP8_RECIPES", "PRESETS", "BufferCast", "Compensation", "Fp8Recipe", "LossScaleKind", "Policy", "PresetName"]
+__all__ = [
+    "ALIASES", "FP8_RECIPES", "PRESETS", "BufferCast", "Compensation", "Fp8Recipe", "LossScaleKind", "MasterStorage",
+    "Policy", "PresetName",
+]
 
 LossScaleKind = Literal["none", "static", "dynamic"]
 Compensation = Literal["none", "kahan", "stochastic"]
 BufferCast = Literal["keep", "param"]
 Fp8Recipe = Literal["none", "tensorwise", "rowwise", "rowwise_gw_hp"]
+#: How FP32 masters are stored: ``"full"`` (an FP32 tensor of their own) or ``"remainder"`` (the BF16
+#: weight plus an ``int16`` remainder, exact; ``m=f32:r16``, issue 29).
+MasterStorage = Literal["full", "remainder"]
 #: The FP8 recipes of ``f8=`` (torchao's float8 training recipes; ``rowwise_gw_hp`` is torchao's
 #: ``rowwise_with_gw_hp``: the weight-gradient GEMM stays in high precision).
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_gw_hp")
 _F8_LAYER_WORDS = ("auto", "all")
 PresetName = Literal[
-    "fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-pure", "fp16-pure",
-    "fp8-tensorwise", "fp8-rowwise",
+    "fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-master", "bf16-master", "bf16-master-r16", "bf16-pure",
+    "fp16-pure", "fp8-tensorwise", "fp8-rowwise",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -48,6 +54,7 @@ _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KEYS = ("p", "c", "o", "m", "ls", "i", "tf32", "comp", "b", "f8", "f8_layers")
 _KEY_HELP = (
     "p=param dtype, c=compute dtype, o=output dtype, m=master dtype or none, "
+    "m=f32:r16 (FP32 masters stored as the BF16 weight plus a 16-bit remainder, p=bf16 only), "
     "ls=none|static[:scale]|dynamic[:init_scale], i=FP32 islands joined by '+' (norm, a module "
     "class name, name:<glob on qualified module names>) or none, tf32=0|1, comp=none|kahan|stochastic, "
     "b=keep|param (floating buffers keep their dtype, or take the param dtype), "
@@ -94,6 +101,11 @@ class Policy:
             such as a rotary embedding's ``inv_freq`` keep FP32 precision; ``"param"`` casts
             them to ``param_dtype`` with the parameters. Buffers of FP32 islands (BatchNorm's
             running statistics) are FP32 either way.
+        master_storage: How the FP32 masters are kept (``m=f32`` or ``m=f32:r16``): ``"full"``, an
+            FP32 tensor per parameter (4 bytes); ``"remainder"``, the BF16 weight plus an ``int16``
+            remainder (2 bytes more than the weight), joined into the exact FP32 master inside each
+            step and split again (ties round away from zero; ``p=bf16`` only; docs/training-loop.md,
+            "Masters at 2 extra bytes").
 
     Raises:
         ValueError / TypeError: on an inconsistent or unknown combination; see :meth:`parse`.
@@ -115,6 +127,7 @@ class Policy:
     buffers: BufferCast = "keep"
     fp8: Fp8Recipe = "none"
     fp8_layers: tuple[str, ...] = ("all",)
+    master_storage: MasterStorage = "full"
 
     def __post_init__(self) -> None:
         # Accept aliases and module classes, normalise, then validate as one unit so the
@@ -157,6 +170,13 @@ class Policy:
                     f"m=f32 with p=f32 {where}: FP32 parameters already are the masters; drop m= or store "
                     "parameters in half precision (p=f16 or p=bf16)."
                 )
+        if self.master_storage not in get_args(MasterStorage):
+            raise unknown_choice("master storage", self.master_storage, get_args(MasterStorage))
+        if self.master_storage == "remainder" and (m is None or p != torch.bfloat16):
+            raise ValueError(
+                f"m=f32:r16 {where}: remainder-stored masters are the BF16 weight plus 16 bits, so they need p=bf16 and "
+                "FP32 masters; use 'bf16-master-r16', or m=f32 (a full FP32 master) with other parameter dtypes."
+            )
         if self.loss_scale not in get_args(LossScaleKind):
             raise unknown_choice("loss scaling", self.loss_scale, get_args(LossScaleKind))
         if self.init_scale is not None:
@@ -276,6 +296,8 @@ class Policy:
         ls = self.loss_scale if self.init_scale is None else f"{self.loss_scale}:{_fmt_scale(self.init_scale)}"
         islands = "+".join(self.fp32_islands) if self.fp32_islands else "none"
         master = "none" if self.master_dtype is None else dtype_name(self.master_dtype)
+        if self.master_storage == "remainder":
+            master += ":r16"  # only then, so every string written before the storage mode existed reads the same
         # b= only when it is not the default, so the strings written before it existed still read the same.
         buffers = "" if self.buffers == "keep" else f",b={self.buffers}"
         # f8= only when FP8 is on, for the same reason.
@@ -358,7 +380,7 @@ class Policy:
             p = parse_dtype(fields.get("p", "f32"))
             c = parse_dtype(fields["c"]) if "c" in fields else p
             o = parse_dtype(fields.get("o", "f32"))
-            m_txt = fields.get("m", "none")
+            m_txt, _, storage_txt = fields.get("m", "none").partition(":")
             m = None if m_txt.lower() in ("none", "-", "") else parse_dtype(m_txt)
         except ValueError as e:
             raise ValueError(f"policy {original!r}: {e}") from None
@@ -374,6 +396,12 @@ class Policy:
         islands = () if i_txt.lower() in ("none", "") else tuple(s for s in i_txt.split("+") if s)
         f8_txt = fields.get("f8_layers", "all")
         f8_layers = () if f8_txt.lower() in ("none", "") else tuple(s for s in f8_txt.split("+") if s)
+        storage_txt = storage_txt.strip().lower()
+        if storage_txt not in ("", "r16"):
+            raise ValueError(
+                f"policy {original!r}: m=...:{storage_txt} is not a master storage; use m=f32 (full FP32 masters) or "
+                "m=f32:r16 (the BF16 weight plus a 16-bit remainder)."
+            )
         tf32_txt = fields.get("tf32", "0").lower()
         if tf32_txt not in ("0", "1", "true", "false", "on", "off"):
             raise ValueError(f"policy {original!r}: tf32={tf32_txt!r}; use tf32=0 or tf32=1.")
@@ -384,6 +412,7 @@ class Policy:
             compensation=cast(Compensation, fields.get("comp", "none").lower()),
             buffers=cast(BufferCast, fields.get("b", "keep").lower()),
             fp8=cast(Fp8Recipe, fields.get("f8", "none").lower()), fp8_layers=f8_layers,
+            master_storage="remainder" if storage_txt == "r16" else "full",
         )
 
 
@@ -397,6 +426,8 @@ PRESETS: dict[str, Policy] = {
     "bf16-mixed": Policy(_f32, _bf16, _f32),
     "fp16-master": Policy(_f16, _f16, _f32, master_dtype=_f32, loss_scale="dynamic"),
     "bf16-master": Policy(_bf16, _bf16, _f32, master_dtype=_f32),
+    # bf16-master with each FP32 master stored as the BF16 weight plus an int16 remainder (14 B/param with AdamW).
+    "bf16-master-r16": Policy(_bf16, _bf16, _f32, master_dtype=_f32, master_storage="remainder"),
     "bf16-pure": Policy(_bf16, _bf16, _f32, compensation="kahan"),
     "fp16-pure": Policy(_f16, _f16, _f32, loss_scale="static", init_scale=1.0),
     # bf16-mixed with every eligible nn.Linear in FP8 through torchao (docs/fp8.md).

@@ -170,7 +170,7 @@ def wrap_optimizers(
             opt = MasterWeightOptimizer(
                 opt, master_dtype=policy.master_dtype or torch.float32,
                 grad_accumulation=grad_accumulation, initial_masters=initial,
-                fused=fused,
+                fused=fused, master_storage=policy.master_storage,
             )
         elif policy.compensation != "none":
             opt = to_compensated(opt, policy, originals, fused=fused)

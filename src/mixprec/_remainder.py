@@ -13,9 +13,9 @@ zero (half up on the magnitude's bit pattern): the remainder, counted in FP32 ul
 (``|x| = |hi| + lo * ulp``), is then always in ``[-2^15, 2^15)``.
 It differs from ``tensor.to(torch.bfloat16)`` only at exact ties, 1 low-half pattern in 65,536, and
 there by one BF16 ulp, away from zero. Values that round past BF16's largest finite number become
-``inf`` (as ``.to(torch.bfloat16)`` does) and still join back exactly. Non-finite inputs split as
-``.to(torch.bfloat16)`` with a zero remainder: an ``inf`` joins back as itself, a NaN as a NaN
-(payload not kept).
+``inf`` (as ``.to(torch.bfloat16)`` does) and still join back exactly. An ``inf`` splits as itself
+with a zero remainder; a NaN as BF16's quiet NaN with a zero remainder (it joins back as a NaN;
+sign and payload not kept).
 
 No host syncs: every function is elementwise tensor arithmetic.
 """
@@ -26,9 +26,8 @@ import torch
 
 __all__ = ["join", "join_into_", "split", "split_into_"]
 
-_LOW = 0xFFFF
 _HALF = 0x8000
-_BASE = 0x10000
+_BF16_NAN = 0x7FC0  # the quiet NaN torch's f32 -> bf16 cast gives
 
 
 def _check_f32(x: torch.Tensor, what: str) -> None:
@@ -60,7 +59,8 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Algorithm, on the FP32 bit pattern ``b`` (as ``int32``): ``low = b & 0xFFFF``,
     ``carry = low >= 0x8000``; the BF16 pattern is ``(b >> 16) + carry`` (rounding the magnitude half
     up, so ties go away from zero) and the remainder ``low - carry * 0x10000``, in ``[-2^15, 2^15)``.
-    ``join`` computes ``(hi << 16) + lo``. Non-finite values take torch's cast and remainder 0.
+    ``join`` computes ``(hi << 16) + lo``. In one pass: ``top = (b + 0x8000) >> 16``,
+    ``lo = b - (top << 16)``. A NaN splits as BF16's quiet NaN with remainder 0.
 
     Args:
         x: float32 values, any shape and device.
@@ -74,12 +74,15 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     _check_f32(x, "x")
     bits = x.contiguous().view(torch.int32)
-    low = bits & _LOW
-    carry = (low >= _HALF).to(torch.int32)
-    top = (bits >> 16) + carry  # arithmetic shift: the low 16 bits are the BF16 pattern, any sign
-    finite = torch.isfinite(x)
-    hi_bits = torch.where(finite, top, x.to(torch.bfloat16).view(torch.int16).to(torch.int32))
-    lo_bits = torch.where(finite, low - carry * _BASE, 0)
+    # floor((b + 2^15) / 2^16) is (b >> 16) + (low >= 2^15): the top half rounded half up on the
+    # magnitude (the arithmetic shift keeps the sign bit), and b - (top << 16) is the signed remainder.
+    top = (bits + _HALF) >> 16
+    lo_bits = bits - (top << 16)
+    # Only NaNs need care (a payload in the low bits would round into inf or across the sign); inf
+    # splits as (inf, 0) and values that round past BF16's largest finite number as (inf, negative).
+    nan = torch.isnan(x)
+    hi_bits = torch.where(nan, _BF16_NAN, top)
+    lo_bits = torch.where(nan, 0, lo_bits)
     # int32 -> int16 keeps the low 16 bits; both values are in int16's range by construction
     return hi_bits.to(torch.int16).view(torch.bfloat16), lo_bits.to(torch.int16)
 

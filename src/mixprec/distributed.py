@@ -300,9 +300,11 @@ def wrap_ddp(
         # DDP broadcast the half parameters from the first rank; the masters must follow.
         src = torch.distributed.get_global_rank(group, 0) if process_group is not None else 0
         with torch.no_grad():
-            for p, m in zip(o.model_params, o.masters):
+            # Remainder-stored masters: DDP broadcast the weights (their top halves); the remainders follow.
+            for p, m, r in zip(o.model_params, o.masters, o.remainders):
                 if p is not m:
-                    torch.distributed.broadcast(m, src=src, group=process_group)
+                    # int16 as float16 bits: a broadcast only copies bytes, and gloo has no int16
+                    torch.distributed.broadcast(m if r is None else r.view(torch.float16), src=src, group=process_group)
             o.copy_to_model_()
     _agree_compensated(prec.optimizers, process_group)
     scaler = prec.scaler

@@ -192,7 +192,7 @@ def test_loss_fn_contract_and_short_batches_are_bench_errors() -> None:
 
 def test_parse_presets() -> None:
     assert parse_presets("fp32, 16-mixed,mixed_bfloat16") == ["fp32", "fp16-mixed", "bf16-mixed"]
-    assert parse_presets("all")[0] == "fp32" and len(parse_presets("all")) == 8
+    assert parse_presets("all")[0] == "fp32" and len(parse_presets("all")) == 9
     assert parse_presets("torch-amp,fp32") == ["fp32"]
     assert "fp16-pure" not in parse_presets(None, "cpu")
     with pytest.raises(BenchError, match=r"unknown preset 'bf16-mixd'; Did you mean 'bf16-mixed'\?"):

@@ -27,6 +27,8 @@ SCENARIOS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int]] = {
     "fp16-master/no_sync": ("fp16-master", {}, {}, 2),
     "fp16-master/accum=compute": ("fp16-master", {"grad_accumulation": "compute"}, {}, 1),
     "bf16-master/reduce=compute": ("bf16-master", {}, {"reduce_dtype": "compute"}, 2),
+    # Masters stored as weight + remainder: the remainders are broadcast with the weights, the masters agree.
+    "bf16-master-r16/no_sync": ("bf16-master-r16", {}, {}, 2),
 }
 # Per compute dtype, on parameters of order 0.1-1 after 4 steps (measured: bf16 <= 5.3e-4, fp16 <= 6.6e-5).
 TOL = {"bf16": 3e-3, "fp16": 5e-4}

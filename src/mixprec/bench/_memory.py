@@ -111,7 +111,7 @@ def state_tensors(model: nn.Module, optimizer: Any = None) -> list[torch.Tensor]
         values = state.values() if hasattr(state, "values") else []
         for s in values:
             out.extend(tree_leaves(s))
-        for attr in ("masters", "_masters"):
+        for attr in ("_masters", "_rems"):  # the tensors themselves ("masters" may join remainder-stored ones anew)
             m = getattr(opt, attr, None)
             if isinstance(m, (list, tuple)):
                 for t in m:

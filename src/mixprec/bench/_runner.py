@@ -67,7 +67,7 @@ __all__ = [
 BASELINE = "torch-amp"
 #: Every preset row ``compare`` knows, in display order.
 ALL_PRESETS: tuple[str, ...] = (
-    "fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure", "fp16-pure",
+    "fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-master-r16", "fp16-master", "bf16-pure", "fp16-pure",
 )
 # On a CPU the default list must finish in about three minutes on two cores: tf32 is fp32
 # there, and the pure presets are for study (fp16-pure diverges by design).
