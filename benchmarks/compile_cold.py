@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Time to the first training step of a compiled model, cold and warm Inductor cache, per row (issue 27).
+
+    python benchmarks/compile_cold.py                          # CPU: 4-block GPT, 64 wide, ~5 min on 2 cores
+    python benchmarks/compile_cold.py --presets bf16-mixed --layers 2,6
+
+Each row runs in a process of its own (`torch.compile` state does not leak between rows), twice:
+first with an empty ``TORCHINDUCTOR_CACHE_DIR`` (**cold**: everything is compiled), then again with
+the same directory (**warm**: Inductor's FX graph and AOTAutograd caches hit, as on a second run of
+the same script). Rows: the torch.amp bf16 recipe (``torch.compile(model)``, eager
+``AdamW.step()``), and each preset prepared by ``mixprec.MixedPrecision`` then compiled the same way
+(``fused=None``: the optimizer step is compiled too, once the first backward sees the compiled
+model). The same model, batch and optimizer everywhere; one thread, so rows are comparable.
+
+Printed per row and model depth: the seconds of the first step (model compile, backward compile,
+the optimizer step's compile where there is one), the second step's time, the graphs dynamo
+compiled, and the ratio of first-step seconds to the torch.amp row's, cold and warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import mixprec  # noqa: F401
+except ImportError:  # a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+AMP = "torch.amp bf16"
+
+
+def child(row: str, layers: int, width: int, steps: int) -> dict[str, Any]:
+    """Build the row, run ``steps`` training steps; return the first step's and the last step's seconds."""
+    import torch
+    from torch._dynamo.utils import counters
+    from torch.nn import functional as F
+
+    import mixprec
+    from mixprec.bench._workloads import CharGPT
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    vocab, block = 96, 64
+    model = CharGPT(vocab, block, layers, 4, width)
+    x = torch.randint(0, vocab, (8, block), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if row == AMP:
+        cm = torch.compile(model)
+
+        def step() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(cm(x).float().flatten(0, 1), x.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        prec = mixprec.MixedPrecision(row)
+        model, opt = prec.prepare(model, opt)
+        cm = torch.compile(model)
+
+        def step() -> None:
+            with prec.autocast():
+                loss = F.cross_entropy(cm(x).float().flatten(0, 1), x.flatten())
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad(set_to_none=True)
+
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"first_s": times[0], "step_s": times[-1], "graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def run_child(row: str, layers: int, width: int, steps: int, cache: str) -> dict[str, Any]:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, __file__, "--child", row, "--layers", str(layers), "--width", str(width), "--steps", str(steps)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{row} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="bf16-mixed,bf16-master")
+    ap.add_argument("--layers", default="4", help="comma-separated depths")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a.child, int(a.layers), a.width, a.steps)))
+        return 0
+    rows = [AMP, *[p.strip() for p in a.presets.split(",") if p.strip()]]
+    results: list[dict[str, Any]] = []
+    print("# each row in its own process, 1 thread; cold: empty TORCHINDUCTOR_CACHE_DIR, warm: the same directory again")
+    print(f"{'row':18s} {'layers':>6s} {'cold s':>7s} {'warm s':>7s} {'step ms':>8s} {'graphs':>6s} {'cold/amp':>9s} {'warm/amp':>9s}")
+    for layers in [int(n) for n in a.layers.split(",")]:
+        base: dict[str, float] = {}
+        for row in rows:
+            with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+                cold = run_child(row, layers, a.width, a.steps, cache)
+                warm = run_child(row, layers, a.width, a.steps, cache)
+            if row == AMP:
+                base = {"cold": cold["first_s"], "warm": warm["first_s"]}
+            r = {"row": row, "layers": layers, "cold_s": cold["first_s"], "warm_s": warm["first_s"],
+                 "step_ms": 1e3 * warm["step_s"], "graphs": cold["graphs"],
+                 "cold_ratio": cold["first_s"] / base["cold"], "warm_ratio": warm["first_s"] / base["warm"]}
+            results.append(r)
+            print(f"{row:18s} {layers:6d} {r['cold_s']:7.1f} {r['warm_s']:7.1f} {r['step_ms']:8.1f} {r['graphs']:6d} "
+                  f"{r['cold_ratio']:8.2f}x {r['warm_ratio']:8.2f}x", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
