@@ -22,20 +22,28 @@ Compensated rows (``--compensated``; issue 14.2), the optimizer step alone (``op
 
 * ``pure-kahan-eager``: ``mixprec.optim.AdamW`` on BF16 parameters, Kahan, FP32 states,
   ``fused=False`` (the eager foreach reference), ``found_inf`` passed (the on-device skip).
-* ``pure-kahan-fused``: the same with ``fused=True`` (the ``torch.compile``d step).
+* ``pure-sr-bf16-eager``: stochastic rounding with BF16 states, ``fused=False``, ``found_inf`` passed.
+* ``pure-kahan-fused``: the same as ``pure-kahan-eager`` with ``fused=True`` (the ``torch.compile``d step).
 * ``pure-sr-bf16-fused``: stochastic rounding with BF16 states, ``fused=True``.
 * ``bf16-pure-fused``: ``MixedPrecision("bf16-pure").step(opt)`` around ``pure-kahan-fused``
   (the whole step: check + fused update + bookkeeping).
   First-step compile times are printed separately (``compile_seconds``), not in the medians.
 
 The ratio printed is the median over rounds of (row / baseline) measured within the same round.
-Goals: ``fp16-mixed`` <= 1.0 (issue 4); ``pure-kahan-fused`` <= 1.2 on CPU (issue 14).
+Goals: ``fp16-mixed`` <= 1.0 (issue 4); ``pure-kahan-fused`` <= 1.2 on CPU (issue 14); the eager
+rows <= 2.0 (issue 27).
+
+``--count-ops 2,12,24`` prints instead the aten ops one ``opt.step`` dispatches (counts, not
+timings) on the GPT-shaped model of ``mixprec.bench._step_cost`` at those depths: torch's foreach
+AdamW and mixprec's eager AdamW/SGD with Kahan (FP32 states) and stochastic rounding (BF16
+states), ``found_inf`` passed (issue 27: constant in the number of tensors).
 
 Usage::
 
     python benchmarks/step_overhead.py                     # CPU, ~1 min
     python benchmarks/step_overhead.py --params 16 --rounds 30 --json out.json
     python benchmarks/step_overhead.py --compensated       # + the fused rows (~1-2 min of compiling first)
+    python benchmarks/step_overhead.py --count-ops 2,12,24 # aten ops per eager optimizer step, by depth
 """
 
 from __future__ import annotations
@@ -164,6 +172,44 @@ def time_step(loop: TorchLoop | MixprecLoop | OptimizerLoop, device: torch.devic
     return statistics.median(times)
 
 
+def count_ops(depths: list[int]) -> None:
+    """Print the aten ops of one ``opt.step`` (after two warm-up steps) per optimizer and depth."""
+    import mixprec.optim as mo
+    from mixprec.bench._step_cost import StepCounter, gpt_model
+
+    torch.set_num_threads(1)
+    kinds = [("torch-adamw-foreach", None), ("adamw", "kahan"), ("adamw", "stochastic"), ("sgd", "kahan"),
+             ("sgd", "stochastic")]
+    print(f"# torch {torch.__version__}; aten ops per optimizer step (foreach ops count once)")
+    print(f"{'blocks':>6s} {'tensors':>7s} {'params':>8s} {'optimizer':20s} {'compensation':12s} {'ops':>6s}  most frequent")
+    for depth in depths:
+        for kind, comp in kinds:
+            model = gpt_model(depth)
+            kw: dict[str, torch.Tensor] = {}
+            if comp is None:
+                opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+            else:
+                model.to(torch.bfloat16)
+                sdt = torch.float32 if comp == "kahan" else torch.bfloat16
+                cls = mo.AdamW if kind == "adamw" else mo.SGD
+                extra = {"momentum": 0.9} if kind == "sgd" else {}
+                opt = cls(model.parameters(), lr=1e-3, compensation=comp, state_dtype=sdt, fused=False, **extra)
+                kw["found_inf"] = torch.zeros(())
+            params = list(model.parameters())
+            counter = StepCounter((opt,))
+            for i in range(3):
+                for p in params:
+                    p.grad = torch.ones_like(p)
+                if i < 2:
+                    opt.step(**kw)
+                else:
+                    with counter:
+                        opt.step(**kw)
+            top = ", ".join(f"{k} {v}" for k, v in counter.ops.most_common(4))
+            print(f"{depth:6d} {len(params):7d} {sum(p.numel() for p in params):8d} {kind:20s} {comp!s:12s} "
+                  f"{counter.total:6d}  {top}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=4.0, help="millions of parameters (default 4)")
@@ -175,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="", help="comma-separated row names to keep (default: all selected)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="")
+    ap.add_argument("--count-ops", default="", metavar="DEPTHS",
+                    help="print aten ops per eager optimizer step at these GPT depths (e.g. 2,12,24) and exit")
     args = ap.parse_args(argv)
+    if args.count_ops:
+        count_ops([int(d) for d in args.count_ops.split(",")])
+        return 0
     device = torch.device(args.device)
     rows: dict[str, Callable[[], TorchLoop | MixprecLoop | OptimizerLoop]] = {}
     baseline: dict[str, str] = {}
@@ -191,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         comp_rows: dict[str, Callable[[], OptimizerLoop]] = {
             "adamw-foreach": lambda: OptimizerLoop("torch", args.params, device),
             "pure-kahan-eager": lambda: OptimizerLoop("kahan", args.params, device, fused=False),
+            "pure-sr-bf16-eager": lambda: OptimizerLoop("sr-bf16", args.params, device, fused=False),
             "pure-kahan-fused": lambda: OptimizerLoop("kahan", args.params, device, fused=True),
             "pure-sr-bf16-fused": lambda: OptimizerLoop("sr-bf16", args.params, device, fused=True),
             "bf16-pure-fused": lambda: OptimizerLoop("kahan", args.params, device, fused=True, prec=True),

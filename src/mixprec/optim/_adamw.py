@@ -60,9 +60,9 @@ class AdamW(LowPrecisionOptimizer):
             hash of (seed, step, buffer, global element position): DDP replicas with one seed
             round identically, ``DTensor`` shards like the unsharded tensor (``docs/optim.md``).
         generator: Deprecated: only its ``initial_seed()`` is used, as ``seed``.
-        chunk_numel: Elements per chunk of the eager multi-tensor step (default 2**24). The step's
-            temporaries are about 40-48 bytes per chunk element (~0.7 GiB by default); smaller
-            chunks use less memory and more host time.
+        chunk_numel: Elements per tile of the eager multi-tensor step (default 2**24; a CPU
+            uses at most 2**17). The step's temporaries are about 40-48 bytes per tile element
+            (~0.7 GiB by default on a GPU); smaller tiles use less memory and more host time.
         fused: ``True``: each (group, device, dtype) bucket steps through one ``torch.compile``d
             function, equal to the eager step bit for bit (first-step compile time in
             ``compile_seconds``, cached process-wide per structure); ``False``: the eager
@@ -166,23 +166,26 @@ class AdamW(LowPrecisionOptimizer):
         # Only single-rounding ops (+ - * / sqrt), no lerp/addcmul/alpha=: ATen's CPU kernels fuse
         # those into FMAs and Inductor (fp-contract off) does not, so the compiled step (fused=True)
         # equals this eager one bit for bit only when no op has a fused form.
+        # In-place ops only on this function's own temporaries (inputs are read-only): the same
+        # single rounding per op, fewer fresh buffers (each costs page faults on a CPU).
         g = grad.neg() if group["maximize"] else grad
         decoupled = group["decoupled_weight_decay"]
         if wd != 0 and not decoupled:
-            g = g + w * wd
+            g = (w * wd).add_(g)  # g + w * wd
         w_new = w * (1 - lr * wd) if wd != 0 and decoupled else w
         m_old = states["exp_avg"]
-        m = m_old + (g - m_old) * (1 - beta1)  # torch's lerp(m, g, 1 - beta1), unfused
-        v = states["exp_avg_sq"] * beta2 + g * g * (1 - beta2)
+        m = (g - m_old).mul_(1 - beta1).add_(m_old)  # torch's lerp(m, g, 1 - beta1), unfused: m + (g - m) * (1 - beta1)
+        v = (states["exp_avg_sq"] * beta2).add_((g * g).mul_(1 - beta2))
         new = {"exp_avg": m, "exp_avg_sq": v}
         if group["amsgrad"]:
             v_hat = torch.maximum(states["max_exp_avg_sq"], v)
             new["max_exp_avg_sq"] = v_hat
         else:
             v_hat = v
-        denom = v_hat.sqrt() / expand(scalars["bc2_sqrt"]) + eps
+        denom = v_hat.sqrt().div_(expand(scalars["bc2_sqrt"])).add_(eps)
         # torch: param.addcdiv_(exp_avg, denom, value=-step_size) == w - (step_size * m) / denom
-        w_new = w_new - expand(scalars["step_size"]) * m / denom
+        delta = (m * expand(scalars["step_size"])).div_(denom)
+        w_new = w_new.sub_(delta) if w_new is not w else delta.neg_().add_(w)  # w - delta, exactly
         return w_new, new
 
 

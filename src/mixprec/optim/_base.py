@@ -3,15 +3,26 @@ on-device skipping, state dicts and the conversion from ``torch.optim``.
 
 One step, for each param group and each (device, param dtype, grad dtype) bucket of it:
 
-1. The bucket is cut into *chunks* of at most ``chunk_numel`` elements (a larger contiguous
-   parameter is cut into slices); a loop over chunks, never over parameters, launches kernels.
-2. Gather: the chunk's parameters, gradients, states and compensation buffers are concatenated
-   into flat buffers (``torch.cat``; a chunk of one tensor is a view, no copy) and upcast to
+1. The bucket is cut into *tiles* of at most ``chunk_numel`` elements (at most 2**17 on a CPU,
+   where a tile's temporaries then stay in cache and come from the heap, not from fresh pages):
+   a contiguous parameter larger than that is cut into near-equal slices, one tile each; the
+   others are packed whole. The tiles and the 1-D views of every parameter, state and
+   compensation buffer they cover are built once per bucket structure (:class:`_EagerLayout`,
+   checked each step by data pointers, on the host) and reused, so a step makes no
+   per-parameter views: it launches a fixed number of kernels per tile, whatever the number of
+   tensors (``tests/optim/test_eager_ops.py`` counts them).
+2. Per bucket: the step counters are stacked (one ``torch.stack``); the per-parameter scalars
+   (``_step_scalars``: bias corrections) and the random keys of each (stream, parameter)
+   mixed with its step count are computed on those short vectors.
+3. Gather, per tile: the parameters, states and compensation buffers by one ``torch.cat`` of
+   the cached views each (a one-segment tile uses the view itself), the gradients by one
+   ``torch._chunk_cat`` (any shapes and strides, upcast in the same kernel), then upcast to
    FP32 (FP64 for FP64 parameters). The gradients are divided by ``grad_scale`` when given.
-3. The optimizer's arithmetic runs in FP32 on those flat buffers: one kernel per operation per
-   chunk. Per-parameter quantities (bias corrections from each parameter's step counter) are
-   expanded to the elements on the device (one ``torch.cat`` of stride-0 views).
-4. Commit: the new FP32 weight ``w`` is rounded into the parameter's dtype by the compensation
+4. The optimizer's arithmetic (``_update``) runs in FP32 on those flat buffers: one kernel per
+   operation per tile. Per-parameter scalars reach the elements by one ``index_select`` with a
+   per-element parameter index (built per tile by a ``cumsum`` over segment starts: parallel,
+   no host sync), or as a 0-d tensor in a one-segment tile.
+5. Commit: the new FP32 weight ``w`` is rounded into the parameter's dtype by the compensation
    rule (``"kahan"``: ``p = round(w)``, ``c = SR(w - p)`` where ``c`` is the compensation buffer
    and ``w`` was computed from ``p + c``; ``"stochastic"``: ``p = SR(w)``; ``"none"``:
    ``p = round(w)``; SR is stochastic rounding). The Kahan buffer is itself stored with
@@ -19,26 +30,38 @@ One step, for each param group and each (device, param dtype, grad dtype) bucket
    update below half *its* ulp (about 2**-18 of the weight when the buffer is near its largest),
    which stalls SGD once its updates shrink; stored unbiased, ``p + c`` is an unbiased
    ~16-bit representation of the weight. Half-precision states are stored with stochastic rounding (see
-   ``state_dtype``). With ``found_inf`` each new buffer is ``torch.where(found_inf != 0, old,
-   new)``, then ``torch._foreach_copy_`` scatters every buffer back into its tensors.
-5. Step counters (0-d FP32 tensors on the parameter's device) get ``+1`` (``+ (found_inf == 0)``
+   ``state_dtype``). The random bits are ``counter_bits`` of each element's global index,
+   hashed in int32 lanes (``counter_bits32``, the same bits) unless an index reaches 2**31.
+   With ``found_inf`` each new buffer is ``where(found_inf != 0, old, new)`` (on a CPU as three
+   bit operations, see :func:`_unless_skipped`), then ``split`` + one
+   ``torch._foreach_copy_`` scatters every buffer back into its cached views.
+6. Step counters (0-d FP32 tensors on the parameter's device) get ``+1`` (``+ (found_inf == 0)``
    with ``found_inf``) by one ``torch._foreach_add_`` per bucket.
 
+Only whole non-contiguous tensors (gathered by a copy, written back whole), 0-d gradients and,
+with ``sync_mirrors`` (a master-weight step whose fused form is off), the mirror sync get
+per-tensor ops. Each tile costs about 100-250 ops of host work (AdamW + Kahan, to AdamW +
+stochastic rounding + BF16 states), so the aten ops per step are ``bucket constant + tiles x
+per-tile constant``, independent of the number of parameter tensors.
+
 Cost of the on-device skip: the step is always computed; with ``found_inf`` given, one extra
-``torch.where`` per persistent buffer (parameters, each state, compensation) per chunk, and the
-old values stay alive until the commit. No host synchronisation. A skipped step still draws its
+select per persistent buffer (parameters, each state, compensation) per tile, and the old
+values stay alive until the commit. No host synchronisation. A skipped step still draws its
 random bits, so the random stream does not depend on which steps were skipped.
 
-Transient memory is bounded by the chunk: about 40-48 bytes per element of ``chunk_numel``
+Transient memory is bounded by the tile: about 40-48 bytes per element of ``chunk_numel``
 (measured 640-770 MiB at the default 2**24 on a GPT-2-small-sized parameter set, 160-190 MiB at
-2**22), independent of model size. Lower ``chunk_numel`` to trade step time for memory: each
-chunk costs a fixed ~0.5 ms of host work, so chunks much smaller than ~10M elements leave a GPU idle.
+2**22; ~6 MiB for a CPU tile), independent of model size; the cached layout holds views only (no
+memory of its own beyond a few index tensors per tile). Lower ``chunk_numel`` to trade step time
+for memory: each tile costs a fixed host time (~0.2-0.4 ms on a CPU), so GPU tiles much smaller
+than ~10M elements leave the GPU idle.
 
-Speed (H100, torch 2.11, 124M parameters in 148 tensors, median step): torch fused AdamW FP32
-1.8 ms, torch foreach AdamW FP32 4.4 ms; this AdamW with FP32 parameters 8.6 ms, BF16 + Kahan +
-FP32 states 13.9 ms (16.8 ms with ``found_inf``), BF16 + Kahan + BF16 states 18.7 ms, BF16 +
-stochastic + BF16 states 16.5 ms (17.8 ms with ``found_inf``). The unfused elementwise chain
-(~250 bytes of memory traffic per element) is the cost.
+Speed (H100, torch 2.11, 124M parameters in 148 tensors, median step, measured before the
+tiled layout of issue 27): torch fused AdamW FP32 1.8 ms, torch foreach AdamW FP32 4.4 ms; this
+AdamW with FP32 parameters 8.6 ms, BF16 + Kahan + FP32 states 13.9 ms (16.8 ms with
+``found_inf``), BF16 + Kahan + BF16 states 18.7 ms, BF16 + stochastic + BF16 states 16.5 ms
+(17.8 ms with ``found_inf``). The unfused elementwise chain (~250 bytes of memory traffic per
+element) is the cost. CPU measurements: ``docs/optim.md``.
 
 The fused step (``fused=True``; default on CUDA/XPU with Triton): each bucket runs one
 ``torch.compile``d function (:meth:`LowPrecisionOptimizer._build_fused`): the same ``_update``
@@ -57,7 +80,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from itertools import accumulate
+from itertools import chain
 from typing import Any, cast, get_args
 
 import torch
@@ -78,14 +101,22 @@ from ._parts import (
     DEFAULT_CHUNK_NUMEL,
     Compensation,
     _Bucket,
-    _cat,
     _device_ctx,
     _DeviceCtx,
-    _flat_view,
+    _EagerLayout,
     _Plan,
     _Segment,
+    _Tile,
 )
-from ._rounding import counter_bits, step_keys, stochastic_round, stream_key, with_edits
+from ._rounding import (
+    counter_bits,
+    counter_bits32,
+    step_keys,
+    stochastic_round,
+    stream_key,
+    to_int32_lanes,
+    with_edits,
+)
 from ._state_io import StateIO
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "Compensation", "LowPrecisionOptimizer"]
@@ -286,7 +317,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                     continue
                 if streams is None:
                     streams = self._streams()
-                self._step_bucket(group, self._bucket(group, plan.params, streams), ctx)
+                self._step_bucket(group, plan, self._bucket(group, plan.params, streams), keys, ctx)
         return loss
 
     def _plans(self, gi: int, group: Mapping[str, Any]) -> list[_Plan]:
@@ -326,12 +357,33 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             if st is None or not st.keys() >= need:
                 self._init_state(p, group)
 
-    def _step_bucket(self, group: dict[str, Any], b: _Bucket, ctx: _DeviceCtx) -> None:
+    def _step_bucket(self, group: dict[str, Any], plan: _Plan, b: _Bucket, keys: tuple[str, ...],
+                     ctx: _DeviceCtx) -> None:
+        """The eager step of one bucket: a fixed number of kernels per tile, whatever the number of tensors.
+
+        Per step and bucket: the step counters are stacked (one ``stack``), the per-parameter
+        scalars and the random keys are computed on those vectors, then each cached tile
+        (:meth:`_layout`) is stepped by :meth:`_step_tile`, and one ``_foreach_add_`` counts the
+        steps.
+        """
         if self.sync_mirrors:
             self._sync_from_mirrors(b)
-        grads = [g.reshape(-1) for g in b.grads]
-        for segs in self._chunks(b.params):
-            self._step_chunk(group, b, grads, segs, ctx)
+        layout = self._layout(plan, b, keys)
+        acc = torch.promote_types(b.params[0].dtype, torch.float32)
+        steps_old = torch.stack(b.steps)
+        steps_new = steps_old + (ctx.keep if ctx.keep is not None else 1.0)
+        scalars = self._step_scalars(group, steps_old, steps_new, acc)
+        rkeys: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+        if layout.slots:
+            # (slot, parameter) keys mixed with each parameter's step count: a few tiny kernels per bucket.
+            ka, kb = step_keys((cast(Tensor, layout.ka0), cast(Tensor, layout.kb0)), steps_old)
+            rkeys[torch.int64] = (ka, kb)
+            if not all(t.big_index for t in layout.tiles):
+                rkeys[torch.int32] = (to_int32_lanes(ka), to_int32_lanes(kb))
+        flat_grads: dict[int, Tensor] = {}  # a sliced tensor's flattened gradient, shared by its tiles
+        skip_masks: dict[torch.dtype, Tensor] = {}
+        for tile in layout.tiles:
+            self._step_tile(group, b, layout, tile, keys, scalars, rkeys, flat_grads, skip_masks, acc, ctx)
         self._count_steps(b, ctx)
         pairs = [(m, p) for m, p in zip(b.mirrors, b.params) if m is not None]
         if pairs:
@@ -344,73 +396,127 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             if m is not None:
                 with_edits(p, m, out=p)
 
-    # ----- the eager step, chunk by chunk ---------------------------------------------------------------
-    def _chunks(self, params: list[Tensor]) -> list[list[_Segment]]:
-        limit = self.chunk_numel
-        chunks: list[list[_Segment]] = []
-        cur: list[_Segment] = []
-        cur_n = 0
-        for i, p in enumerate(params):
-            n = p.numel()
-            if n > limit and p.is_contiguous():
-                if cur:
-                    chunks.append(cur)
-                    cur, cur_n = [], 0
-                chunks.extend([_Segment(i, a, min(a + limit, n))] for a in range(0, n, limit))
-                continue
-            if cur and cur_n + n > limit:
-                chunks.append(cur)
-                cur, cur_n = [], 0
-            cur.append(_Segment(i, 0, n))
-            cur_n += n
-        if cur:
-            chunks.append(cur)
-        return chunks
+    # ----- the eager step, tile by tile -------------------------------------------------------------------
+    def _tile_numel(self, device: torch.device) -> int:
+        """Elements per eager tile: ``chunk_numel``, at most ``_CPU_TILE_NUMEL`` on a CPU (see the module docstring)."""
+        return min(self.chunk_numel, _CPU_TILE_NUMEL) if device.type == "cpu" else self.chunk_numel
 
-    def _step_chunk(
+    def _layout(self, plan: _Plan, b: _Bucket, keys: tuple[str, ...]) -> _EagerLayout:
+        """The bucket's tiles with their cached views and random-stream keys; rebuilt when the structure changes.
+
+        Checked every step (host work only, no kernel): the seed, state keys, tile size, stream
+        ids, global offsets, and the data pointer of every parameter, compensation buffer and
+        state tensor (a ``load_state_dict``, a new state or ``p.data = ...`` changes one).
+        """
+        device = plan.device
+        tile_numel = self._tile_numel(device)
+        sig = (self.seed, keys, tile_numel, tuple(b.ids), tuple(b.offsets))
+        ptrs = [t.data_ptr() for t in chain(b.params, b.comps, *(b.states[k] for k in keys))]
+        layout = plan.eager
+        if layout is not None and layout.sig == sig and layout.ptrs == ptrs:
+            return layout
+        plan.eager = None  # drop the old views before building the new ones
+        tiles = [_Tile(segs, b.offsets, device) for segs in _tile_segments(b.params, tile_numel)]
+        for tile in tiles:
+            tile.bind(None, b.params)
+            if b.comps:
+                tile.bind(_COMP_KEY, b.comps)
+            for k in keys:
+                tile.bind(k, b.states[k])
+        p0 = b.params[0]
+        slots: list[int] = []
+        if p0.dtype in _HALF and self.compensation == "stochastic":
+            slots.append(_SLOT_PARAM)
+        if b.comps:
+            slots.append(_SLOT_COMP)
+        if self._state_dtype_for(p0) in _HALF:
+            slots.extend(self._state_slot(k) for k in keys)
+        ka0 = kb0 = None
+        if slots:
+            if len(b.ids) != len(b.params):
+                raise RuntimeError("internal: the bucket has no random stream ids but draws random bits")
+            table = [[stream_key(self.seed, i * _STREAMS_PER_PARAM + slot) for i in b.ids] for slot in slots]
+            ka0 = torch.tensor([[k[0] for k in row] for row in table], dtype=torch.int64).to(device, non_blocking=True)
+            kb0 = torch.tensor([[k[1] for k in row] for row in table], dtype=torch.int64).to(device, non_blocking=True)
+        layout = plan.eager = _EagerLayout(sig, ptrs, tiles, tuple(slots), ka0, kb0)
+        return layout
+
+    def _step_tile(
         self,
         group: dict[str, Any],
         b: _Bucket,
-        grads: list[Tensor],
-        segs: list[_Segment],
+        layout: _EagerLayout,
+        tile: _Tile,
+        keys: tuple[str, ...],
+        scalars: Mapping[str, Tensor],
+        rkeys: Mapping[torch.dtype, tuple[Tensor, Tensor]],
+        flat_grads: dict[int, Tensor],
+        skip_masks: dict[torch.dtype, Tensor],
+        acc: torch.dtype,
         ctx: _DeviceCtx,
     ) -> None:
+        """Gather one tile into flat buffers, update it in ``acc``, commit (round, skip) and scatter it back.
+
+        About 100-250 aten ops (by optimizer, compensation and state dtype; the bit casts among
+        them are views, no kernel), none per tensor: ``torch.cat`` of
+        the cached views gathers each buffer kind, ``torch._chunk_cat`` the gradients,
+        ``index_select`` by a per-element segment index expands per-parameter scalars and keys,
+        ``split`` + ``torch._foreach_copy_`` into the cached views scatters. Only whole
+        non-contiguous tensors (and 0-d gradients) get a per-tensor copy or view.
+        """
+        segs = tile.segs
+        single = len(segs) == 1
         p0 = b.params[segs[0].param]
         device, pdt = p0.device, p0.dtype
-        acc = torch.promote_types(pdt, torch.float32)
         kahan = bool(b.comps)
-        ps = [b.params[s.param] for s in segs]
-        sizes = [s.stop - s.start for s in segs]
+        local: Tensor | None = None
+        expand: Callable[[Tensor], Tensor]
+        if single:
+            i = segs[0].param
 
-        # One flat view per tensor serves both the gather (source) and the scatter (destination);
-        # None marks a non-contiguous tensor, gathered by a copy and written back whole.
-        buffers: list[tuple[str | None, list[Tensor], list[Tensor | None]]] = []
+            def expand(v: Tensor) -> Tensor:
+                return v[i]  # 0-d: broadcasts over the tile
+        else:
+            # Segment number of each element: ones at the segment starts, summed (no host sync, and
+            # parallel on a GPU, unlike repeat_interleave's thread per segment).
+            local = torch.zeros(tile.total, dtype=torch.int32, device=device).index_fill_(
+                0, cast(Tensor, tile.local_starts), 1).cumsum_(0)
+            pid = cast(Tensor, tile.pids).index_select(0, local)
 
-        def gather(key: str | None, tensors: list[Tensor]) -> Tensor:
-            views = [_flat_view(t, s) for t, s in zip(tensors, segs)]
-            buffers.append((key, tensors, views))
-            return _cat([v if v is not None else t.reshape(-1) for v, t in zip(views, tensors)])
+            def expand(v: Tensor) -> Tensor:
+                return v.index_select(0, pid)
 
-        p_old = gather(None, ps)
-        grad = _cat([grads[s.param][s.start:s.stop] for s in segs]).to(acc)
+        p_old = _gather(tile, None)
+        grad = self._tile_grad(b, tile, flat_grads, acc)
         if ctx.scale is not None:
             grad = grad / ctx.scale
         w = p_old.to(acc)
         c_old = None
         if kahan:
-            c_old = gather(_COMP_KEY, [b.comps[s.param] for s in segs])
+            c_old = _gather(tile, _COMP_KEY)
             w = w + c_old.to(acc)
-        keys = tuple(b.states)
-        s_old = {k: gather(k, [b.states[k][s.param] for s in segs]) for k in keys}
+        s_old = {k: _gather(tile, k) for k in keys}
         s_acc = {k: v.to(acc) for k, v in s_old.items()}
-        steps_old = torch.stack([b.steps[s.param] for s in segs])
-        steps_new = steps_old + (ctx.keep if ctx.keep is not None else 1.0)
-
-        expand = self._expander(sizes)
-        scalars = self._step_scalars(group, steps_old, steps_new, acc)
         w_new, s_new = self._update(group, w, grad, s_acc, scalars, expand)
         del grad, w, s_acc
-        rand = self._chunk_bits(b, segs, sizes, steps_old, expand, device)
+        index: list[Tensor] = []
+
+        def rand(slot: int) -> Tensor:
+            """32 random bits per element of the tile for one buffer kind: ``counter_bits`` of (seed,
+            the parameter's step count before this step, stream ``16 * position + slot``, global index)."""
+            row = layout.slots.index(slot)
+            big = tile.big_index
+            ka, kb = rkeys[torch.int64 if big else torch.int32]
+            idt = torch.int64 if big else torch.int32
+            if not index:
+                if single:
+                    index.append(torch.arange(tile.first_index, tile.first_index + tile.total, dtype=idt,
+                                              device=device))
+                else:
+                    index.append(torch.arange(tile.total, dtype=idt, device=device).add_(
+                        cast(Tensor, tile.bases).index_select(0, cast(Tensor, local))))
+            ka_e, kb_e = expand(ka[row]), expand(kb[row])
+            return counter_bits(ka_e, kb_e, index[0]) if big else counter_bits32(ka_e, kb_e, index[0])
 
         new: dict[str | None, Tensor] = {}
         if pdt in _HALF:
@@ -435,65 +541,121 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             else:
                 new[k] = s_new[k].to(sdt)
         del s_new
+        index.clear()
         olds: dict[str | None, Tensor | None] = {None: p_old, _COMP_KEY: c_old}
         olds.update(s_old)
-        for key, tensors, views in buffers:
-            value = new[key]
+        for kind, value in new.items():
             if ctx.skip is not None:
-                old = olds[key]
-                if old is not None:
-                    value = torch.where(ctx.skip, old, value)
-            pieces = value.split(sizes) if len(segs) > 1 else (value,)
-            dsts = [v if v is not None else t for v, t in zip(views, tensors)]
-            srcs = [x if v is not None else x.view(t.shape) for x, v, t in zip(pieces, views, tensors)]
-            torch._foreach_copy_(dsts, srcs)
-
-    def _chunk_bits(
-        self,
-        b: _Bucket,
-        segs: list[_Segment],
-        sizes: list[int],
-        steps_old: Tensor,
-        expand: Callable[[Tensor], Tensor],
-        device: torch.device,
-    ) -> Callable[[int], Tensor]:
-        """``rand(slot)``: the chunk's 32 random bits per element for one buffer kind (lazy).
-
-        Element ``j`` of segment ``s`` gets ``counter_bits`` of (seed, the parameter's step
-        count before this step, stream ``16 * position + slot``, global index ``offset +
-        s.start + j``): the same bits as the fused step and as any other chunking.
-        """
-        index: list[Tensor] = []
-
-        def rand(slot: int) -> Tensor:
-            streams = tuple(b.ids[s.param] * _STREAMS_PER_PARAM + slot for s in segs)
-            bases = tuple(b.offsets[s.param] + s.start - c for s, c in zip(segs, accumulate([0, *sizes[:-1]])))
-            cache_key = (device, streams, bases)
-            cached = self._key_cache.get(cache_key)
-            if cached is None:
-                if len(self._key_cache) > 4096:
-                    self._key_cache.clear()
-                keys = [stream_key(self.seed, st) for st in streams]
-                ka0, kb0, base = (torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
-                                  for v in ([k[0] for k in keys], [k[1] for k in keys], list(bases)))
-                cached = self._key_cache[cache_key] = (ka0, kb0, base)
-            ka0, kb0, base = cached
-            if not index:
-                total = sum(sizes)
-                index.append(torch.arange(total, dtype=torch.int64, device=device) + expand(base))
-            ka, kb = step_keys((ka0, kb0), steps_old)
-            return counter_bits(expand(ka), expand(kb), index[0])
-
-        return rand
+                value = _unless_skipped(ctx.skip, cast(Tensor, olds[kind]), value, skip_masks)
+            _scatter(tile, kind, value)
 
     @staticmethod
-    def _expander(sizes: list[int]) -> Callable[[Tensor], Tensor]:
-        if len(sizes) == 1:
-            return lambda v: v.reshape(())
+    def _tile_grad(b: _Bucket, tile: _Tile, flat_grads: dict[int, Tensor], acc: torch.dtype) -> Tensor:
+        """The tile's gradient elements as one flat ``acc`` tensor (one ``_chunk_cat`` for whole tensors)."""
+        segs = tile.segs
+        if len(segs) == 1:
+            s = segs[0]
+            g = b.grads[s.param]
+            if s.start == 0 and s.stop == g.numel():
+                return g.reshape(-1).to(acc)
+            flat = flat_grads.get(s.param)
+            if flat is None:
+                flat = flat_grads[s.param] = g.reshape(-1)
+            return flat[s.start:s.stop].to(acc)
+        gs = [b.grads[s.param] for s in segs]
+        if _chunk_cat is None:  # pragma: no cover - torch without _chunk_cat
+            return torch.cat([g.reshape(-1) for g in gs]).to(acc)
+        out = torch.empty((1, tile.total), dtype=acc, device=gs[0].device)
+        # One kernel gathers and upcasts gradients of any shapes and strides (0-d ones need a 1-element view).
+        _chunk_cat([g if g.dim() else g.reshape(1) for g in gs], 0, 1, out=out)
+        return out[0]
 
-        def expand(v: Tensor) -> Tensor:
-            # One batched cat kernel over stride-0 views: no host sync, and (unlike CUDA's
-            # repeat_interleave, one thread per segment) fast for segments of millions of elements.
-            return torch.cat([x.expand(n) for x, n in zip(v.unbind(), sizes)])
 
-        return expand
+_CPU_TILE_NUMEL = 1 << 17
+_chunk_cat: Callable[..., Tensor] | None = getattr(torch, "_chunk_cat", None)
+
+
+_SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+                  torch.float64: torch.int64}
+
+
+def _unless_skipped(skip: Tensor, old: Tensor, value: Tensor, masks: dict[torch.dtype, Tensor]) -> Tensor:
+    """``where(skip, old, value)`` for flat contiguous tensors of one dtype (``skip`` 0-d bool).
+
+    On a CPU as ``old ^ ((value ^ old) & -(not skip))`` on the bit patterns: ATen's CPU ``where``
+    is a scalar loop (~4x an add even with a 0-d condition), three bit kernels are faster;
+    elsewhere ``where`` (one kernel). Bit for bit the same, NaN and -0.0 included.
+    """
+    if value.device.type != "cpu":
+        return torch.where(skip, old, value)
+    it = _SAME_SIZE_INT[value.dtype]
+    mask = masks.get(it)
+    if mask is None:
+        mask = masks[it] = torch.logical_not(skip).to(it).neg_()  # all ones when not skipped
+    ob = old.view(it)
+    if value.data_ptr() == old.data_ptr():  # an update that returned its input: nothing to select
+        return value
+    # In place: value is the step's own new buffer (a fresh tile-sized buffer costs page faults on a CPU).
+    value.view(it).bitwise_xor_(ob).bitwise_and_(mask).bitwise_xor_(ob)
+    return value
+
+
+def _tile_segments(params: list[Tensor], limit: int) -> list[list[_Segment]]:
+    """Cut a bucket into tiles of at most ``limit`` elements.
+
+    A contiguous tensor larger than ``limit`` is cut into near-equal slices, one tile each; the
+    other tensors are packed whole, in order, into tiles of at most ``limit`` elements (a larger
+    non-contiguous tensor gets a tile of its own). Empty tensors get no segment.
+    """
+    tiles: list[list[_Segment]] = []
+    cur: list[_Segment] = []
+    cur_n = 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        if n == 0:  # an empty shard: nothing to update (and a segment start must be an element)
+            continue
+        if n > limit and p.is_contiguous():
+            pieces = -(-n // limit)
+            size = -(-n // pieces)
+            tiles.extend([_Segment(i, a, min(a + size, n))] for a in range(0, n, size))
+            continue
+        if cur and cur_n + n > limit:
+            tiles.append(cur)
+            cur, cur_n = [], 0
+        cur.append(_Segment(i, 0, n))
+        cur_n += n
+    if cur:
+        tiles.append(cur)
+    return tiles
+
+
+def _gather(tile: _Tile, kind: str | None) -> Tensor:
+    """The tile's elements of one buffer kind as a flat tensor (the view itself for a one-segment tile)."""
+    views = tile.views[kind]
+    if len(views) == 1:
+        v = views[0]
+        return v if v is not None else tile.tensors[kind][0].reshape(-1)
+    if tile.contiguous:
+        return torch.cat(cast(list[Tensor], views))
+    return torch.cat([v if v is not None else t.reshape(-1) for v, t in zip(views, tile.tensors[kind])])
+
+
+def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
+    """Write a flat tile value back into its tensors (``split`` + one ``_foreach_copy_``)."""
+    views = tile.views[kind]
+    if len(views) == 1:
+        v = views[0]
+        if v is not None:
+            v.copy_(value)
+        else:
+            t = tile.tensors[kind][0]
+            t.copy_(value.view(t.shape))
+        return
+    pieces = value.split(tile.sizes)
+    if tile.contiguous:
+        torch._foreach_copy_(cast(list[Tensor], views), list(pieces))
+        return
+    ts = tile.tensors[kind]
+    dsts = [v if v is not None else t for v, t in zip(views, ts)]
+    srcs = [x if v is not None else x.view(t.shape) for x, v, t in zip(pieces, views, ts)]
+    torch._foreach_copy_(dsts, srcs)

@@ -7,13 +7,13 @@ The optimizer is written in parts, one concept a module (``_base.py`` says how a
   state layout: state dtypes, compensation, random-stream slots, global offsets, step counting);
 * ``_fused_step.py``: the fused (``torch.compile``d) step;
 * ``_state_io.py``: state creation, ``state_dict``/``load_state_dict``, full-precision weights, memory;
-* ``_base.py``: ``LowPrecisionOptimizer`` itself (construction, ``step`` and the eager, chunked step).
+* ``_base.py``: ``LowPrecisionOptimizer`` itself (construction, ``step`` and the eager, tiled step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, Literal, NamedTuple, cast
 
 import torch
@@ -33,8 +33,9 @@ _READABLE_VERSIONS = (1, 2)  # version 1 held generator states (dropped on load:
 #: Stream id of a buffer: ``16 * (parameter's position in the optimizer) + slot``.
 _SLOT_PARAM, _SLOT_COMP, _SLOT_STATE0 = 0, 1, 2
 _STREAMS_PER_PARAM = 16
-#: Default chunk: 16 Mi elements keeps the GPU busy (host work per chunk is fixed) while bounding
-#: the step's temporaries (~0.7 GiB for AdamW) however large the model or a single parameter is.
+#: Default chunk (the eager step's tile on a GPU; a CPU caps tiles at 2**17): 16 Mi elements keeps
+#: the GPU busy (host work per tile is fixed) while bounding the step's temporaries (~0.7 GiB for
+#: AdamW) however large the model or a single parameter is.
 DEFAULT_CHUNK_NUMEL = 1 << 24
 #: Group entries that are not compiled into a fused step (``lr`` is a tensor input).
 _DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
@@ -73,10 +74,11 @@ class _Plan:
 
     ``params`` are the parameters (the cache key holds their ids); the rest is filled by the
     fused step: ``struct`` (shapes, strides and dtypes that select the compiled function) for
-    the mirrors ``struct_key``, and ``hp_key`` (the compiled-in hyper-parameters) for ``hp``.
+    the mirrors ``struct_key``, and ``hp_key`` (the compiled-in hyper-parameters) for ``hp``;
+    and by the eager step: ``eager``, its cached tiles (:class:`_EagerLayout`).
     """
 
-    __slots__ = ("device", "hp", "hp_key", "params", "struct", "struct_key")
+    __slots__ = ("device", "eager", "hp", "hp_key", "params", "struct", "struct_key")
 
     def __init__(self, device: torch.device, params: list[Tensor]) -> None:
         self.device = device
@@ -85,6 +87,76 @@ class _Plan:
         self.struct_key: tuple[int, ...] = ()
         self.hp: dict[str, Any] | None = None
         self.hp_key = ""
+        self.eager: _EagerLayout | None = None
+
+
+class _Tile:
+    """Elements of a bucket that the eager step updates together: whole tensors, or a slice of one.
+
+    Built once per bucket structure (:class:`_EagerLayout`), so a step makes no per-tensor views.
+    ``views[kind][j]`` is the 1-D view of segment ``j``'s elements in one buffer kind (``kind``
+    ``None``: the parameters; ``"kahan_comp"``; a state key), or ``None`` for a whole
+    non-contiguous tensor, which is gathered by a copy and written back whole
+    (``tensors[kind][j]``). Segments are never empty (empty tensors get none).
+    """
+
+    __slots__ = ("bases", "big_index", "contiguous", "first_index", "local_starts", "pids", "segs", "sizes",
+                 "tensors", "total", "views")
+
+    def __init__(self, segs: list[_Segment], offsets: list[int], device: torch.device) -> None:
+        self.segs = segs
+        self.sizes = [s.stop - s.start for s in segs]
+        self.total = sum(self.sizes)
+        self.views: dict[str | None, list[Tensor | None]] = {}
+        self.tensors: dict[str | None, list[Tensor]] = {}
+        self.contiguous = True
+        # Global flat index of each segment's first element (random bits are a function of it).
+        firsts = [offsets[s.param] + s.start for s in segs]
+        self.first_index = firsts[0]
+        #: Whether some global index is >= 2**31: then the random bits are hashed in int64 lanes.
+        self.big_index = max(f + n for f, n in zip(firsts, self.sizes)) > 1 << 31
+        self.pids: Tensor | None = None  # multi-segment tiles: bucket position of each segment (int64)
+        self.local_starts: Tensor | None = None  # tile-local start of segments 1.. (int64)
+        self.bases: Tensor | None = None  # global index minus tile-local position, per segment
+        if len(segs) > 1:
+            starts = list(accumulate(self.sizes[:-1]))
+            self.pids = torch.tensor([s.param for s in segs], dtype=torch.int64).to(device, non_blocking=True)
+            self.local_starts = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+            idt = torch.int64 if self.big_index else torch.int32
+            self.bases = torch.tensor([f - c for f, c in zip(firsts, [0, *starts])], dtype=idt).to(
+                device, non_blocking=True)
+
+    def bind(self, kind: str | None, tensors: list[Tensor]) -> None:
+        """Cache the views of this tile's segments into ``tensors`` (one per bucket parameter)."""
+        ts = [tensors[s.param] for s in self.segs]
+        views = [_flat_view(t, s) for t, s in zip(ts, self.segs)]
+        self.views[kind] = views
+        self.tensors[kind] = ts
+        if any(v is None for v in views):
+            self.contiguous = False
+
+
+class _EagerLayout:
+    """The eager step's cached structure of one bucket: tiles, their views, and the random-stream keys.
+
+    Valid while ``sig`` (seed, state keys, tile size, random stream ids, global offsets) and
+    ``ptrs`` (the data pointers of every parameter, compensation buffer and state, in order)
+    match: a replaced state (``load_state_dict``) or a swapped ``p.data`` changes a pointer (the
+    cached views keep the old storage alive, so no new tensor can reuse its address).
+    """
+
+    __slots__ = ("ka0", "kb0", "ptrs", "sig", "slots", "tiles")
+
+    def __init__(self, sig: tuple[Any, ...], ptrs: list[int], tiles: list[_Tile], slots: tuple[int, ...],
+                 ka0: Tensor | None, kb0: Tensor | None) -> None:
+        self.sig = sig
+        self.ptrs = ptrs
+        self.tiles = tiles
+        #: random stream slots drawn (``_SLOT_PARAM``, ``_SLOT_COMP``, state slots) and, per slot
+        #: (rows) and bucket parameter (columns), the int64 stream keys (``stream_key``).
+        self.slots = slots
+        self.ka0 = ka0
+        self.kb0 = kb0
 
 
 def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -149,12 +221,13 @@ class OptimizerParts(Optimizer):
     def _step_scalars(
         self, group: Mapping[str, Any], steps_old: Tensor, steps_new: Tensor, dtype: torch.dtype
     ) -> dict[str, Tensor]:
-        """Per-parameter quantities of the update (bias corrections, ...), one value per segment.
+        """Per-parameter quantities of the update (bias corrections, ...), one value per parameter.
 
-        ``steps_old``/``steps_new`` hold one FP32 step count per segment (on the device); each
-        returned tensor has their shape, in ``dtype`` (the compute dtype). Computed once per
-        chunk (eager) or per bucket (fused, outside the compiled graph: Inductor would
-        otherwise recompute them for every vector of elements).
+        ``steps_old``/``steps_new`` hold one FP32 step count per parameter of a bucket (on the
+        device); each returned tensor has their shape, in ``dtype`` (the compute dtype), and must
+        be elementwise in the step counts. Computed once per bucket and step, outside the
+        per-element work (eager: expanded per tile; fused: outside the compiled graph, where
+        Inductor would otherwise recompute them for every vector of elements).
         """
         return {}
 
@@ -169,10 +242,12 @@ class OptimizerParts(Optimizer):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The update on flat compute-dtype buffers, all inputs read-only. Returns ``(w_new, states_new)``.
 
-        ``scalars`` is :meth:`_step_scalars`'s result; ``expand(v)`` turns such a per-segment
-        tensor into something broadcastable to ``w``. Elementwise, single-rounding ops only
-        (no ``lerp``/``addcmul``/``alpha=``), so the compiled step equals the eager one bit for
-        bit; and no instance attributes (compiled steps are shared between instances).
+        ``scalars`` is :meth:`_step_scalars`'s result; ``expand(v)`` turns such a per-parameter
+        tensor into something broadcastable to ``w`` (the elements' values). Elementwise,
+        single-rounding ops only (no ``lerp``/``addcmul``/``alpha=``), so the compiled step
+        equals the eager one bit for bit; and no instance attributes (compiled steps are shared
+        between instances). In-place ops are fine on the function's own temporaries, never on
+        its inputs (some are views of the live tensors).
         """
         raise NotImplementedError
 
@@ -276,10 +351,6 @@ def _local_value(v: Tensor, p: Tensor, offset: int) -> Tensor:
 
 def _scalar_expand(v: Tensor) -> Tensor:
     return v.reshape(())
-
-
-def _cat(views: list[Tensor]) -> Tensor:
-    return views[0] if len(views) == 1 else torch.cat(views)
 
 
 def _flat_view(t: Tensor, s: _Segment) -> Tensor | None:

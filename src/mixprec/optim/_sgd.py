@@ -122,18 +122,19 @@ class SGD(LowPrecisionOptimizer):
         if isinstance(lr, Tensor):
             lr = lr.to(device=w.device, dtype=w.dtype)
         # Single-rounding ops only (see AdamW._update: eager and compiled steps agree bit for bit).
+        # In-place ops only on this function's own temporaries (inputs are read-only), as AdamW._update.
         g = grad.neg() if group["maximize"] else grad
         if wd != 0:
-            g = g + w * wd
+            g = (w * wd).add_(g)  # g + w * wd
         new: dict[str, Tensor] = {}
         if momentum != 0:
             buf = states["momentum_buffer"]
             if dampening == 0:
                 # First step: buf is 0, so momentum * 0 + g == g, torch's clone of g.
-                buf = buf * momentum + g
+                buf = (buf * momentum).add_(g)
             else:
-                buf = buf * momentum + g * expand(scalars["coef"])
+                buf = (buf * momentum).add_(g * expand(scalars["coef"]))
             new["momentum_buffer"] = buf
-            g = g + buf * momentum if group["nesterov"] else buf
-        w_new = w - g * lr
+            g = (buf * momentum).add_(g) if group["nesterov"] else buf
+        w_new = (g * lr).neg_().add_(w)  # w - g * lr (x - y == -y + x exactly, signed zeros included)
         return w_new, new

@@ -145,6 +145,7 @@ class StateIO(OptimizerParts):
                 state[k] = v
         self.__setstate__({"state": state, "param_groups": new_groups})
         self._key_cache.clear()
+        self._plan_cache.clear()  # the eager step's cached views would keep the old states' memory alive
         if meta is not None and int(meta.get("seed", self.seed)) != self.seed:
             self.seed = int(meta["seed"])
             self._key_cache.clear()
