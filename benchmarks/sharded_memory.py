@@ -1,4 +1,4 @@
-"""Model-state bytes per parameter per rank under FSDP2: ``bf16-master`` vs ``bf16-pure`` (issue 16).
+"""Model-state bytes per parameter per rank under FSDP2: ``bf16-master``, ``bf16-master-r16`` and ``bf16-pure`` (issues 16, 29).
 
 Two gloo ranks on CPU (127.0.0.1). For each configuration every rank builds the same FP32
 model, shards it with :func:`mixprec.distributed.fully_shard`, builds AdamW over the shards,
@@ -13,7 +13,11 @@ Expected (``world = 2``; AdamW, gradients kept): ``bf16-master`` 16/world = 8 (F
 FP32 gradient 4, states 8: FSDP2's FP32 shards are the masters); ``bf16-pure`` Kahan with FP32
 states 14/world = 7 (BF16 shard 2, BF16 gradient 2, BF16 Kahan buffer 2, FP32 states 8), with
 BF16 states 10/world = 5, stochastic rounding with BF16 states 8/world = 4. Goal of issue 16:
-``bf16-pure`` + BF16 states + stochastic rounding <= 8/world + 0.5.
+``bf16-pure`` + BF16 states + stochastic rounding <= 8/world + 0.5. ``bf16-master-r16``
+(``grad_accumulation="compute"``, which FSDP2 needs for it) keeps BF16 shards and sharded ``int16``
+remainders: 14/world = 7 between backward and step (BF16 shard 2, remainder 2, BF16 gradient 2,
+FP32 states 8), 12/world = 6 after the step (the step consumes the gradients). Goal of issue 29:
+<= 14/world + 0.5. ``before step`` is the same count taken between the second backward and its step.
 
 The model is a stack of square ``Linear`` layers, each sharded on its own (as transformer blocks
 are), so FP32 islands do not blur the per-parameter numbers; ``--layernorm`` adds a LayerNorm
@@ -64,6 +68,7 @@ class Config:
 
 CONFIGS = [
     Config("bf16-master", "bf16-master", target=16),
+    Config("bf16-master-r16 (compute grads)", "bf16-master-r16", target=12),
     Config("bf16-pure kahan, fp32 states", "bf16-pure", "kahan", "f32", target=14),
     Config("bf16-pure kahan, bf16 states", "bf16-pure", "kahan", "bf16", target=10),
     Config("bf16-pure stochastic, bf16 states", "bf16-pure", "stochastic", "bf16", target=8),
@@ -90,6 +95,10 @@ def rank_state_bytes(model: nn.Module, opt: Any) -> dict[str, int]:
         add("params", p)
     for p in model.parameters():
         add("grads", p.grad)
+    for r in getattr(opt, "remainders", ()):  # bf16-master-r16's int16 remainders (and masters' 4-byte placeholders)
+        add("params", r)
+    for m in getattr(opt, "masters", ()):
+        add("params", m)
     for st in opt.state.values():
         for k, v in st.items():
             add("compensation" if k == "kahan_comp" else ("scalars" if getattr(v, "dim", lambda: 1)() == 0 else "states"), v)
@@ -140,7 +149,7 @@ def measure(cfg: Config, args: argparse.Namespace, rank: int) -> dict[str, Any]:
                                        state_dtype=cfg.state_dtype, seed=0)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prec = mixprec.MixedPrecision(policy)
+    prec = mixprec.MixedPrecision(policy, grad_accumulation="compute" if policy.master_storage == "remainder" else "fp32")
     model, opt = prec.prepare(model, opt)
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
@@ -149,6 +158,7 @@ def measure(cfg: Config, args: argparse.Namespace, rank: int) -> dict[str, Any]:
         with prec.autocast():
             loss = model(x).float().pow(2).mean()
         prec.backward(loss)
+        before = rank_state_bytes(model, opt)
         prec.step(opt)
     b = rank_state_bytes(model, opt)
     del x, loss
@@ -159,6 +169,7 @@ def measure(cfg: Config, args: argparse.Namespace, rank: int) -> dict[str, Any]:
         "params": n,
         "bytes": b,
         "bytes_per_param_per_rank": b["total"] / n,
+        "before_step_bytes_per_param_per_rank": before["total"] / n,
         "expected": cfg.target / WORLD,
         "optimizer": type(opt).__name__,
     }
@@ -196,14 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {WORLD} gloo ranks (CPU), model: {args.layers} x Linear({args.width}, "
           f"{args.width}){' + LayerNorm' if args.layernorm else ''}, {ranks[0][0]['params']:,} parameters, AdamW, "
           "after 2 steps with gradients kept")
-    head = (f"{'config':<36} {'optimizer':<10} {'B/param/rank r0':>16} {'r1':>7} {'expected':>9} {'live FP32':>10}   "
+    head = (f"{'config':<36} {'optimizer':<22} {'B/param/rank r0':>16} {'r1':>7} {'expected':>9} {'before step':>12} "
+            f"{'live FP32':>10}   "
             "rank-0 bytes (params/grads/comp/states/scalars)")
     print(head)
     print("-" * len(head))
     for row0, row1 in zip(*ranks):
         b = row0["bytes"]
-        print(f"{row0['config']:<36} {row0['optimizer']:<10} {row0['bytes_per_param_per_rank']:>16.3f} "
+        print(f"{row0['config']:<36} {row0['optimizer']:<22} {row0['bytes_per_param_per_rank']:>16.3f} "
               f"{row1['bytes_per_param_per_rank']:>7.3f} {row0['expected']:>9.2f} "
+              f"{row0['before_step_bytes_per_param_per_rank']:>12.3f} "
               f"{row0['live_fp32_bytes_per_param_per_rank']:>10.3f}   "
               f"{b['params']}/{b['grads']}/{b['compensation']}/{b['states']}/{b['scalars']}")
     sr = next(r for r in ranks[0] if r["config"].startswith("bf16-pure stochastic"))
@@ -211,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(r["bytes_per_param_per_rank"] for rk in ranks for r in rk if r["config"] == sr["config"])
     print(f"goal: bf16-pure stochastic + bf16 states <= 8/world + 0.5 = {goal:.2f} B/param/rank: "
           f"{'met' if worst <= goal else 'NOT met'} ({worst:.3f})")
+    r16 = [r for rk in ranks for r in rk if r["config"].startswith("bf16-master-r16")]
+    goal16 = 14 / WORLD + 0.5
+    worst16 = max(r["before_step_bytes_per_param_per_rank"] for r in r16)
+    print(f"goal: bf16-master-r16 <= 14/world + 0.5 = {goal16:.2f} B/param/rank (before step, gradients held): "
+          f"{'met' if worst16 <= goal16 else 'NOT met'} ({worst16:.3f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"world": WORLD, "ranks": ranks}, indent=1))
     return 0

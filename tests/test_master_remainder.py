@@ -315,12 +315,14 @@ def test_policy_spelling_round_trips() -> None:
     assert str(mp.Policy.parse("bf16-master")) == "p=bf16,c=bf16,o=f32,m=f32,ls=none,i=norm,tf32=0,comp=none"
 
 
-def test_fsdp2_is_refused_with_the_alternatives() -> None:
-    from mixprec._dist import check_fsdp_policy
+def test_fsdp2_gathers_the_bf16_shards_as_they_are() -> None:
+    """Under FSDP2 the shards are BF16 (prepare casts them) and the remainders are sharded beside them
+    (tests/distributed/test_fsdp.py trains it on two ranks): no param_dtype cast, FP32 reduction."""
+    from mixprec.distributed import fsdp_mixed_precision
 
-    with pytest.raises(ValueError, match="FSDP2") as err:
-        check_fsdp_policy(mp.Policy.parse("bf16-master-r16"))
-    assert "bf16-master" in str(err.value) and "wrap_ddp" in str(err.value)
+    mp_policy = fsdp_mixed_precision("bf16-master-r16")
+    assert mp_policy.param_dtype is None and mp_policy.reduce_dtype == torch.float32
+    assert fsdp_mixed_precision("bf16-master").param_dtype == torch.bfloat16  # FP32 shards, cast when gathered
 
 
 def test_copies_keep_the_remainders() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec._remainder import join, join_into_, split, split_into_
+from mixprec._remainder import join, join_edited, join_into_, split, split_into_
 
 TOPS_EDGE = [0x0000, 0x0001, 0x007F, 0x0080, 0x3F7F, 0x3F80, 0x7F7E, 0x7F7F, 0x8000, 0x8001, 0x807F, 0xBF80, 0xFF7F]
 LOWS_EDGE = [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFE, 0xFFFF]
@@ -152,3 +152,17 @@ def test_the_cost_benchmark_runs_and_reports_ratios_to_a_cast(capsys: pytest.Cap
     out = capsys.readouterr().out
     assert "f32->bf16 copy_" in out and "1.00x" in out
     assert "split_into_ eager" in out and "join_into_ eager" in out and "exact ties" in out
+
+
+def test_join_edited_gives_zero_and_inf_weights_exactly_and_joins_everything_else() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, generator=g) * 0.02
+    hi, lo = split(x)
+    assert torch.equal(join_edited(hi, lo).view(torch.int32), x.view(torch.int32))  # untouched: exact
+    edited = hi.clone()
+    edited[:4] = torch.tensor([0.0, -0.0, float("inf"), float("-inf")], dtype=torch.bfloat16)
+    lo[:4] = torch.tensor([-5, 7, 3, 9], dtype=torch.int16)  # pairs split() never makes: joined as bits, NaN or tiny
+    assert torch.isnan(join(edited, lo)[[0, 2, 3]]).all()
+    got = join_edited(edited, lo)
+    assert torch.equal(got[:4].view(torch.int32), edited[:4].float().view(torch.int32))  # the weight itself, sign kept
+    assert torch.equal(got[4:].view(torch.int32), x[4:].view(torch.int32))

@@ -32,6 +32,7 @@ __all__ = [
     "check_fsdp_policy",
     "check_prepare_target",
     "fsdp_param_dtype",
+    "fsdp_remainders",
     "global_flat_offset",
     "is_distributed",
     "is_fsdp2",
@@ -153,18 +154,16 @@ def check_fsdp_policy(policy: Any) -> None:
             f"policy {policy.label!r} keeps {policy.master_dtype} masters, which FSDP2 cannot do: under FSDP2 the "
             "sharded FP32 parameters are the masters. Use m=f32 (as 'bf16-master' / 'fp16-master' do)."
         )
-    if getattr(policy, "master_storage", "full") == "remainder":
-        # Not silently FP32 shards: that would cost the 2 bytes per parameter the policy was chosen to save.
-        raise ValueError(
-            f"policy {policy.label!r} stores masters as the BF16 weight plus a 16-bit remainder, which mixprec does not "
-            "do under FSDP2 yet (sharded remainders, issue 29). Use 'bf16-master' (FSDP2's FP32 shards are the masters), "
-            "or DDP (mixprec.distributed.wrap_ddp) with 'bf16-master-r16'."
-        )
+
+
+def fsdp_remainders(policy: Any) -> bool:
+    """Whether ``policy`` keeps its masters as BF16 shards plus sharded ``int16`` remainders under FSDP2 (``m=f32:r16``)."""
+    return getattr(policy, "master_storage", "full") == "remainder"
 
 
 def _fsdp_half_params(policy: Any) -> bool:
-    """Whether FSDP2 shards of ``policy`` hold half-precision parameters (no masters, BF16/FP16 params)."""
-    return not policy.has_masters and policy.param_dtype != torch.float32
+    """Whether FSDP2 shards of ``policy`` hold half-precision parameters (no masters, or remainder-stored masters)."""
+    return (not policy.has_masters or fsdp_remainders(policy)) and policy.param_dtype != torch.float32
 
 
 def fsdp_param_dtype(module: Any) -> tuple[bool, torch.dtype | None]:
@@ -210,15 +209,22 @@ def check_prepare_target(
     check_fsdp_policy(policy)
     _check_not_started(model, policy)
     half = _fsdp_half_params(policy)
-    if policy.has_masters and grad_accumulation != "fp32":
+    remainders = fsdp_remainders(policy)
+    if policy.has_masters and not remainders and grad_accumulation != "fp32":
         raise ValueError(
             f"grad_accumulation={grad_accumulation!r} with FSDP2: FSDP2 accumulates gradients in its FP32 sharded "
             "parameters' dtype, so compute-dtype accumulation is not available; use the default 'fp32'."
         )
+    if remainders and grad_accumulation != "compute":
+        raise ValueError(
+            f"policy {name!r} under FSDP2 needs grad_accumulation='compute' (got {grad_accumulation!r}): its shards are "
+            "BF16, so FSDP2 reduces and accumulates BF16 gradients, and the FP32 master gradients exist only inside the "
+            "step. Pass MixedPrecision(..., grad_accumulation='compute'), or use 'bf16-master' (FP32 shards and gradients)."
+        )
     separate = policy.has_masters or half  # islands must be FSDP groups of their own (FP32 next to half)
     islands = {id(m) for _, m in island_modules(model, policy)} if separate else set()
     named = dict(model.named_modules())
-    want = policy.compute_dtype if policy.has_masters else None
+    want = policy.compute_dtype if policy.has_masters and not remainders else None
     # Half parameters without masters: the shards are cast to the param dtype, so FSDP2 gathers them
     # as they are; param_dtype=None or the param dtype itself (FSDP2 then casts nothing) both fit.
     for qname, mod in named.items():

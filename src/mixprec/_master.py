@@ -23,7 +23,7 @@ from ._errors import check_fused
 from ._finite import unscale_and_check_
 from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
-from ._remainder import join, split
+from ._remainder import join_edited, split
 from ._stepping import step_or_skip
 
 __all__ = [
@@ -190,6 +190,8 @@ class MasterWeightOptimizer(Optimizer):
         # "remainder": model parameter i's int16 remainder, parallel to _model_params (None: no remainder).
         self._rems: list[torch.Tensor | None] = []
         self._rem_list: list[torch.Tensor] = []  # the remainders of the cached pairs, parallel to them
+        # FSDP2 shards: id(param) -> its gradient's versions (DTensor's, local tensor's) when taken
+        self._grad_versions: dict[int, tuple[int, int]] = {}
         self._shadow: Any = None  # the _fused.FusedShadow that runs the fused step (built on first use)
         self._prefer_fused = False
         self._versions: list[tuple[int, int]] = []  # (version, data_ptr) of each half param after the last copy
@@ -234,7 +236,7 @@ class MasterWeightOptimizer(Optimizer):
         # keeps its gradient, which the parameter's view shows again, as in the original.
         for p, m in self._half_pairs():
             self._attach(p, m)
-            if self.grad_accumulation == "fp32" and m.grad is not None:
+            if self.grad_accumulation == "fp32" and m.grad is not None and id(p) in self._views:
                 p.grad = self._views[id(p)]
         from ._stepping import install_step_guard
 
@@ -290,14 +292,23 @@ class MasterWeightOptimizer(Optimizer):
                 "non-BF16 parameters."
             )
         with torch.no_grad():
-            hi, lo = split(value.contiguous())
-            p.copy_(hi)
+            hi, lo = split(_local(value.detach()).contiguous())
+            _local(p).copy_(hi)
+        if _is_dtensor(p):
+            # An FSDP2 shard: the master is a DTensor over the same mesh whose local tensor is swapped in the step.
+            return _like(p, _placeholder(_local(p))), lo
         master = torch.empty(0, dtype=torch.float32, device=p.device)
         master.data = _placeholder(p)
         return master, lo
 
     def _attach(self, p: torch.Tensor, master: torch.Tensor) -> None:
-        """Give ``p`` its gradient view and (FP32 accumulation) the hook that feeds the master."""
+        """Give ``p`` its gradient view and (FP32 accumulation) the hook that feeds the master.
+
+        An FSDP2 shard (a DTensor, ``bf16-master-r16`` with ``grad_accumulation="compute"``) gets
+        neither: FSDP2 accumulates into its own DTensor gradient, which stays on the parameter.
+        """
+        if _is_dtensor(p):
+            return
         view = MasterGradView(p, master, self._read_hook)
         self._views[id(p)] = view
         if self.grad_accumulation == "fp32":
@@ -362,7 +373,7 @@ class MasterWeightOptimizer(Optimizer):
             self._attach(p, master)
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
                 master.grad = p.grad.to(self.master_dtype)  # gradients from before the hook existed
-                p.grad = self._views[id(p)] if self.grad_accumulation == "fp32" else p.grad
+                p.grad = self._views[id(p)] if self.grad_accumulation == "fp32" and id(p) in self._views else p.grad
 
     # ----- edits of the model's weights outside the step ----------------------------------------
     def _half_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -495,7 +506,8 @@ class MasterWeightOptimizer(Optimizer):
 
     def _joined(self) -> list[torch.Tensor]:
         """Every master's FP32 value: joined from weight and remainder where there is one, else the tensor itself."""
-        return [m if r is None else _join_master(p.detach(), r) for p, m, r in zip(self._model_params, self._masters, self._rems)]
+        return [m if r is None else _like(p, join_edited(_local(p.detach()), r))
+                for p, m, r in zip(self._model_params, self._masters, self._rems)]
 
     @property
     def model_params(self) -> list[torch.Tensor]:
@@ -533,7 +545,9 @@ class MasterWeightOptimizer(Optimizer):
             self._promote_unfrozen()
         if self.grad_accumulation == "compute":
             pending = [(p, m) for p, m in self._half_pairs() if p.grad is not None and not isinstance(p.grad, MasterGradView)]
-            if pending:
+            if pending and id(pending[0][0]) not in self._views:
+                self._shard_grads(pending)
+            elif pending:
                 bufs = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for _, m in pending]  # m may be a placeholder
                 torch._foreach_copy_(bufs, [p.grad for p, _ in pending if p.grad is not None])
                 for (p, m), b in zip(pending, bufs):
@@ -558,6 +572,33 @@ class MasterWeightOptimizer(Optimizer):
                     p.grad = self._views[id(p)]
         self._grads_checked = True  # step() need not do this again before the next step
         return [*filter(_NOT_NONE, map(_GRAD, self._masters))]  # C loops: no Python call per tensor
+
+    def _shard_grads(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """FSDP2 shards (``bf16-master-r16``): each master's FP32 gradient from its shard's BF16 one, once per step.
+
+        The BF16 gradient stays on the parameter (FSDP2 accumulates into it, ``zero_grad`` clears
+        it); its version is remembered, so a change after this point (clipping ``p.grad`` after
+        ``prec.unscale_``) is refused in :meth:`step` rather than silently not seen.
+        """
+        for p, m in pending:
+            g = p.grad
+            if g is None or m.grad is not None:
+                continue
+            m.grad = g.to(self.master_dtype)
+            self._grad_versions[id(p)] = _grad_version(g)
+
+    def _check_shard_grads(self) -> None:
+        """Raise when a shard's BF16 gradient changed after its FP32 master gradient was taken (see :meth:`_shard_grads`)."""
+        for p, m in self._half_pairs():
+            v = self._grad_versions.get(id(p))
+            if v is not None and (p.grad is None or _grad_version(p.grad) != v) and m.grad is not None:
+                raise ValueError(
+                    "a gradient of an FSDP2-sharded parameter changed after mixprec took its FP32 master gradient "
+                    "(prec.unscale_ or prec.clip_grad_norm_ ran first); under 'bf16-master-r16' with FSDP2 the step uses "
+                    "that FP32 copy. Clip with prec.clip_grad_norm_(optimizer, max_norm), or edit p.grad before calling "
+                    "prec.unscale_."
+                )
+        self._grad_versions.clear()
 
     def unscale_(self, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> torch.Tensor:
         """Unscale the master gradients in place and check them for inf/NaN.
@@ -607,6 +648,26 @@ class MasterWeightOptimizer(Optimizer):
         if self.weight_edits == "versions":
             self._record_versions()
 
+    def _remainders_compiled(self) -> bool:
+        """Whether join and split run compiled (:func:`_compiled_remainder_fns`).
+
+        Beside the fused (compiled) step, and on CUDA/XPU with Triton unless ``fused=False``: eagerly they are
+        about ten elementwise kernels per parameter, compiled one each (on a CPU the compiled forms
+        were 2-5x faster but cost a compile of about 3 s, which a run with an eager step does not pay).
+        """
+        if self.fused is False:
+            return False
+        if self._fused_shadow() is not None:
+            return True
+        if self._pairs is None:
+            self._refresh_pairs()
+        masters = self._pair_lists[1]
+        if not masters or masters[0].device.type not in ("cuda", "xpu"):
+            return False
+        from torch.utils._triton import has_triton
+
+        return bool(has_triton())
+
     def _join_masters(self, compiled: bool = False) -> None:
         """``"remainder"``: give each placeholder master its exact FP32 value (joined from weight and remainder).
 
@@ -620,10 +681,11 @@ class MasterWeightOptimizer(Optimizer):
         params, masters = self._pair_lists
         join_fn = _compiled_remainder_fns()[0] if compiled else None
         for p, m, r in zip(params, masters, self._rem_list):
-            if join_fn is not None and p.is_contiguous():
-                m.data = join_fn(p.view(-1), r.view(-1)).view(p.shape)
+            w = _local(p)
+            if join_fn is not None and w.is_contiguous():
+                _set_local(m, join_fn(w.view(-1), r.view(-1)).view(w.shape))
             else:
-                m.data = _join_master(p, r)
+                _set_local(m, join_edited(w, r))
         self._live = True
 
     def _split_masters(self, compiled: bool = False) -> None:
@@ -637,11 +699,12 @@ class MasterWeightOptimizer(Optimizer):
         params, masters = self._pair_lists
         split_fn = _compiled_remainder_fns()[1] if compiled else _split_into
         for p, m, r in zip(params, masters, self._rem_list):
-            if compiled and p.is_contiguous() and m.is_contiguous():
-                split_fn(m.view(-1), p.view(-1), r.view(-1))
+            w, v = _local(p), _local(m)
+            if compiled and w.is_contiguous() and v.is_contiguous():
+                split_fn(v.view(-1), w.view(-1), r.view(-1))
             else:
-                _split_into(m, p, r)
-            m.data = _placeholder(p)
+                _split_into(v, w, r)
+            _set_local(m, _placeholder(w))
         self._live = False
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
@@ -663,6 +726,8 @@ class MasterWeightOptimizer(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if not self.__dict__.get("_grads_checked") or self.grad_accumulation == "compute":
             self.master_grads()  # MixedPrecision's unscale already did, for this step
+        if self._grad_versions:
+            self._check_shard_grads()
         args = (closure,) if closure is not None else ()
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() without its context manager's Python calls (hot path)
@@ -676,7 +741,7 @@ class MasterWeightOptimizer(Optimizer):
             # 2 bytes per parameter persist between steps (16 B/param with AdamW, not 20).
             for p, m in self._half_pairs():
                 m.grad = None
-                if isinstance(p.grad, MasterGradView):
+                if isinstance(p.grad, MasterGradView) or id(p) not in self._views:  # (no view: an FSDP2 shard's)
                     p.grad = None
         return result
 
@@ -684,8 +749,7 @@ class MasterWeightOptimizer(Optimizer):
         """Steps 3-4 of the class docstring; with remainders, inside a join of the masters and a split after."""
         if self.master_storage != "remainder":
             return self._update(args, grad_scale, found_inf)
-        # Beside the compiled step, join and split compiled too (one graph for every size: 5x faster on a CPU).
-        compiled = self._fused_shadow() is not None
+        compiled = self._remainders_compiled()
         self._join_masters(compiled)
         try:
             return self._update(args, grad_scale, found_inf)
@@ -826,8 +890,8 @@ class MasterWeightOptimizer(Optimizer):
                 if r is None:
                     m.copy_(src)  # an FP32 parameter (or a frozen one): it is its own master
                 else:
-                    hi, lo = split(src.detach().to(device=p.device, dtype=torch.float32).contiguous())
-                    p.copy_(hi)
+                    hi, lo = split(_local(_shard_like(src.detach(), p)).to(device=r.device, dtype=torch.float32).contiguous())
+                    _local(p).copy_(hi)
                     r.copy_(lo)
             self._copy_to_model()  # records versions; the weights already hold the masters' top halves
             return
@@ -852,18 +916,46 @@ class MasterWeightOptimizer(Optimizer):
         self._hooks.clear()
 
 
-def _join_master(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """The FP32 master of a BF16 weight ``p`` and its remainder ``r``: ``join(p, r)``, where the weight is ±0 or ±inf that weight.
+def _is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard), without importing torch.distributed."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
 
-    ``split`` never pairs a zero weight with a negative remainder nor an infinite one with a positive
-    remainder, but an edit of the weight outside the step can (a pruning mask, a clamp to inf):
-    joined as bits those pairs would be NaN. A zero or infinite weight therefore gives its master
-    exactly (a pruned weight's master is 0). What this changes for masters the step produced:
-    values below 2^-133 in magnitude (their weight is 0) read as ±0, values beyond BF16's largest
-    finite number (their weight is inf) as ±inf.
-    """
-    j = join(p, r)
-    return torch.where(torch.isfinite(p) & (p != 0), j, p.to(torch.float32))
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (writes go to the shard), else ``t``."""
+    return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _grad_version(g: torch.Tensor) -> tuple[int, int]:
+    """A DTensor gradient's version and its local tensor's: in-place ops on the DTensor bump the first, on the shard the second."""
+    return g._version, _local(g)._version
+
+
+def _set_local(master: torch.Tensor, value: torch.Tensor) -> None:
+    """Give a remainder-stored master its data: a DTensor's local tensor, else ``.data`` (the object, and what is keyed by it, stays)."""
+    if _is_dtensor(master):
+        master._local_tensor = value  # type: ignore[attr-defined]  # what FSDP2 itself does to its shards
+    else:
+        master.data = value
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor laid out like ``p``: a DTensor over ``p``'s mesh and placements when ``p`` is one."""
+    if not _is_dtensor(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=p.shape, stride=p.stride())
+
+
+def _shard_like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``value`` as ``p``'s shard: a DTensor as it is, a full tensor distributed like ``p`` (a collective), else itself."""
+    if not _is_dtensor(p) or _is_dtensor(value):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(p.device), p.device_mesh, p.placements)  # type: ignore[attr-defined]
 
 
 def _split_into(m: torch.Tensor, p: torch.Tensor, r: torch.Tensor) -> None:
@@ -884,7 +976,7 @@ def _compiled_remainder_fns() -> list[Callable[..., Any]]:
     4.7M elements, 1 CPU thread: join 5.7 ms, split 3.3 ms, against 24.6 and 16.7 ms eagerly.
     """
     if not _REMAINDER_FNS:
-        _REMAINDER_FNS.extend([torch.compile(_join_master, dynamic=True), torch.compile(_split_into, dynamic=True)])
+        _REMAINDER_FNS.extend([torch.compile(join_edited, dynamic=True), torch.compile(_split_into, dynamic=True)])
     return _REMAINDER_FNS
 
 

@@ -254,7 +254,8 @@ class MixedPrecision(RunCheckpoint):
             convert_for_policy(model, self.policy, check_batch, loss_fn, planner=fp8_plan)
         originals = {id(p): p.data for p in facts.floating}  # FP32 tensors the cast replaces (no copy)
         # FSDP2 gathers half-precision copies itself: hooks only, parameters (the masters) stay FP32.
-        fsdp_masters = facts.fsdp and self.policy.has_masters
+        # (bf16-master-r16 aside: its shards are cast to BF16 and its masters are remainders beside them.)
+        fsdp_masters = facts.fsdp and self.policy.has_masters and self.policy.master_storage == "full"
         if facts.fsdp:  # FSDP2 DTensor shards are cast by swapping them (mixprec._dist, issue 16)
             from ._casting import island_modules
             from ._dist import cast_fsdp_shards
@@ -413,8 +414,9 @@ class MixedPrecision(RunCheckpoint):
 
     def _grads(self, optimizer: Optimizer) -> list[torch.Tensor]:
         if isinstance(optimizer, MasterWeightOptimizer):
-            return optimizer.master_grads()
-        grads = [grad for g in optimizer.param_groups for p in g["params"] if (grad := p.grad) is not None]
+            grads = optimizer.master_grads()  # (DTensors for bf16-master-r16's FSDP2 shards)
+        else:
+            grads = [grad for g in optimizer.param_groups for p in g["params"] if (grad := p.grad) is not None]
         if len(set(map(type, grads))) > 1 or (grads and type(grads[0]) is not torch.Tensor):
             # FSDP2's DTensor gradients: unscale/check the local shard (found_inf is agreed across ranks after).
             grads = [local_grad(g) for g in grads]

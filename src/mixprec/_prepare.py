@@ -165,7 +165,7 @@ def wrap_optimizers(
     """
     wrapped: list[Optimizer] = []
     for opt in optimizers:
-        if policy.has_masters and not facts.fsdp:
+        if policy.has_masters and (not facts.fsdp or policy.master_storage == "remainder"):
             initial = {p: originals[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in originals}
             opt = MasterWeightOptimizer(
                 opt, master_dtype=policy.master_dtype or torch.float32,

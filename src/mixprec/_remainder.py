@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["join", "join_into_", "split", "split_into_"]
+__all__ = ["join", "join_edited", "join_into_", "split", "split_into_"]
 
 _HALF = 0x8000
 _BF16_NAN = 0x7FC0  # the quiet NaN torch's f32 -> bf16 cast gives
@@ -77,14 +77,13 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # floor((b + 2^15) / 2^16) is (b >> 16) + (low >= 2^15): the top half rounded half up on the
     # magnitude (the arithmetic shift keeps the sign bit), and b - (top << 16) is the signed remainder.
     top = (bits + _HALF) >> 16
-    lo_bits = bits - (top << 16)
     # Only NaNs need care (a payload in the low bits would round into inf or across the sign); inf
     # splits as (inf, 0) and values that round past BF16's largest finite number as (inf, negative).
     nan = torch.isnan(x)
-    hi_bits = torch.where(nan, _BF16_NAN, top)
-    lo_bits = torch.where(nan, 0, lo_bits)
-    # int32 -> int16 keeps the low 16 bits; both values are in int16's range by construction
-    return hi_bits.to(torch.int16).view(torch.bfloat16), lo_bits.to(torch.int16)
+    hi = torch.where(nan, _BF16_NAN, top).to(torch.int16).view(torch.bfloat16)
+    # The remainder b - (top << 16) is in int16's range and equal to b modulo 2^16, so it *is* b's
+    # low 16 bits read as int16: int32 -> int16 keeps exactly those (one pass, no subtraction).
+    return hi, bits.to(torch.int16).masked_fill_(nan, 0)
 
 
 def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -102,8 +101,27 @@ def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
         ValueError: shapes differ.
     """
     _check_pair(hi, lo)
-    bits = (hi.contiguous().view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
-    return bits.view(torch.float32)
+    # BF16 -> FP32 is exact: hi's 16 bits followed by 16 zero bits, i.e. hi << 16, in one pass.
+    return hi.to(torch.float32).view(torch.int32).add_(lo).view(torch.float32)
+
+
+def join_edited(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``join``, except where ``hi`` is ±0 or ±inf: there the value is ``hi`` itself.
+
+    ``split`` never pairs a zero with a negative remainder nor an infinity with a positive one, but
+    an edit of the BF16 half after the split can (a pruning mask, a clamp to inf), and joined as
+    bits those pairs are NaN. What this changes for values ``split`` produced: magnitudes below
+    2^-133 (their BF16 half is 0) come back as ±0, magnitudes beyond BF16's largest finite number
+    (their BF16 half is inf) as ±inf.
+
+    Raises:
+        TypeError: wrong dtypes.
+        ValueError: shapes differ.
+    """
+    _check_pair(hi, lo)
+    hf = hi.to(torch.float32)
+    joined = hf.view(torch.int32).add(lo).view(torch.float32)
+    return torch.where((hf != 0) & (hf.abs() != float("inf")), joined, hf)
 
 
 def join_into_(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from ._dist import agree_found_inf_, is_distributed, resolve_group
 from ._dist import check_fsdp_policy as _check_fsdp_policy
 from ._dist import check_prepare_target as check_prepare_target  # explicit re-export (not in __all__, as before)
+from ._dist import fsdp_remainders as _fsdp_remainders
 from ._dist import is_fsdp2 as _is_fsdp2
 from ._dist import local_grad as local_grad  # explicit re-export (not in __all__, as before)
 from ._master_grad import is_view
@@ -374,7 +375,8 @@ def fsdp_mixed_precision(
     policy = Policy.parse(policy)
     _check_fsdp_policy(policy)
     rdtype = reduce_dtype_for(policy, reduce_dtype)
-    half_params = policy.has_masters and not island
+    # bf16-master-r16: the shards are BF16 already (prepare casts them), so FSDP2 gathers them as they are.
+    half_params = policy.has_masters and not island and not _fsdp_remainders(policy)
     return MixedPrecisionPolicy(
         param_dtype=policy.compute_dtype if half_params else None,
         reduce_dtype=rdtype,

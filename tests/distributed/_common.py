@@ -69,7 +69,7 @@ def poison_(prec: Any, opt: Any) -> None:
 
     if isinstance(opt, MasterWeightOptimizer):
         p, m = next((p, m) for p, m in zip(opt.model_params, opt.masters) if p is not m)
-        g = m.grad if m.grad is not None else p.grad
+        g = local_grad(m.grad if m.grad is not None else p.grad)  # an FSDP2 shard's (bf16-master-r16): the local part
     else:
         g = local_grad(next(p for p in opt.param_groups[0]["params"] if p.grad is not None).grad)
     g.view(-1)[0] = float("inf")
