@@ -72,7 +72,10 @@ def _pair_line(result: object, preset: str, dt: str) -> str | None:
     mfu = f", MFU {100 * r.mfu:.1f}% vs {100 * base.mfu:.1f}%" if r.mfu is not None and base.mfu is not None else ""
     comp = ""
     if r.compile_seconds is not None and base.compile_seconds is not None:
-        comp = f", compile {r.compile_seconds:.1f} vs {base.compile_seconds:.1f} s"
+        comp = f", compile cold {r.compile_seconds:.1f} vs {base.compile_seconds:.1f} s"
+        if r.warm_compile_seconds is not None and base.warm_compile_seconds is not None:
+            comp += f", warm {r.warm_compile_seconds:.1f} vs {base.warm_compile_seconds:.1f} s"
+        comp += f", recompiles {r.recompiles} vs {base.recompiles}"
     return (f"{preset:14s} vs torch-amp {dt}: step time x{t:.3f} ({r.step_time_ms['median']:.2f} vs "
             f"{base.step_time_ms['median']:.2f} ms), peak memory x{m:.3f}{mfu}{comp}")
 
@@ -89,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT"), help="write gpu_gpt2.json, each pair's record and plots here (default: $OUT if set)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile every row's model, the torch-amp baselines' too (default backend inductor); "
-                        "step times exclude compilation, reported per row as 'compile s'")
+                        "step times exclude compilation, reported per row as cold and warm compile seconds "
+                        "(mixprec.bench.run_compare: a fresh Inductor cache, then one step after torch._dynamo.reset()) "
+                        "and recompiles")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="start no pair that would end after this many seconds (estimated from the slowest pair so "
                         "far); the pairs left out are named")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -42,9 +43,11 @@ def test_every_row_compiles_and_trains_like_eager() -> None:
         assert r.status == "ok", (r.name, r.reason)
         assert r.compiled == "aot_eager"
         assert r.compile_seconds is not None and r.compile_seconds >= 0.0
+        assert r.warm_compile_seconds is not None and r.warm_compile_seconds >= 0.0
         assert r.step_time_ms is not None
         ref = eager.row(r.name)
         assert ref.compiled is None and ref.compile_seconds is None and ref.recompiles is None
+        assert ref.warm_compile_seconds is None
         # same shapes every step: nothing compiles again once the warm-up is over
         assert r.recompiles == 0, (r.name, r.recompiles)
         # the same weights and batches: the compiled run follows the eager one step for step
@@ -59,15 +62,37 @@ def test_the_table_shows_compile_time_as_its_own_column() -> None:
     header, cells = table_rows(result)
     col = header.index("compile s")
     assert header[1] == "step ms" and col == 3
-    assert header[col + 1] == "recompiles"
+    assert header[col + 1] == "warm s" and header[col + 2] == "recompiles"
     for c in cells:
         float(c[col])  # a number for every row, the baseline included
-        assert c[col + 1] == "0"  # fixed shapes: no timed step recompiled
+        float(c[col + 1])
+        assert c[col + 2] == "0"  # fixed shapes: no timed step recompiled
     text = format_table_plain(result)
     assert "compiled (aot_eager)" in text
     assert any("torch.compile(backend='aot_eager')" in n for n in result.notes)
     plain = _run(None, "bf16-mixed")
     assert "compile s" not in table_rows(plain)[0] and "recompiles" not in table_rows(plain)[0]
+    assert "warm s" not in table_rows(plain)[0]
+
+
+def test_a_compiled_run_compiles_into_a_fresh_cache_and_restores_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'compile s' is a cold compile: the run's own Inductor cache directory, removed after; the user's setting comes back."""
+    import os
+
+    seen: list[str | None] = []
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/users")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    real = run_compare.__globals__["_warm_compile"]
+
+    def spy(runs: Any, batch: Any) -> None:
+        seen.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        real(runs, batch)
+
+    monkeypatch.setitem(run_compare.__globals__, "_warm_compile", spy)
+    _run("aot_eager", "bf16-mixed")
+    assert seen and seen[0] is not None and "mixprec-compare-" in seen[0]
+    assert not os.path.exists(seen[0])
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/users" and "TRITON_CACHE_DIR" not in os.environ
 
 
 def test_unknown_backend_is_a_clear_error() -> None:

@@ -71,8 +71,9 @@ def test_tiny_cpu_run_compiled(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "compiled (aot_eager)" in proc.stdout and "compile s" in proc.stdout
     assert "bf16-master    vs torch-amp bf16: step time x" in proc.stdout
+    assert ", compile cold " in proc.stdout and ", warm " in proc.stdout and ", recompiles 0 vs 0" in proc.stdout
     for preset in ("bf16-mixed", "bf16-master"):
         d = json.loads((tmp_path / f"compare-{preset}.json").read_text())
         assert d["settings"]["compile"] == "aot_eager"
         assert all(r["status"] == "ok" and r["compiled"] == "aot_eager" and r["compile_seconds"] is not None
-                   for r in d["rows"])
+                   and r["warm_compile_seconds"] is not None for r in d["rows"])

@@ -72,7 +72,8 @@ def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
     compiled = bool(result.settings.get("compile"))
     if compiled:
         header.insert(3, "compile s")
-        header.insert(4, "recompiles")
+        header.insert(4, "warm s")
+        header.insert(5, "recompiles")
     cells: list[list[str]] = []
     for r in result.rows:
         if r.status != "ok":
@@ -98,7 +99,8 @@ def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
             row.append("-" if r.mfu is None else f"{100 * r.mfu:.1f}%")
         if compiled:
             row.insert(3, _num(r.compile_seconds, ".1f"))
-            row.insert(4, "-" if r.recompiles is None else str(r.recompiles))
+            row.insert(4, _num(r.warm_compile_seconds, ".1f"))
+            row.insert(5, "-" if r.recompiles is None else str(r.recompiles))
         cells.append(row)
     return header, cells
 

@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -159,7 +160,8 @@ class RowResult:
     init_weights_sha256: str | None = None
     wall_seconds: float | None = None
     compiled: str | None = None  # the torch.compile backend, None when eager
-    compile_seconds: float | None = None  # extra time of the warm-up steps over timed ones (compilation)
+    compile_seconds: float | None = None  # extra time of the warm-up steps over timed ones (compilation, cold cache)
+    warm_compile_seconds: float | None = None  # the same for one step after torch._dynamo.reset() (caches warm)
     recompiles: int | None = None  # timed steps during which dynamo compiled again (None when eager)
 
     def to_dict(self) -> dict[str, Any]:
@@ -596,7 +598,13 @@ def run_compare(
             ``torch.compile``), or ``None`` for eager. Step times then exclude compilation, which
             is reported per row as ``compile_seconds``: the time the warm-up steps took beyond as
             many timed steps (the first step compiles; a recompile in warm-up counts too); a later
-            step during which dynamo compiled again is moved out of the timed steps into it.
+            step during which dynamo compiled again is moved out of the timed steps into it. The run
+            compiles into a fresh ``TORCHINDUCTOR_CACHE_DIR`` (and ``TRITON_CACHE_DIR``), so this is
+            the cold compile (rows whose graphs are identical share them). After training, each row
+            takes one more step after ``torch._dynamo.reset()``: its time beyond a typical step is
+            ``warm_compile_seconds``, the compile with Inductor's caches warm (in this process; a
+            second run of a script also loads them from disk: ``benchmarks/compile_cold.py``
+            measures both in fresh processes).
 
     Returns:
         A :class:`CompareResult`.
@@ -691,6 +699,7 @@ def run_compare(
             progress("start", r.row.label, 0, steps)
     limits = contextlib.ExitStack()
     if compile is not None:
+        limits.enter_context(_fresh_compile_caches())
         # Rows are instances of one model class: dynamo keeps one cache entry per row (and two per row
         # once evaluation runs under no_grad), so the default limit of 8 would send later rows to eager.
         from torch._dynamo import config as dynamo_config
@@ -699,6 +708,8 @@ def run_compare(
                                                         accumulated_recompile_limit=max(256, 16 * len(runs))))
     with limits:
         _train_and_evaluate(runs, batches, steps, warmup, progress, items, flops, dev, peak_tflops_override, n_params)
+        if compile is not None:
+            _warm_compile(runs, batches[0])
     _gaps(rows, w)
     unit = w.unit
 
@@ -764,6 +775,42 @@ def _train_and_evaluate(runs: list[_Run], batches: list[Any], steps: int, warmup
         _summarise(run, row, items, flops, dev, peak_tflops_override, n_params)
         if progress:
             progress("done", row.label, steps, steps)
+
+
+@contextlib.contextmanager
+def _fresh_compile_caches() -> Iterator[None]:
+    """Point Inductor's and Triton's on-disk caches at a new temporary directory for the block (then restore them)."""
+    import tempfile
+
+    keys = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    old = {k: os.environ.get(k) for k in keys}
+    with tempfile.TemporaryDirectory(prefix="mixprec-compare-") as d:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(d, "inductor")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(d, "triton")
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _warm_compile(runs: list[_Run], batch: Any) -> None:
+    """Each compiled row: one more step after ``torch._dynamo.reset()``; its time beyond a typical step is the warm compile."""
+    for run in runs:
+        if run.row.status != "ok" or not run.times:
+            continue
+        torch._dynamo.reset()
+
+        def one_step(run: _Run = run) -> None:
+            run.train_step(batch, False)
+
+        with run.rng.active(), run._emu():
+            _, seconds = timed(one_step, run.device)
+        typical = sorted(run.times)[len(run.times) // 2]
+        run.row.warm_compile_seconds = max(0.0, seconds - typical)
 
 
 def _workload_options(workload: str | Workload, seed: int, given: dict[str, Any] | None) -> dict[str, Any]:

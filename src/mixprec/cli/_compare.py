@@ -84,7 +84,8 @@ def add_compare(subparsers: Any) -> None:
                         "mean and spread across seeds, with a verdict: within the seed noise of fp32 or not")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile every row's model, the torch-amp baseline's too (BACKEND default inductor; "
-                        "aot_eager compiles fastest); step times exclude compilation, shown as 'compile s', with 'recompiles' (timed steps "
+                        "aot_eager compiles fastest); step times exclude compilation, shown as 'compile s' (cold: a fresh Inductor "
+                        "cache), 'warm s' (one step after torch._dynamo.reset(), caches warm), with 'recompiles' (timed steps "
                         "that compiled again)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
