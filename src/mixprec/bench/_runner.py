@@ -719,7 +719,8 @@ def run_compare(
         notes.append(
             f"Compiled: every row's model runs torch.compile(backend={compile!r}) (mixprec rows: prepare, then compile); "
             "step times exclude compilation, 'compile s' is the extra time of the warm-up steps (and of any later step "
-            "that recompiled) over timed ones."
+            "that recompiled) over timed ones, compiled into a fresh Inductor cache (cold; a row whose graphs an earlier "
+            "row compiled reuses them), 'warm s' the same for one step after torch._dynamo.reset() (caches warm)."
             + (" Peak memory is not measured for compiled rows on a CPU (the live-tensor tracker cannot see into "
                "compiled graphs, and dynamo stops compiling a model it meets under it)." if dev.type != "cuda" else "")
         )
