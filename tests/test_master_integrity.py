@@ -407,7 +407,7 @@ def _run_with_head_group_added_after_prepare(preset: str) -> tuple[nn.Module, An
     return model, opt, prec
 
 
-@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-mixed"])
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-master-r16", "fp16-master", "bf16-mixed"])
 def test_param_group_added_after_prepare_round_trips_through_save_convert_and_export(preset: str, tmp_path) -> None:
     model, opt, prec = _run_with_head_group_added_after_prepare(preset)
     for x, y in batches(3):
@@ -503,7 +503,7 @@ def test_freezing_before_prepare_trains_like_freezing_after(preset: str) -> None
     assert torch.equal(got_before["0.weight"], init["0.weight"].to(before.model[0].weight.dtype).float())
 
 
-@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master"])
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-master-r16", "fp16-master"])
 def test_unfreezing_later_warns_once_and_then_trains(preset: str, monkeypatch) -> None:
     import mixprec._master as master_mod
 
