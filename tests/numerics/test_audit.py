@@ -86,6 +86,21 @@ def test_master_weights_are_recognised() -> None:
     assert all(r.dtype == "f32" for r in res.rows_for("optimizer state"))
 
 
+def test_remainder_stored_masters_are_reported_with_their_own_bytes() -> None:
+    import mixprec as mp
+
+    model = _model()
+    prec = mp.MixedPrecision("bf16-master-r16")
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters()))
+    _step(model, opt)
+    res = audit(model, opt, prec)
+    assert res.ok, res.table()
+    row = res.rows_for("masters")[0]
+    assert row.detail == "BF16 weight + int16 remainder" and row.dtype == "f32 (exact)"
+    half = sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
+    assert row.elements == half and row.bytes == 2 * half  # 2 bytes per element, not an FP32 copy's 4
+
+
 @pytest.mark.distributed
 def test_ddp_compression_and_fsdp2_reduce_dtype(tmp_path: Path) -> None:
     import torch.distributed as dist

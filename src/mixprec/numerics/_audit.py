@@ -252,6 +252,13 @@ def audit(model: nn.Module, optimizer: Any = None, policy: Any = None, *, scaler
         pairs = [(names.get(id(p), f"param{i}"), p, m) for i, (p, m) in enumerate(zip(model_params, masters))]
         separate = [(n, m) for n, p, m in pairs if m is not p]
         opt_tensors = [(n, m) for n, _, m in pairs]
+        if getattr(optimizer, "master_storage", "full") == "remainder":
+            # bf16-master-r16: each master is its BF16 weight plus an int16 remainder (2 bytes of its own, not 4).
+            rems = [(n, r) for (n, p, m), r in zip(pairs, getattr(optimizer, "remainders", [])) if r is not None]
+            rows.append(AuditRow("masters", "BF16 weight + int16 remainder", "f32 (exact)",
+                                 note=f"{type(optimizer).__name__} around {type(getattr(optimizer, 'optimizer', optimizer)).__name__}, "
+                                      "master_storage='remainder': the bytes are the remainders'", **_sizes(rems)))
+            separate = []
         for dt, ts in _group(separate).items():
             bad = dt in _HALF
             rows.append(AuditRow("masters", "separate copies", _name(dt), status="downgrade" if bad else "ok",
