@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -38,3 +42,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Every available device: cpu always, cuda when present."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def load_benchmark() -> Callable[[str], ModuleType]:
+    """``load_benchmark("remainder_cost")``: a script of ``benchmarks/`` imported as a module (to call its ``main``)."""
+
+    def load(name: str) -> ModuleType:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise FileNotFoundError(path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -344,15 +344,9 @@ def test_copies_keep_the_remainders() -> None:
     assert any(moved)
 
 
-def test_the_step_cost_benchmark_reports_both_rows_and_their_bytes(capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "remainder_step_cost.py"
-    spec = importlib.util.spec_from_file_location("remainder_step_cost", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_the_step_cost_benchmark_reports_both_rows_and_their_bytes(capsys: pytest.CaptureFixture[str],
+                                                                  load_benchmark: Any) -> None:
+    module = load_benchmark("remainder_step_cost")
     assert module.main(["--width", "32", "--blocks", "1", "--steps", "2", "--no-fused", "--device", "cpu"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("eager"))
     cells = line.split()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -139,15 +141,8 @@ def test_bad_input_is_a_clear_error() -> None:
         split([1.0])  # type: ignore[arg-type]
 
 
-def test_the_cost_benchmark_runs_and_reports_ratios_to_a_cast(capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "remainder_cost.py"
-    spec = importlib.util.spec_from_file_location("remainder_cost", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_the_cost_benchmark_runs_and_reports_ratios_to_a_cast(capsys: pytest.CaptureFixture[str], load_benchmark: Any) -> None:
+    module = load_benchmark("remainder_cost")
     assert module.main(["--numel", "65536", "--repeats", "1", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "f32->bf16 copy_" in out and "1.00x" in out
