@@ -11,6 +11,8 @@ step leaves masters, states, step counters and the model bit-identical; the stat
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -138,3 +140,30 @@ def test_fused_step_carries_data_edits_into_the_masters_like_the_eager_check(ski
             assert torch.equal(mf, me)  # nothing but the edit happened: bit for bit
         else:
             torch.testing.assert_close(mf, me, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("how", ["add_param_group", "unfreeze"])
+def test_fused_step_moves_the_weights_of_masters_adopted_later(how):
+    """The fused kernel writes each master into its model weight (a mirror): masters created after the first
+    fused step (a new param group, a parameter unfrozen) get theirs too, so their weights follow their masters."""
+    a = torch.nn.Parameter(torch.randn(4, 4).to(torch.bfloat16))
+    b = torch.nn.Parameter(torch.randn(4, 4).to(torch.bfloat16), requires_grad=how == "add_param_group")
+    params = [a] if how == "add_param_group" else [a, b]
+    opt = MasterWeightOptimizer(torch.optim.AdamW(params, lr=1e-1), fused=True)
+    opt.masters[0].grad = torch.ones(4, 4)
+    opt.step()
+    assert opt._shadow is not None and opt._shadow.view() is not None  # the fused step ran
+    if how == "add_param_group":
+        opt.add_param_group({"params": [b]})
+    else:
+        b.requires_grad_(True)
+        b.grad = torch.ones(4, 4, dtype=torch.bfloat16)
+    before = b.detach().clone()
+    for p, m in zip(opt.model_params, opt.masters):
+        if p is not m:
+            m.grad = torch.ones(4, 4)
+    with pytest.warns(UserWarning) if how == "unfreeze" else contextlib.nullcontext():
+        opt.step()
+    master = opt.master_for(b)
+    assert master is not b and not torch.equal(b.detach(), before)
+    assert torch.equal(b.detach(), master.to(torch.bfloat16))

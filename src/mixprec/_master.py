@@ -387,6 +387,10 @@ class MasterWeightOptimizer(Optimizer):
         pairs = self._pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
         self._pair_lists = ([p for p, _ in pairs], [m for _, m in pairs])
         self._rem_list = [r for r in self._rems if r is not None]  # parallel to the pairs ("remainder" only)
+        if self._shadow is not None and self.master_storage == "full":
+            # The fused step writes each master's rounded value into its mirror: masters adopted later
+            # (add_param_group, unfreezing) need theirs too, or their model weights would never move.
+            self._shadow.mirrors.update({id(m): p for p, m in pairs})
 
     def _record_versions(self) -> None:
         """Remember each half parameter's (version, storage) after a copy (``weight_edits="versions"`` reads them)."""
