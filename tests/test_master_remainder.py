@@ -351,3 +351,33 @@ def test_the_step_cost_benchmark_reports_both_rows_and_their_bytes(capsys: pytes
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("eager"))
     cells = line.split()
     assert cells[3].endswith("x") and float(cells[4]) == 18.0 and float(cells[5]) == 16.0  # B/param: full, r16
+
+
+@pytest.mark.parametrize("path", ["kernel", "eager fallback"])
+def test_the_fused_step_joins_and_splits_in_its_kernel_and_in_its_eager_fallback(path: str, monkeypatch: Any) -> None:
+    """With the fused step, the masters stay placeholders: the kernel reads weight + remainder and writes their
+    split (no FP32 master is materialised); a bucket that falls back to the eager step (a compile failure under
+    fused=None) joins and splits around it. Both equal the step on joined masters (fused=False) to FP32 rounding."""
+    import mixprec._master as master_module
+    from mixprec.optim import AdamW as MixprecAdamW
+
+    # In the kernel on CUDA/XPU only by default (on a CPU the bit casts do not vectorise): the logic is the same here.
+    monkeypatch.setattr(master_module, "REMAINDERS_IN_KERNEL", frozenset({"cpu", "cuda", "xpu"}))
+    if path == "eager fallback":
+        monkeypatch.setattr(MixprecAdamW, "_step_bucket_fused", lambda self, *a, **k: False)
+    data = batches(3)
+    pe, me, oe = prepared("bf16-master-r16", fused=False)
+    pf, mf, of = prepared("bf16-master-r16", fused=True)
+    joined: list[bool] = []
+    real = type(of)._join_masters
+    monkeypatch.setattr(type(of), "_join_masters", lambda self, *a: (joined.append(self is of), real(self, *a))[1])
+    train(pe, me, oe, data[:1])
+    train(pf, mf, of, data[:1])
+    assert of._shadow is not None and of._shadow.remainders and not any(joined)  # the view stepped, nothing joined here
+    for a, b in zip(oe.master_values(), of.master_values()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-8)
+    for p, m, v in zip(of.model_params, of.masters, of.master_values()):
+        if p.dtype == torch.bfloat16:
+            assert torch.equal(p.detach(), split(v)[0]) and m.untyped_storage().nbytes() == 4
+    train(pf, mf, of, data[1:2], poison=0)  # a skipped step leaves weights and remainders as they were
+    assert bool(pf.last_step.skipped)

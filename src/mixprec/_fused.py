@@ -77,6 +77,9 @@ class FusedShadow:
             module docstring; :attr:`prefer` says the model runs compiled).
         mirrors: ``id(tensor in optimizer) -> tensor`` that receives each committed value in its
             own dtype (the model's half weight of an FP32 master), written in the same kernel.
+        remainders: ``id(tensor in optimizer) -> int16 remainder`` of remainder-stored masters
+            (``bf16-master-r16``): such a tensor is a placeholder, its value is joined from its mirror
+            and remainder, and the step writes the split of the new value into both.
         gpu_default: Whether ``fused=None`` turns on on a GPU without a compiled model (the
             master step: yes; a plain policy's torch optimizer: no, its own step stays unless the
             model runs compiled or ``fused=True``).
@@ -90,11 +93,12 @@ class FusedShadow:
     """
 
     def __init__(self, optimizer: Optimizer, fused: bool | None, mirrors: dict[int, Tensor] | None = None, *,
-                 gpu_default: bool = True) -> None:
+                 gpu_default: bool = True, remainders: dict[int, Tensor] | None = None) -> None:
         self.optimizer = optimizer
         self.fused = fused
         self.gpu_default = gpu_default
         self.mirrors: dict[int, Tensor] = dict(mirrors or {})
+        self.remainders: dict[int, Tensor] = dict(remainders or {})
         self._prefer = False
         #: ``True`` once :meth:`view` found the torch optimizer's own step must run, for a reason that
         #: lasts until :attr:`prefer` changes: callers on the step path read it instead of calling view().
@@ -144,6 +148,7 @@ class FusedShadow:
                 return None
             view.state = opt.state  # shared: torch's AdamW/Adam/SGD state keys are mixprec's
             view.mirrors = self.mirrors
+            view.remainders = self.remainders
             self._view = view
             self._devices = {p.device for g in opt.param_groups for p in g["params"]}
             self._steps_on_device = False

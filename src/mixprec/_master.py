@@ -23,7 +23,7 @@ from ._errors import check_fused
 from ._finite import unscale_and_check_
 from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
-from ._remainder import join_edited, split
+from ._remainder import join_edited, placeholder, split
 from ._stepping import step_or_skip
 
 __all__ = [
@@ -296,9 +296,9 @@ class MasterWeightOptimizer(Optimizer):
             _local(p).copy_(hi)
         if _is_dtensor(p):
             # An FSDP2 shard: the master is a DTensor over the same mesh whose local tensor is swapped in the step.
-            return _like(p, _placeholder(_local(p))), lo
+            return _like(p, placeholder(_local(p))), lo
         master = torch.empty(0, dtype=torch.float32, device=p.device)
-        master.data = _placeholder(p)
+        master.data = placeholder(p)
         return master, lo
 
     def _attach(self, p: torch.Tensor, master: torch.Tensor) -> None:
@@ -387,10 +387,12 @@ class MasterWeightOptimizer(Optimizer):
         pairs = self._pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
         self._pair_lists = ([p for p, _ in pairs], [m for _, m in pairs])
         self._rem_list = [r for r in self._rems if r is not None]  # parallel to the pairs ("remainder" only)
-        if self._shadow is not None and self.master_storage == "full":
-            # The fused step writes each master's rounded value into its mirror: masters adopted later
-            # (add_param_group, unfreezing) need theirs too, or their model weights would never move.
-            self._shadow.mirrors.update({id(m): p for p, m in pairs})
+        if self._shadow is not None:
+            # The fused step writes each master's new value into its mirror (and remainder): masters adopted
+            # later (add_param_group, unfreezing) need theirs too, or their model weights would never move.
+            mirrors, remainders = self._shadow_maps()
+            self._shadow.mirrors.update(mirrors)
+            self._shadow.remainders.update(remainders)
 
     def _record_versions(self) -> None:
         """Remember each half parameter's (version, storage) after a copy (``weight_edits="versions"`` reads them)."""
@@ -708,7 +710,7 @@ class MasterWeightOptimizer(Optimizer):
                 split_fn(v.view(-1), w.view(-1), r.view(-1))
             else:
                 _split_into(v, w, r)
-            _set_local(m, _placeholder(w))
+            _set_local(m, placeholder(w))
         self._live = False
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
@@ -752,6 +754,9 @@ class MasterWeightOptimizer(Optimizer):
     def _step(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> Any:
         """Steps 3-4 of the class docstring; with remainders, inside a join of the masters and a split after."""
         if self.master_storage != "remainder":
+            return self._update(args, grad_scale, found_inf)
+        if self._fused_shadow() is not None and self._shadow.remainders:
+            # The fused step joins and splits the masters itself (in its kernel, or around an eager fallback).
             return self._update(args, grad_scale, found_inf)
         compiled = self._remainders_compiled()
         self._join_masters(compiled)
@@ -812,11 +817,26 @@ class MasterWeightOptimizer(Optimizer):
         if self._shadow is not None and self._shadow.off:  # decided: the wrapped optimizer's own step (no call)
             return None
         if self._shadow is None:
-            # Under "remainder" the kernel writes no weights: the split after the step does (ties away from zero).
-            mirrors = {} if self.master_storage == "remainder" else {id(m): p for p, m in self._half_pairs()}
-            self._shadow = FusedShadow(self.optimizer, self.fused, mirrors)
+            mirrors, remainders = self._shadow_maps()
+            self._shadow = FusedShadow(self.optimizer, self.fused, mirrors, remainders=remainders)
             self._shadow.prefer = self._prefer_fused
         return self._shadow.view()
+
+    def _shadow_maps(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """What the fused step writes besides the masters: ``(mirrors, remainders)``, keyed by ``id(master)``.
+
+        ``"full"``: each half parameter is its master's mirror (the rounded master, in the kernel).
+        ``"remainder"``, on the devices of :data:`REMAINDERS_IN_KERNEL`: mirrors and remainders, so the
+        kernel joins each master from its weight and remainder and splits the new value into them (the
+        masters stay placeholders, no FP32 copy exists during the step). Elsewhere, and for FSDP2
+        shards (DTensors), neither: :meth:`step` joins and splits around the step (compiled, beside it).
+        """
+        pairs = self._half_pairs()
+        if self.master_storage == "full":
+            return {id(m): p for p, m in pairs}, {}
+        if any(_is_dtensor(p) or p.device.type not in REMAINDERS_IN_KERNEL for p, _ in pairs):
+            return {}, {}
+        return {id(m): p for p, m in pairs}, {id(m): r for (_, m), r in zip(pairs, self._rem_list)}
 
     @property
     def prefer_fused(self) -> bool:
@@ -984,15 +1004,13 @@ def _compiled_remainder_fns() -> list[Callable[..., Any]]:
     return _REMAINDER_FNS
 
 
-def _placeholder(p: torch.Tensor) -> torch.Tensor:
-    """A remainder-stored master's data between steps: one FP32 NaN broadcast to ``p``'s shape (4 bytes).
-
-    It keeps the shape (gradients attach to it) and reads as NaN, and an in-place write raises
-    (its elements share one memory location): a master read or written outside the step is never a
-    silently stale value.
-    """
-    return torch.full((), float("nan"), dtype=torch.float32, device=p.device).expand(p.shape)
-
+#: Devices where the fused step joins and splits remainder-stored masters inside its kernel. Not the
+#: CPU: there Inductor's C++ loops do not vectorise the int16/bf16 bit casts, and the fused AdamW
+#: kernel with them took 8.7 ms against 2.1 ms without (4M elements, 1 thread); the compiled join
+#: and split beside the step cost less (``benchmarks/remainder_step_cost.py``). On a GPU the bit casts
+#: are free and the step is memory-bound: 2+2 bytes read and written per element instead of 4+2,
+#: and no FP32 masters during the step (not measured yet: ``benchmarks/gpu_suite.py``, "remainder").
+REMAINDERS_IN_KERNEL: frozenset[str] = frozenset({"cuda", "xpu"})
 
 _GRAD = operator.attrgetter("grad")
 _NOT_NONE = functools.partial(operator.is_not, None)

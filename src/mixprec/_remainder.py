@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["join", "join_edited", "join_into_", "split", "split_into_"]
+__all__ = ["join", "join_edited", "join_into_", "placeholder", "split", "split_into_"]
 
 _HALF = 0x8000
 _BF16_NAN = 0x7FC0  # the quiet NaN torch's f32 -> bf16 cast gives
@@ -51,6 +51,16 @@ def _check_pair(hi: torch.Tensor, lo: torch.Tensor, full: tuple[str, torch.Tenso
         raise ValueError(f"hi and lo must have the same shape, got {tuple(hi.shape)} and {tuple(lo.shape)}")
     if full is not None and full[1].shape != hi.shape:
         raise ValueError(f"{full[0]} must have hi's shape {tuple(hi.shape)}, got {tuple(full[1].shape)}")
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    """A remainder-stored FP32 master's data between steps: one FP32 NaN broadcast to ``like``'s shape (4 bytes).
+
+    It keeps the shape (gradients and optimizer state attach to the master) and reads as NaN, and
+    an in-place write raises (its elements share one memory location): a master read or written
+    outside the step is never a silently stale value.
+    """
+    return torch.full((), float("nan"), dtype=torch.float32, device=like.device).expand(like.shape)
 
 
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

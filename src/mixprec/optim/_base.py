@@ -88,6 +88,7 @@ from torch import Tensor
 
 from .._dtypes import dtype_name, parse_dtype
 from .._errors import check_fused, unknown_choice
+from .._remainder import join_edited, placeholder, split
 from ._fused_step import FusedStep
 from ._parts import (
     _COMP_KEY,
@@ -195,6 +196,8 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         #: Carry edits of a mirror into its parameter before the update (``weight_edits="values"``
         #: of MasterWeightOptimizer, done in the fused kernel): ``p = where(mirror == round(p), p, mirror)``.
         self.sync_mirrors = False
+        #: id(param) -> int16 remainder of a remainder-stored master (see OptimizerParts.remainders).
+        self.remainders: dict[int, Tensor] = {}
         #: fused=None on a CPU: on when set (MixedPrecision sets it once the model ran compiled).
         self._prefer_fused = False
         super().__init__(params, defaults)
@@ -246,6 +249,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             _plan_cache={},
             mirrors={},
             sync_mirrors=False,
+            remainders={},
             _prefer_fused=self._prefer_fused,
         )
         return state
@@ -368,6 +372,9 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         """
         if self.sync_mirrors:
             self._sync_from_mirrors(b)
+        rem = [(p, m, r) for p, m, r in zip(b.params, b.mirrors, b.rems) if r is not None and m is not None]
+        for p, m, r in rem:  # remainder-stored masters (the fused kernel joins them itself): their FP32 values
+            p.data = join_edited(m, r)
         layout = self._layout(plan, b, keys)
         acc = torch.promote_types(b.params[0].dtype, torch.float32)
         steps_old = torch.stack(b.steps)
@@ -385,9 +392,14 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         for tile in layout.tiles:
             self._step_tile(group, b, layout, tile, keys, scalars, rkeys, flat_grads, skip_masks, acc, ctx)
         self._count_steps(b, ctx)
-        pairs = [(m, p) for m, p in zip(b.mirrors, b.params) if m is not None]
+        pairs = [(m, p) for m, p, r in zip(b.mirrors, b.params, b.rems) if m is not None and r is None]
         if pairs:
             torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+        for p, m, r in rem:  # split again; the master goes back to its placeholder
+            hi, lo = split(p)
+            m.copy_(hi)
+            r.copy_(lo)
+            p.data = placeholder(p)
 
     @staticmethod
     def _sync_from_mirrors(b: _Bucket) -> None:

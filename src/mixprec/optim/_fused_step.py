@@ -11,6 +11,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from .._remainder import join_edited, split
 from ._parts import (
     _DYNAMIC_GROUP_KEYS,
     _HALF,
@@ -105,15 +106,15 @@ class FusedStep(OptimizerParts):
         # stochastic compensation, half states): FP32 steps skip the key kernels.
         bits = (p0.dtype in _HALF and self.compensation != "none") or self._state_dtype_for(p0) in _HALF
         b = self._bucket(group, params, self._streams() if bits else None)
-        mirror_ids = tuple(map(id, b.mirrors))
+        mirror_ids = (*map(id, b.mirrors), *map(id, b.rems))
         if plan.struct is None or plan.struct_key != mirror_ids:
             # Shapes, strides and dtypes select the compiled function; dynamo's guards check them
             # on every call, so a later layout change (a swapped p.data) recompiles, never misreads.
             plan.struct_key = mirror_ids
             plan.struct = tuple(
                 (tuple(p.shape), tuple(p.stride()), p.dtype, type(p), tuple(g.shape), tuple(g.stride()), g.dtype,
-                 None if m is None else (m.dtype, tuple(m.stride())))
-                for p, g, m in zip(b.params, b.grads, b.mirrors))
+                 None if m is None else (m.dtype, tuple(m.stride())), None if r is None else tuple(r.stride()))
+                for p, g, m, r in zip(b.params, b.grads, b.mirrors, b.rems))
         spec: tuple[Any, ...] = (
             type(self), self.compensation, self.state_dtype, plan.struct, keys, plan.hp_key,
             ctx.scale is not None, ctx.skip is not None, device, self.sync_mirrors,
@@ -131,7 +132,7 @@ class FusedStep(OptimizerParts):
             ka, kb = step_keys((rand_keys[..., 0], rand_keys[..., 1]), steps_old[:, None])
         spec = (*spec, scalar_keys)
         args = (b.params, b.grads, b.comps, [b.states[k] for k in keys], [scalars[k] for k in scalar_keys], lr_t,
-                ctx.scale, ctx.skip, ka, kb, offsets, b.mirrors)
+                ctx.scale, ctx.skip, ka, kb, offsets, b.mirrors, b.rems)
         fn = self._fused_fns.get(spec)
         if fn is not None:
             fn(*args)
@@ -220,6 +221,7 @@ class FusedStep(OptimizerParts):
             ps: list[Tensor], gs: list[Tensor], comps: list[Tensor], states: list[list[Tensor]],
             scalars: list[Tensor], lr: Tensor, scale: Tensor | None, skip: Tensor | None,
             ka: Tensor | None, kb: Tensor | None, offsets: Tensor | None, mirrors: list[Tensor | None],
+            rems: list[Tensor | None],
         ) -> None:
             group = dict(hp)
             group["lr"] = lr
@@ -227,10 +229,16 @@ class FusedStep(OptimizerParts):
                 g = gs[i].to(acc)
                 if scale is not None:
                     g = g / scale
-                w = p.to(acc)
                 mirror = mirrors[i]
+                rem = rems[i]
+                if rem is not None and mirror is not None:
+                    # A remainder-stored master (bf16-master-r16): p is a placeholder; the FP32 value is
+                    # the model's BF16 weight joined with its remainder, read here, in this pass.
+                    w = join_edited(mirror, rem)
+                else:
+                    w = p.to(acc)
                 p_old: Tensor = p
-                if sync_mirrors and mirror is not None:
+                if sync_mirrors and mirror is not None and rem is None:
                     # An edit of the model's weight since the last step (p.data.clamp_, a pruning
                     # mask) wins over the master, elementwise, in this pass over the weights: the
                     # exact check of weight_edits="values" without three extra kernels per tensor.
@@ -250,7 +258,11 @@ class FusedStep(OptimizerParts):
                     return counter_bits(cast(Tensor, ka)[i, col], cast(Tensor, kb)[i, col], cast(Tensor, index))
 
                 new: list[tuple[Tensor, Tensor, Tensor]] = []  # (destination, new value, value if skipped)
-                if half:
+                if rem is not None and mirror is not None:
+                    hi, lo = split(w_new.to(torch.float32))  # weight and remainder; the placeholder is not written
+                    new.append((mirror, hi, mirror))
+                    new.append((rem, lo, rem))
+                elif half:
                     p_new = stochastic_round(w_new, pdt, bits=rand(0)) if stochastic else w_new.to(pdt)
                     new.append((p, p_new, p_old))
                     if kahan:
@@ -264,7 +276,7 @@ class FusedStep(OptimizerParts):
                     new.append((s_old[k], v, s_old[k]))
                 for dst, value, old in new:
                     dst.copy_(torch.where(skip, old, value) if skip is not None else value)
-                if mirror is not None:  # the copy back into the model's half weight, in the same kernel
+                if mirror is not None and rem is None:  # the copy back into the model's half weight, in the same kernel
                     mirror.copy_(p.to(mirror.dtype))
 
         code = fused_step.__code__.replace(co_name=f"_mixprec_fused_step_{n}")

@@ -61,6 +61,7 @@ class _Bucket(NamedTuple):
     ids: list[int]  # position of each parameter in the optimizer (its random streams)
     offsets: list[int]  # global flat position of each local tensor's first element
     mirrors: list[Tensor | None]  # receives the committed value in its own dtype (see OptimizerParts.mirrors)
+    rems: list[Tensor | None]  # int16 remainder of a remainder-stored master (see OptimizerParts.remainders)
 
 
 class _DeviceCtx(NamedTuple):
@@ -196,6 +197,10 @@ class OptimizerParts(Optimizer):
     #: Carry edits of a mirror into its parameter before the update (``weight_edits="values"`` of
     #: ``MasterWeightOptimizer``, in the fused kernel): ``p = where(mirror == round(p), p, mirror)``.
     sync_mirrors: bool
+    #: id(param) -> the ``int16`` remainder of a remainder-stored FP32 master (``bf16-master-r16``): the
+    #: parameter is a placeholder, its value ``join_edited(mirror, remainder)``, and the step writes
+    #: ``split(new value)`` into mirror and remainder (set by ``mixprec._fused.FusedShadow``).
+    remainders: dict[int, Tensor]
     _prefer_fused: bool
 
     # ----- hooks for subclasses ------------------------------------------------------------------
@@ -274,6 +279,7 @@ class OptimizerParts(Optimizer):
             [streams[id(p)] for p in params] if streams is not None else [],
             [self._offset(p) for p in params],
             [self.mirrors.get(id(p)) for p in params],
+            [self.remainders.get(id(p)) for p in params],
         )
 
     def _offset(self, p: Tensor) -> int:
