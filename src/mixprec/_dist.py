@@ -31,12 +31,15 @@ __all__ = [
     "cast_fsdp_shards",
     "check_fsdp_policy",
     "check_prepare_target",
+    "dtensor_like",
     "fsdp_param_dtype",
     "fsdp_remainders",
     "global_flat_offset",
     "is_distributed",
+    "is_dtensor",
     "is_fsdp2",
     "local_grad",
+    "local_tensor",
     "resolve_group",
 ]
 
@@ -129,6 +132,33 @@ def local_grad(t: Tensor) -> Tensor:
         return t
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})  # tensor types that are never a DTensor
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 shard), without importing ``torch.distributed``."""
+    return type(t) not in _PLAIN and callable(getattr(t, "to_local", None)) and hasattr(t, "placements")
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """A ``DTensor``'s local shard (the tensor itself: in-place writes reach the DTensor), else ``t``."""
+    if type(t) in _PLAIN or not is_dtensor(t):  # the exact-type test inline: optimizer steps call this per tensor
+        return t
+    # _local_tensor, not to_local(): with grad mode on, to_local() returns a new autograd view each call.
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, Tensor) else t.to_local()  # type: ignore[attr-defined]
+
+
+def dtensor_like(p: Tensor, local: Tensor) -> Tensor:
+    """``local`` laid out like ``p``: a ``DTensor`` of ``p``'s mesh, placements, shape and stride when ``p`` is one."""
+    if not is_dtensor(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    d: Any = p
+    return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 # ----- prepare-time checks of DDP and FSDP2 models --------------------------------------------------

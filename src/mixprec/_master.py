@@ -18,6 +18,9 @@ from typing import Any, Literal
 import torch
 from torch.optim import Optimizer
 
+from ._dist import dtensor_like as _like
+from ._dist import is_dtensor as _is_dtensor
+from ._dist import local_tensor as _local
 from ._dtypes import dtype_name, parse_dtype
 from ._errors import check_fused
 from ._finite import unscale_and_check_
@@ -114,8 +117,9 @@ class MasterWeightOptimizer(Optimizer):
             the masters (:meth:`sync_edits_` does nothing): an edited weight *is* the top half of its
             master, so the master becomes the edited value with the element's old 16 low bits
             (within one BF16 ulp of the edit; an untouched element keeps its exact master).
-            :attr:`masters`, :meth:`master_for` and :meth:`state_dict` give joined FP32 copies.
-            Needs ``master_dtype`` FP32 and BF16 half parameters.
+            :attr:`masters` and :meth:`master_for` give the placeholders (their ``.grad`` is the
+            master gradient); :meth:`master_values` and :meth:`state_dict` give the exact FP32
+            values. Needs ``master_dtype`` FP32 and BF16 half parameters.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped.
@@ -657,9 +661,10 @@ class MasterWeightOptimizer(Optimizer):
     def _remainders_compiled(self) -> bool:
         """Whether join and split run compiled (:func:`_compiled_remainder_fns`).
 
-        Beside the fused (compiled) step, and on CUDA/XPU with Triton unless ``fused=False``: eagerly they are
-        about ten elementwise kernels per parameter, compiled one each (on a CPU the compiled forms
-        were 2-5x faster but cost a compile of about 3 s, which a run with an eager step does not pay).
+        Beside the fused (compiled) step, and on CUDA/XPU with Triton unless ``fused=False``: eagerly
+        they are several elementwise kernels per parameter, compiled one each (on a CPU the compiled
+        forms were faster, ``benchmarks/remainder_cost.py``, but cost a compile of about 3 s, which a
+        run with an eager step does not pay).
         """
         if self.fused is False:
             return False
@@ -703,10 +708,10 @@ class MasterWeightOptimizer(Optimizer):
         if not self._live:
             return
         params, masters = self._pair_lists
-        split_fn = _compiled_remainder_fns()[1] if compiled else _split_into
+        split_fn = _compiled_remainder_fns()[1] if compiled else None
         for p, m, r in zip(params, masters, self._rem_list):
             w, v = _local(p), _local(m)
-            if compiled and w.is_contiguous() and v.is_contiguous():
+            if split_fn is not None and w.is_contiguous() and v.is_contiguous():
                 split_fn(v.view(-1), w.view(-1), r.view(-1))
             else:
                 _split_into(v, w, r)
@@ -940,16 +945,6 @@ class MasterWeightOptimizer(Optimizer):
         self._hooks.clear()
 
 
-def _is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard), without importing torch.distributed."""
-    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (writes go to the shard), else ``t``."""
-    return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
-
-
 def _grad_version(g: torch.Tensor) -> tuple[int, int]:
     """A DTensor gradient's version and its local tensor's: in-place ops on the DTensor bump the first, on the shard the second."""
     return g._version, _local(g)._version
@@ -961,16 +956,6 @@ def _set_local(master: torch.Tensor, value: torch.Tensor) -> None:
         master._local_tensor = value  # type: ignore[attr-defined]  # what FSDP2 itself does to its shards
     else:
         master.data = value
-
-
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a tensor laid out like ``p``: a DTensor over ``p``'s mesh and placements when ``p`` is one."""
-    if not _is_dtensor(p):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
-                              shape=p.shape, stride=p.stride())
 
 
 def _shard_like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -996,8 +981,9 @@ def _compiled_remainder_fns() -> list[Callable[..., Any]]:
     """``[join, split_into]`` of flat tensors under ``torch.compile(dynamic=True)``, built on first use.
 
     Dynamic shapes: one graph serves every parameter size (sizes 0 and 1 aside), so the compile
-    (about 3 s on a CPU, once per process) does not grow with the model. Measured on 24 tensors of
-    4.7M elements, 1 CPU thread: join 5.7 ms, split 3.3 ms, against 24.6 and 16.7 ms eagerly.
+    (about 3 s on a CPU, once per process) does not grow with the model. Measured on one tensor of
+    4M elements, 1 CPU thread (``benchmarks/remainder_cost.py``): split 2.4 ms against 13.5 eagerly,
+    join 1.6 ms against 3.4 (its eager form is an FP32 cast and an integer add).
     """
     if not _REMAINDER_FNS:
         _REMAINDER_FNS.extend([torch.compile(join_edited, dynamic=True), torch.compile(_split_into, dynamic=True)])

@@ -66,11 +66,11 @@ def placeholder(like: torch.Tensor) -> torch.Tensor:
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split FP32 values into a BF16 value and an ``int16`` remainder that together are exact.
 
-    Algorithm, on the FP32 bit pattern ``b`` (as ``int32``): ``low = b & 0xFFFF``,
-    ``carry = low >= 0x8000``; the BF16 pattern is ``(b >> 16) + carry`` (rounding the magnitude half
-    up, so ties go away from zero) and the remainder ``low - carry * 0x10000``, in ``[-2^15, 2^15)``.
-    ``join`` computes ``(hi << 16) + lo``. In one pass: ``top = (b + 0x8000) >> 16``,
-    ``lo = b - (top << 16)``. A NaN splits as BF16's quiet NaN with remainder 0.
+    Algorithm, on the FP32 bit pattern ``b`` (as ``int32``): the BF16 pattern is
+    ``top = (b + 0x8000) >> 16``, i.e. ``(b >> 16) + (low >= 0x8000)`` with ``low = b & 0xFFFF``
+    (rounding the magnitude half up, so ties go away from zero); the remainder ``b - (top << 16)``,
+    in ``[-2^15, 2^15)``, is ``b``'s low 16 bits read as ``int16``. ``join`` computes
+    ``(hi << 16) + lo``. A NaN splits as BF16's quiet NaN with remainder 0.
 
     Args:
         x: float32 values, any shape and device.

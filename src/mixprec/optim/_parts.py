@@ -20,6 +20,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._dist import dtensor_like
+from .._dist import is_dtensor as _is_dtensor
+from .._dist import local_tensor as _local
+
 __all__ = ["DEFAULT_CHUNK_NUMEL", "Compensation", "OptimizerParts"]
 
 
@@ -27,7 +31,6 @@ Compensation = Literal["kahan", "stochastic", "none"]
 _HALF = (torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
-_PLAIN = frozenset({Tensor, torch.nn.Parameter})  # tensor types that are never a DTensor
 _STATE_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # version 1 held generator states (dropped on load: see load_state_dict)
 #: Stream id of a buffer: ``16 * (parameter's position in the optimizer) + slot``.
@@ -317,28 +320,10 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _is_dtensor(t: Tensor) -> bool:
-    return callable(getattr(t, "to_local", None)) and hasattr(t, "placements")
-
-
-def _local(t: Tensor) -> Tensor:
-    """A ``DTensor``'s local shard (the tensor itself: in-place writes reach the DTensor), else ``t``."""
-    if type(t) in _PLAIN or not _is_dtensor(t):  # the exact-type test first: the step calls this per tensor
-        return t
-    # _local_tensor, not to_local(): with grad mode on, to_local() returns a new autograd view each call.
-    local = getattr(t, "_local_tensor", None)
-    return cast(Tensor, local if isinstance(local, Tensor) else cast(Any, t).to_local())
-
-
 def _zeros_like(p: Tensor, dtype: torch.dtype) -> Tensor:
     """Zeros of ``p``'s shape in ``dtype``; for a ``DTensor`` a ``DTensor`` of the same spec (sharded like ``p``)."""
-    if not _is_dtensor(p):
-        return torch.zeros(p.shape, dtype=dtype, device=p.device)
-    from torch.distributed.tensor import DTensor
-
-    d = cast(Any, p)
-    local = torch.zeros(_local(p).shape, dtype=dtype, device=_local(p).device)
-    return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=p.shape, stride=p.stride())
+    local = _local(p)
+    return dtensor_like(p, torch.zeros(local.shape, dtype=dtype, device=local.device))
 
 
 def _local_value(v: Tensor, p: Tensor, offset: int) -> Tensor:
