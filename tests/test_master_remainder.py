@@ -381,3 +381,25 @@ def test_the_fused_step_joins_and_splits_in_its_kernel_and_in_its_eager_fallback
             assert torch.equal(p.detach(), split(v)[0]) and m.untyped_storage().nbytes() == 4
     train(pf, mf, of, data[1:2], poison=0)  # a skipped step leaves weights and remainders as they were
     assert bool(pf.last_step.skipped)
+
+
+def test_the_step_joins_all_masters_in_one_flat_buffer_and_survives_a_replaced_weight() -> None:
+    """One RemainderBank per device: its remainders are views of one buffer; ``p.data = ...`` rebuilds it, exactly."""
+    data = batches(5)
+    prec, model, opt = prepared("bf16-master-r16")
+    rprec, rmodel, ropt = prepared("bf16-master-r16")
+    train(prec, model, opt, data[:2])
+    train(rprec, rmodel, ropt, data[:2])
+    bank = opt._bank
+    assert bank is not None and not bank.live and bank.flat.untyped_storage().nbytes() == 0
+    rems = [r for r in opt.remainders if r is not None]
+    assert len(rems) > 10 and all(r.untyped_storage().data_ptr() == bank.rem.untyped_storage().data_ptr() for r in rems)
+    p = next(q for q in model.parameters() if q.dtype == torch.bfloat16 and q.dim() == 2)
+    p.data = p.data.clone()  # new storage, same values (what .to(), some wrappers and user code do)
+    train(prec, model, opt, data[2:])
+    train(rprec, rmodel, ropt, data[2:])
+    assert opt._bank is not bank  # rebuilt on the new weight
+    for a, b in zip(opt.master_values(), ropt.master_values()):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for a, b in zip(model.parameters(), rmodel.parameters()):
+        assert torch.equal(a, b)

@@ -161,3 +161,86 @@ def test_join_edited_gives_zero_and_inf_weights_exactly_and_joins_everything_els
     got = join_edited(edited, lo)
     assert torch.equal(got[:4].view(torch.int32), edited[:4].float().view(torch.int32))  # the weight itself, sign kept
     assert torch.equal(got[4:].view(torch.int32), x[4:].view(torch.int32))
+
+
+# ----- RemainderBank: the flat join and split of many tensors --------------------------------------------------------
+def _bank_case(shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(FP32 values with edge patterns, BF16 weights, remainders, placeholder masters) of tensors of ``shapes``."""
+    from mixprec._remainder import placeholder
+
+    gen = torch.Generator().manual_seed(3)
+    edge = _patterns(torch.tensor(TOPS_EDGE), torch.tensor(LOWS_EDGE)).view(torch.float32)
+    values, weights, rems, masters = [], [], [], []
+    for shape in shapes:
+        n = int(torch.tensor(shape).prod())
+        x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-30, 30, (n,), generator=gen)
+        k = min(n, edge.numel())
+        x[:k] = edge[:k]
+        x = x.reshape(shape)
+        hi, lo = split(x)
+        m = torch.empty(0)
+        m.data = placeholder(hi)
+        values.append(x), weights.append(hi.clone()), rems.append(lo), masters.append(m)
+    return values, weights, rems, masters
+
+
+@pytest.mark.parametrize("chunk", [None, 50])
+def test_a_bank_joins_and_splits_many_tensors_bit_for_bit(chunk: int | None) -> None:
+    """Flat passes (one, or one per few tensors) give each master join_edited(weight, remainder) and split it back."""
+    import mixprec._remainder as rmod
+    shapes = [(7, 5), (33,), (2, 3, 4), (120,), (1,), (16, 8)]
+    values, weights, rems, masters = _bank_case(shapes)
+    weights[0].view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])  # edits the remainder must not join
+    expected = [join_edited(w, r) for w, r in zip(weights, rems)]
+    bank = rmod.RemainderBank(weights, masters, rems, chunk)
+    assert len(bank.passes) == (1 if chunk is None else 6)  # 35 | 33 | 24 | 120 | 1 | 128 elements
+    assert all(torch.equal(a, b) for a, b in zip(bank.remainders, rems))  # moved into one buffer, same values
+    assert bank.flat.untyped_storage().nbytes() == 0  # no FP32 storage between steps
+    bank.join()
+    for m, e in zip(masters, expected):
+        assert m.shape == e.shape and torch.equal(m.view(torch.int32), e.view(torch.int32))
+    # The step's new values, NaN included, split into the weights and remainders exactly as split() would.
+    new = [v * 1.0001 for v in values]
+    new[3].view(-1)[:3] = torch.tensor([float("nan"), float("inf"), 3.4e38])
+    for m, v in zip(masters, new):
+        m.copy_(v)
+    bank.split()
+    for w, r, v in zip(weights, bank.remainders, new):
+        hi, lo = split(v)
+        assert torch.equal(w.view(torch.int16), hi.view(torch.int16)) and torch.equal(r, lo)
+    assert all(m.untyped_storage().nbytes() == 4 and torch.isnan(m).all() for m in masters)  # placeholders again
+    assert bank.flat.untyped_storage().nbytes() == 0
+    bank.split()  # not joined: nothing happens
+    assert bank.valid()
+    weights[1].data = weights[1].clone()
+    assert not bank.valid()  # a replaced weight: the cached views are stale, the owner rebuilds
+
+
+def test_the_compilable_forms_equal_the_in_place_ones() -> None:
+    """What torch.compile receives computes the same bits (checked eagerly and under aot_eager)."""
+    from mixprec._remainder import join_flat_, join_flat_compilable_, split_flat_, split_flat_compilable_
+
+    values, weights, rems, _ = _bank_case([(300,)])
+    flat = weights[0].to(torch.float32)
+    a, b = flat.clone(), flat.clone()
+    join_flat_(a, a.view(torch.int32), rems[0])
+    torch.compile(join_flat_compilable_, backend="aot_eager", dynamic=True)(b, rems[0])
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    x = values[0].clone()
+    x[:2] = float("nan")
+    lo_a, lo_b = torch.empty_like(rems[0]), torch.empty_like(rems[0])
+    top_a = split_flat_(x, x.view(torch.int32), lo_a)
+    top_b = torch.compile(split_flat_compilable_, backend="aot_eager", dynamic=True)(x, lo_b)
+    assert torch.equal(top_a, top_b) and torch.equal(lo_a, lo_b)
+    hi, lo = split(x)
+    assert torch.equal(top_a.to(torch.int16), hi.view(torch.int16)) and torch.equal(lo_a, lo)
+
+
+def test_a_bank_refuses_what_it_cannot_view() -> None:
+    from mixprec._remainder import RemainderBank
+
+    _, weights, rems, masters = _bank_case([(4, 6), (5,)])
+    with pytest.raises(ValueError, match="contiguous"):
+        RemainderBank([weights[0].t(), weights[1]], masters, rems)
+    with pytest.raises(ValueError, match="parallel"):
+        RemainderBank(weights, masters[:1], rems)

@@ -26,7 +26,7 @@ from ._errors import check_fused
 from ._finite import unscale_and_check_
 from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
-from ._remainder import join_edited, placeholder, split
+from ._remainder import RemainderBank, join_edited, join_flat_compilable_, placeholder, split, split_flat_compilable_
 from ._stepping import step_or_skip
 
 __all__ = [
@@ -194,6 +194,7 @@ class MasterWeightOptimizer(Optimizer):
         # "remainder": model parameter i's int16 remainder, parallel to _model_params (None: no remainder).
         self._rems: list[torch.Tensor | None] = []
         self._rem_list: list[torch.Tensor] = []  # the remainders of the cached pairs, parallel to them
+        self._bank: RemainderBank | None = None  # "remainder": the pairs' join and split in O(1) passes (built on first use)
         # FSDP2 shards: id(param) -> its gradient's versions (DTensor's, local tensor's) when taken
         self._grad_versions: dict[int, tuple[int, int]] = {}
         self._shadow: Any = None  # the _fused.FusedShadow that runs the fused step (built on first use)
@@ -231,7 +232,7 @@ class MasterWeightOptimizer(Optimizer):
         for key in ("step", "_mixprec_step_guard"):  # a MixedPrecision run's routing guard
             d.pop(key, None)
         d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None, _pairs=None, _pair_lists=([], []),
-                 _rem_list=[])
+                 _rem_list=[], _bank=None)
         return d
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -388,6 +389,10 @@ class MasterWeightOptimizer(Optimizer):
 
     def _refresh_pairs(self) -> None:
         """Rebuild the cached pairs and :attr:`_pair_lists` (after parameters were adopted or unfrozen)."""
+        bank = self.__dict__.get("_bank")
+        if bank is not None:
+            bank.split()  # (a no-op outside a step) the masters go back to their placeholders before the bank goes
+            self._bank = None
         pairs = self._pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
         self._pair_lists = ([p for p, _ in pairs], [m for _, m in pairs])
         self._rem_list = [r for r in self._rems if r is not None]  # parallel to the pairs ("remainder" only)
@@ -658,17 +663,17 @@ class MasterWeightOptimizer(Optimizer):
         if self.weight_edits == "versions":
             self._record_versions()
 
-    def _remainders_compiled(self) -> bool:
+    def _remainders_compiled(self, view: Any) -> bool:
         """Whether join and split run compiled (:func:`_compiled_remainder_fns`).
 
-        Beside the fused (compiled) step, and on CUDA/XPU with Triton unless ``fused=False``: eagerly
-        they are several elementwise kernels per parameter, compiled one each (on a CPU the compiled
-        forms were faster, ``benchmarks/remainder_cost.py``, but cost a compile of about 3 s, which a
-        run with an eager step does not pay).
+        Beside the fused (compiled) step (``view``, :meth:`_fused_shadow`'s, is not ``None``), and on
+        CUDA/XPU with Triton unless ``fused=False``: eagerly they are several elementwise kernels per
+        pass (on a CPU the compiled forms were faster, ``benchmarks/remainder_cost.py``, but cost a
+        compile of about 3 s, which a run with an eager step does not pay).
         """
         if self.fused is False:
             return False
-        if self._fused_shadow() is not None:
+        if view is not None:
             return True
         if self._pairs is None:
             self._refresh_pairs()
@@ -689,6 +694,13 @@ class MasterWeightOptimizer(Optimizer):
             return
         if self._pairs is None:
             self._refresh_pairs()
+        bank = self._bank
+        if bank is None or list(map(_DATA_PTR, bank.params)) != bank.ptrs:  # (inline: the hot path)
+            bank = self._remainder_bank()
+        if bank is not None:
+            bank.join(_compiled_remainder_fns()[2] if compiled else None)
+            self._live = True
+            return
         params, masters = self._pair_lists
         join_fn = _compiled_remainder_fns()[0] if compiled else None
         for p, m, r in zip(params, masters, self._rem_list):
@@ -699,6 +711,28 @@ class MasterWeightOptimizer(Optimizer):
                 _set_local(m, join_edited(w, r))
         self._live = True
 
+    def _remainder_bank(self) -> RemainderBank | None:
+        """The pairs' :class:`~mixprec._remainder.RemainderBank` (built, or rebuilt after ``p.data = ...``, here).
+
+        ``None`` where the pairs cannot share one: FSDP2 shards (DTensors), a non-contiguous
+        weight, weights on several devices; those join and split one tensor at a time. Building
+        moves the remainders into the bank's flat buffer (:attr:`remainders` then are views of it).
+        """
+        bank = self._bank
+        if bank is not None and bank.valid():
+            return bank
+        self._bank = None  # none yet, or a weight was replaced (p.data = ...): the remainders are moved again
+        params, masters = self._pair_lists
+        if not params or any(_is_dtensor(p) or not p.is_contiguous() or p.device != params[0].device for p in params):
+            return None
+        bank = self._bank = RemainderBank(params, masters, self._rem_list)
+        it = iter(bank.remainders)
+        self._rems = [r if r is None else next(it) for r in self._rems]
+        self._rem_list = list(bank.remainders)
+        if self._shadow is not None and self._shadow.remainders:
+            self._shadow.remainders.update(self._shadow_maps()[1])  # the kernel writes the new remainders
+        return bank
+
     def _split_masters(self, compiled: bool = False) -> None:
         """``"remainder"``: split each joined master into its weight and remainder, then drop its FP32 storage.
 
@@ -706,6 +740,11 @@ class MasterWeightOptimizer(Optimizer):
         hold the masters) nothing happens.
         """
         if not self._live:
+            return
+        bank = self._bank
+        if bank is not None and bank.live:
+            bank.split(_compiled_remainder_fns()[3] if compiled else None)
+            self._live = False
             return
         params, masters = self._pair_lists
         split_fn = _compiled_remainder_fns()[1] if compiled else None
@@ -760,17 +799,20 @@ class MasterWeightOptimizer(Optimizer):
         """Steps 3-4 of the class docstring; with remainders, inside a join of the masters and a split after."""
         if self.master_storage != "remainder":
             return self._update(args, grad_scale, found_inf)
-        if self._fused_shadow() is not None and self._shadow.remainders:
+        view = self._fused_shadow()
+        if view is not None and self._shadow.remainders:
             # The fused step joins and splits the masters itself (in its kernel, or around an eager fallback).
             return self._update(args, grad_scale, found_inf)
-        compiled = self._remainders_compiled()
+        compiled = self._remainders_compiled(view)
         self._join_masters(compiled)
         try:
             return self._update(args, grad_scale, found_inf)
         finally:
             # Also when the update raised: the weights and remainders then hold whatever it wrote (a
-            # skipped or not-started update splits back into the very same bits).
-            self._split_masters(compiled)
+            # skipped or not-started update splits back into the very same bits). The copy-back has
+            # split them already when the update ran to its end.
+            if self._live:
+                self._split_masters(compiled)
 
     def _update(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> Any:
         """Steps 3-4 of the class docstring: edits carried in, the update (skipping on the device), the copy back."""
@@ -978,7 +1020,9 @@ _REMAINDER_FNS: list[Callable[..., Any]] = []
 
 
 def _compiled_remainder_fns() -> list[Callable[..., Any]]:
-    """``[join, split_into]`` of flat tensors under ``torch.compile(dynamic=True)``, built on first use.
+    """``[join_edited, split_into, join_flat_compilable_, split_flat_compilable_]`` of flat tensors under ``torch.compile(dynamic=True)``, built on first use.
+
+    The first two serve one tensor at a time (FSDP2 shards), the last two a :class:`RemainderBank`'s passes.
 
     Dynamic shapes: one graph serves every parameter size (sizes 0 and 1 aside), so the compile
     (about 3 s on a CPU, once per process) does not grow with the model. Measured on one tensor of
@@ -986,7 +1030,7 @@ def _compiled_remainder_fns() -> list[Callable[..., Any]]:
     join 1.6 ms against 3.4 (its eager form is an FP32 cast and an integer add).
     """
     if not _REMAINDER_FNS:
-        _REMAINDER_FNS.extend([torch.compile(join_edited, dynamic=True), torch.compile(_split_into, dynamic=True)])
+        _REMAINDER_FNS.extend([torch.compile(f, dynamic=True) for f in (join_edited, _split_into, join_flat_compilable_, split_flat_compilable_)])
     return _REMAINDER_FNS
 
 
@@ -999,6 +1043,7 @@ def _compiled_remainder_fns() -> list[Callable[..., Any]]:
 REMAINDERS_IN_KERNEL: frozenset[str] = frozenset({"cuda", "xpu"})
 
 _GRAD = operator.attrgetter("grad")
+_DATA_PTR = torch.Tensor.data_ptr
 _NOT_NONE = functools.partial(operator.is_not, None)
 _ONLY_VIEWS = frozenset({MasterGradView, type(None)})
 #: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (10 bytes per
