@@ -95,12 +95,12 @@ class FusedStep(OptimizerParts):
         lr = group["lr"]
         lr_t: Tensor
         if isinstance(lr, Tensor):
-            lr_t = lr.detach().to(device=device, dtype=torch.float64).reshape(())
+            lr_t = lr.detach().to(device=device, dtype=torch.float64).reshape(1)
         else:
             lr_key = (gi, device)
             lr_cached = self._lr_tensors.get(lr_key)
             if lr_cached is None:
-                lr_cached = self._lr_tensors[lr_key] = torch.zeros((), dtype=torch.float64, device=device)
+                lr_cached = self._lr_tensors[lr_key] = torch.zeros(1, dtype=torch.float64, device=device)
             lr_t = lr_cached.fill_(float(lr))  # a kernel with a host scalar: no sync, no recompile when the LR changes
         # Random bits only where something is stochastically rounded (half parameters with Kahan or
         # stochastic compensation, half states): FP32 steps skip the key kernels.
@@ -224,7 +224,10 @@ class FusedStep(OptimizerParts):
             rems: list[Tensor | None],
         ) -> None:
             group = dict(hp)
-            group["lr"] = lr
+            # lr arrives with shape (1,): dynamo turns a 0-d float64 input into a Python float
+            # (SymFloat), which Inductor fails to tensorify and restarts the whole trace from scratch
+            # (about a fifth of the step's compile time); a view taken inside the graph is not an input.
+            group["lr"] = lr.reshape(())
             for i, p in enumerate(ps):
                 g = gs[i].to(acc)
                 if scale is not None:
