@@ -140,18 +140,22 @@ def test_fused_plain_step_runs_the_step_hooks_and_follows_the_scheduler() -> Non
     h2.remove()
 
 
-def test_fused_none_keeps_torch_step_eager_and_fuses_a_compiled_model() -> None:
+def test_fused_none_keeps_torchs_own_step_even_for_a_compiled_model() -> None:
+    """A plain policy's torch AdamW compiles nothing unless fused=True: torch's fused kernel (its twin) steps it."""
     batches = _data(4)
     prec, model, opt = _prepared(fused=None)
     _train(prec, model, opt, batches)
-    assert prec._seen_compiled is False and not _ran_fused(_shadow(prec))
+    assert prec._seen_compiled is False and _shadow(prec) is None
 
     prec_c, model_c, opt_c = _prepared(fused=None, compiled=True)
     losses_c = _train(prec_c, model_c, opt_c, batches)
-    assert prec_c._seen_compiled is True and _ran_fused(_shadow(prec_c))
+    assert prec_c._seen_compiled is True and _shadow(prec_c) is None
+    prec_f, model_f, opt_f = _prepared(fused=True, compiled=True)
+    losses_f = _train(prec_f, model_f, opt_f, batches)
+    assert _ran_fused(_shadow(prec_f))
     losses = _train(*_prepared(fused=False), batches)
-    # BF16 autocast forward in both (Inductor's and eager kernels), steps equal to FP32 rounding.
-    assert losses_c == pytest.approx(losses, rel=2e-2)
+    # BF16 autocast forward in all (Inductor's and eager kernels), steps equal to FP32 rounding.
+    assert losses_c == pytest.approx(losses, rel=2e-2) and losses_f == pytest.approx(losses_c, rel=2e-2)
 
 
 @pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])

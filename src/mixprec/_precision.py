@@ -78,10 +78,11 @@ class MixedPrecision(RunCheckpoint):
             ``mixprec.optim`` optimizer of compensated policies, and, for policies without
             masters, a torch AdamW/Adam/SGD you keep (it steps through ``mixprec._fused.FusedShadow``
             on its own state; torch's own ``fused=True`` optimizers are left as they are).
-            ``None``: on once the first :meth:`backward` sees a model compiled by Inductor
-            (``torch.compile``'s default backend; any device: compilation is already being paid
-            for); otherwise on CUDA/XPU with Triton for the master and compensated steps, off on
-            a CPU, where the first step compiles C++ for seconds. See docs/optim.md.
+            ``None``: the master step on CUDA/XPU with Triton; the compensated step there too, and
+            on any device once the first :meth:`backward` sees a model compiled by Inductor
+            (``torch.compile``'s default backend: its eager step is 2-4x the compiled one's); a
+            plain policy's torch optimizer never (torch's own fused kernel steps it, skipping on
+            the device, as fast and with nothing to compile). See docs/optim.md.
 
     Lifecycle (each raises a clear error when called out of order)::
 
@@ -285,8 +286,10 @@ class MixedPrecision(RunCheckpoint):
             if isinstance(opt, MasterWeightOptimizer):
                 opt.set_unscale_callback(self._unscale_callback(opt))
                 opt.weight_edits = self.weight_edits
-            elif opt is given and self.fused is not False and not facts.fsdp and fusable_plain(opt):
-                rec.shadow = FusedShadow(opt, self.fused, gpu_default=False)  # update and skip in one compiled kernel
+            elif opt is given and self.fused is True and not facts.fsdp and fusable_plain(opt):
+                # Update and skip in one compiled kernel, on request only: by default torch's own fused
+                # kernel steps it (the twin, _stepping.py), as fast and with nothing to compile (docs/optim.md).
+                rec.shadow = FusedShadow(opt, self.fused, gpu_default=False)
             self._records[id(opt)] = rec
         self._iteration_flags = []
         self._applied_steps = AppliedSteps(torch.zeros((), dtype=torch.int64, device=facts.device))
@@ -398,7 +401,7 @@ class MixedPrecision(RunCheckpoint):
             rec.stage = "backward"
 
     def _note_compiled(self, loss: torch.Tensor) -> None:
-        """At the first backward: does the model run compiled? Then ``fused=None`` fuses the steps on any device.
+        """At the first backward: does the model run compiled? Then ``fused=None`` fuses the compensated steps on any device.
 
         Host work once per run (a walk over the loss's autograd graph, ``_fused.runs_compiled``).
         """
@@ -407,10 +410,12 @@ class MixedPrecision(RunCheckpoint):
             return
         for rec in self._records.values():
             opt = rec.optimizer
-            if isinstance(opt, MasterWeightOptimizer) or hasattr(opt, "prefer_fused"):
+            # Only the compensated optimizers, whose eager step is 2-4x the compiled one's. The master
+            # step and a plain policy's torch optimizer keep torch's fused kernel on a CPU: as fast as
+            # the compiled step there (compile_overhead.py: 0.95x vs 1.01x torch.amp's step for
+            # bf16-mixed, 1.01x for bf16-master either way) without its seconds of compiling.
+            if hasattr(opt, "prefer_fused") and not isinstance(opt, MasterWeightOptimizer):
                 opt.prefer_fused = True
-            if rec.shadow is not None:
-                rec.shadow.prefer = True
 
     def _grads(self, optimizer: Optimizer) -> list[torch.Tensor]:
         if isinstance(optimizer, MasterWeightOptimizer):
