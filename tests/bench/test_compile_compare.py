@@ -135,3 +135,30 @@ def test_a_step_that_recompiles_after_the_warm_up_counts_as_compile_time() -> No
     assert row.peak_memory_bytes is None and "not measured" in (row.memory_method or "")
     eager = run_compare(w, "bf16-mixed", baseline="none", steps=6, warmup=2, device="cpu", workload_options=None)
     assert eager.row("bf16-mixed").step_time_ms["n"] == 4  # eager: every step after the warm-up is timed
+
+
+def test_compile_cold_reports_ratios_and_the_goal_per_preset(capsys: pytest.CaptureFixture[str], load_benchmark: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's ratios are first-step seconds over the torch.amp row's at the same depth; the goal line per preset
+    holds only when every depth is within 1.25x cold and warm (the children, which compile, are stubbed here)."""
+    module = load_benchmark("compile_cold")
+    first = {("torch.amp bf16", 2): 10.0, ("bf16-mixed", 2): 12.0, ("bf16-pure", 2): 30.0,
+             ("torch.amp bf16", 4): 20.0, ("bf16-mixed", 4): 26.0, ("bf16-pure", 4): 21.0}
+    calls: list[str] = []
+
+    def fake_child(row: str, layers: int, width: int, steps: int, cache: str) -> dict[str, Any]:
+        calls.append(cache)
+        warm = calls.count(cache) == 2
+        return {"first_s": first[(row, layers)] / (10.0 if warm else 1.0), "step_s": 0.01, "graphs": 1}
+
+    monkeypatch.setattr(module, "run_child", fake_child)
+    assert module.main(["--presets", "bf16-mixed,bf16-pure", "--layers", "2,4"]) == 0
+    out = capsys.readouterr().out
+    assert "1.20x" in out and "1.30x" in out and "3.00x" in out  # 12/10, 26/20, 30/10
+    assert "goal bf16-mixed: cold and warm <= 1.25x torch.amp's at every depth: NOT met (at most 1.30x cold" in out
+    assert "goal bf16-pure: cold and warm <= 1.25x torch.amp's at every depth: NOT met (at most 3.00x cold" in out
+    first[("bf16-mixed", 4)] = 24.0
+    calls.clear()
+    assert module.main(["--presets", "bf16-mixed", "--layers", "2,4"]) == 0
+    assert "goal bf16-mixed: cold and warm <= 1.25x torch.amp's at every depth: met (at most 1.20x cold, 1.20x warm)" in \
+        capsys.readouterr().out
