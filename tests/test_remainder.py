@@ -184,10 +184,15 @@ def _bank_case(shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list[
     return values, weights, rems, masters
 
 
-@pytest.mark.parametrize("chunk", [None, 50])
-def test_a_bank_joins_and_splits_many_tensors_bit_for_bit(chunk: int | None) -> None:
-    """Flat passes (one, or one per few tensors) give each master join_edited(weight, remainder) and split it back."""
+@pytest.mark.parametrize(("chunk", "compiled"), [(None, False), (50, False), (50, True)])
+def test_a_bank_joins_and_splits_many_tensors_bit_for_bit(chunk: int | None, compiled: bool) -> None:
+    """Flat passes (one, or one per few tensors) give each master join_edited(weight, remainder) and split it back.
+
+    Compiled: the Inductor forms the step uses beside the fused step, on passes starting at unaligned offsets."""
     import mixprec._remainder as rmod
+    from mixprec._master import _compiled_remainder_fns
+
+    fns = _compiled_remainder_fns() if compiled else [None] * 4
     shapes = [(7, 5), (33,), (2, 3, 4), (120,), (1,), (16, 8)]
     values, weights, rems, masters = _bank_case(shapes)
     weights[0].view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])  # edits the remainder must not join
@@ -196,7 +201,7 @@ def test_a_bank_joins_and_splits_many_tensors_bit_for_bit(chunk: int | None) -> 
     assert len(bank.passes) == (1 if chunk is None else 6)  # 35 | 33 | 24 | 120 | 1 | 128 elements
     assert all(torch.equal(a, b) for a, b in zip(bank.remainders, rems))  # moved into one buffer, same values
     assert bank.flat.untyped_storage().nbytes() == 0  # no FP32 storage between steps
-    bank.join()
+    bank.join(fns[2])
     for m, e in zip(masters, expected):
         assert m.shape == e.shape and torch.equal(m.view(torch.int32), e.view(torch.int32))
     # The step's new values, NaN included, split into the weights and remainders exactly as split() would.
@@ -204,7 +209,7 @@ def test_a_bank_joins_and_splits_many_tensors_bit_for_bit(chunk: int | None) -> 
     new[3].view(-1)[:3] = torch.tensor([float("nan"), float("inf"), 3.4e38])
     for m, v in zip(masters, new):
         m.copy_(v)
-    bank.split()
+    bank.split(fns[3])
     for w, r, v in zip(weights, bank.remainders, new):
         hi, lo = split(v)
         assert torch.equal(w.view(torch.int16), hi.view(torch.int16)) and torch.equal(r, lo)
