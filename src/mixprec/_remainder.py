@@ -1,9 +1,10 @@
 """An FP32 value as a BF16 value plus a 16-bit remainder, split and joined bit for bit.
 
-The groundwork of issue 29 (FP32 masters at 2 extra bytes per parameter): a BF16 model's weight
-already holds the top 16 bits of its FP32 master, so 16 more bits (an ``int16`` remainder) recover
-the master exactly. Not wired into any policy yet; ``split``/``join`` are the exact primitives the
-master step will call (reconstruct, update in FP32, split again).
+The storage of ``bf16-master-r16``'s masters (issue 29: FP32 masters at 2 extra bytes per parameter):
+a BF16 model's weight already holds the top 16 bits of its FP32 master, so 16 more bits (an
+``int16`` remainder) recover the master exactly. ``split``/``join`` are the exact primitives;
+:class:`RemainderBank` joins every master of a device for the step and splits it after, in a
+fixed number of flat passes (``MasterWeightOptimizer(master_storage="remainder")``, ``_master.py``).
 
 The rounding, and why it is not round-to-nearest-even: the pair (BF16 weight, remainder) must
 determine the FP32 value. With ties to even, an exact tie (low 16 bits ``0x8000``) rounded down has
@@ -169,8 +170,8 @@ def split_into_(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
 #: eagerly) bounded to 176 MiB.
 BANK_CHUNK = 1 << 24
 #: The same on a CPU, where the eager temporaries of a pass should stay in cache: 4.7M parameters in 24
-#: tensors, AdamW, 2 threads (``benchmarks/remainder_step_cost.py --no-fused``), the eager r16 step took
-#: 1.14x bf16-master's in passes of 2**18 elements, 1.17x at 2**20, 1.36x at 2**22.
+#: tensors, AdamW, 2 threads (``benchmarks/remainder_step_cost.py --no-fused``, one run each), the eager
+#: r16 step took 1.14x bf16-master's in passes of 2**18 elements, 1.17x at 2**20, 1.36x at 2**22.
 BANK_CHUNK_CPU = 1 << 18
 
 
