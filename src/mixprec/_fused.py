@@ -5,14 +5,15 @@ bucket (``optim/_fused_step.py``). :class:`FusedShadow` lends that step to a pla
 ``mixprec.optim`` optimizer (``compensation="none"``, FP32 arithmetic) bound to the torch
 optimizer's own ``param_groups`` and ``state``, so LR schedulers, checkpoints and an eager step
 all see one state. ``MasterWeightOptimizer`` steps its masters with it; ``MixedPrecision``
-steps the optimizers of policies without masters with it (``bf16-mixed``): the update and the
-skip on ``found_inf`` then run in one kernel with no host sync (the gradients were unscaled and
-checked before, in ``prec.unscale_``).
+steps the optimizers of policies without masters with it (``bf16-mixed``) when ``fused=True``:
+the update and the skip on ``found_inf`` then run in one kernel with no host sync (the gradients
+were unscaled and checked before, in ``prec.unscale_``).
 
-When (``fused=None``): on a GPU (CUDA/XPU with Triton) for the master and compensated steps,
-and on any device once :func:`runs_compiled` has seen the model's backward pass through a
-region ``torch.compile`` compiled with Inductor (the user already pays compile time; the compiled step then costs
-seconds once and is faster than torch's foreach step on every size measured, docs/optim.md).
+When (``fused=None``): the master step on a GPU (CUDA/XPU with Triton); a plain policy's
+optimizer never (torch's own fused kernel, which skips on the device too, is as fast and
+compiles nothing). :func:`runs_compiled` (has the model's backward passed through a region
+``torch.compile`` compiled with Inductor?) turns on only the compensated ``mixprec.optim`` step
+on a CPU; measurements in docs/optim.md.
 """
 
 from __future__ import annotations
@@ -74,15 +75,14 @@ class FusedShadow:
     Args:
         optimizer: The torch optimizer (exactly ``torch.optim.AdamW``, ``Adam`` or ``SGD``).
         fused: ``True``: always (a compile error raises); ``None``: where it pays off (see the
-            module docstring; :attr:`prefer` says the model runs compiled).
+            module docstring; :attr:`prefer` turns it on for every device).
         mirrors: ``id(tensor in optimizer) -> tensor`` that receives each committed value in its
             own dtype (the model's half weight of an FP32 master), written in the same kernel.
         remainders: ``id(tensor in optimizer) -> int16 remainder`` of remainder-stored masters
             (``bf16-master-r16``): such a tensor is a placeholder, its value is joined from its mirror
             and remainder, and the step writes the split of the new value into both.
-        gpu_default: Whether ``fused=None`` turns on on a GPU without a compiled model (the
-            master step: yes; a plain policy's torch optimizer: no, its own step stays unless the
-            model runs compiled or ``fused=True``).
+        gpu_default: Whether ``fused=None`` turns on on a GPU (the master step: yes; a plain
+            policy's torch optimizer, which ``MixedPrecision`` shadows only under ``fused=True``: no).
 
     :meth:`view` returns the ``mixprec.optim`` optimizer to step, or ``None`` where the torch
     optimizer's own step must run: fused off for a device, or a torch option mixprec does not
@@ -111,7 +111,7 @@ class FusedShadow:
 
     @property
     def prefer(self) -> bool:
-        """Set when the model was seen running compiled: ``fused=None`` then turns on on any device."""
+        """``fused=None`` then turns on on any device (``MasterWeightOptimizer.prefer_fused`` sets it)."""
         return self._prefer
 
     @prefer.setter

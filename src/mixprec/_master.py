@@ -103,7 +103,7 @@ class MasterWeightOptimizer(Optimizer):
             optimizer class); ``False``: the wrapped optimizer's own ``step`` (the eager
             reference); ``None`` (default): on where :meth:`mixprec.optim.AdamW.fused_enabled`
             says it pays off (CUDA/XPU with Triton; on a CPU only once :attr:`prefer_fused` is
-            set, which ``MixedPrecision`` does when the model runs compiled; see ``docs/optim.md``).
+            set: ``MixedPrecision`` does not, torch's fused kernel being as fast there; see ``docs/optim.md``).
             ``compile_seconds`` reports the first-step compile time.
         master_storage: ``"full"`` (default): each master is an FP32 tensor of its own.
             ``"remainder"`` (``bf16-master-r16``): a BF16 parameter's master is the parameter
@@ -887,7 +887,7 @@ class MasterWeightOptimizer(Optimizer):
 
     @property
     def prefer_fused(self) -> bool:
-        """Set by ``MixedPrecision`` when the model runs compiled: ``fused=None`` then fuses on any device."""
+        """``fused=None`` then fuses on any device (``MixedPrecision`` leaves it off: docs/optim.md)."""
         return self._prefer_fused
 
     @prefer_fused.setter
