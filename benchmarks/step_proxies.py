@@ -26,7 +26,7 @@ except ImportError:  # a checkout without `pip install -e .`
 
 import torch
 
-PRESETS = "fp32,bf16-mixed,fp16-mixed,bf16-master,fp16-master,bf16-pure"
+PRESETS = "fp32,bf16-mixed,fp16-mixed,bf16-master,fp16-master,bf16-master-r16,bf16-pure"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,18 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     fused = args.optimizer == "fused"
     foreach = None if fused else True
     print(f"step_proxies: torch {torch.__version__}, AdamW {args.optimizer} on both sides; per training iteration")
-    print(f"{'depth':>5s} {'recipe':12s} {'aten ops':>9s} {'extra':>7s} {'host reads':>10s} {'Python calls':>12s} {'ratio':>6s}")
+    print(f"{'depth':>5s} {'recipe':15s} {'aten ops':>9s} {'extra':>7s} {'host reads':>10s} {'Python calls':>12s} {'ratio':>6s}")
     for depth in (int(d) for d in args.depths.split(",")):
         base = {}
         for amp in ("amp-bf16", "amp-fp16"):
             base[amp] = c = measure_recipe(*make_recipe(amp, depth, fused=fused, foreach=foreach))
-            print(f"{depth:5d} {amp:12s} {c.ops:9.0f} {'':>7s} {c.host_reads:10.1f} {c.python_calls:12.0f}")
+            print(f"{depth:5d} {amp:15s} {c.ops:9.0f} {'':>7s} {c.host_reads:10.1f} {c.python_calls:12.0f}")
         for preset in args.presets.split(","):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 c = measure_recipe(*make_recipe(preset, depth, fused=fused, foreach=foreach))
             b = base["amp-fp16" if preset.startswith("fp16") else "amp-bf16"]
-            print(f"{depth:5d} {preset:12s} {c.ops:9.0f} {c.ops - b.ops:+7.0f} {c.host_reads:10.1f} "
+            print(f"{depth:5d} {preset:15s} {c.ops:9.0f} {c.ops - b.ops:+7.0f} {c.host_reads:10.1f} "
                   f"{c.python_calls:12.0f} {c.python_calls / b.python_calls:5.2f}x", flush=True)
     return 0
 
