@@ -26,7 +26,15 @@ from ._errors import check_fused
 from ._finite import unscale_and_check_
 from ._fused import FUSABLE, FusedShadow
 from ._master_grad import MasterGradView
-from ._remainder import RemainderBank, join_edited, join_flat_compilable_, placeholder, split, split_flat_compilable_
+from ._remainder import (
+    RemainderBank,
+    join_edited,
+    join_flat_compilable_,
+    placeholder,
+    split,
+    split_flat_compilable_,
+    split_into_,
+)
 from ._stepping import step_or_skip
 
 __all__ = [
@@ -695,7 +703,7 @@ class MasterWeightOptimizer(Optimizer):
         if self._pairs is None:
             self._refresh_pairs()
         bank = self._bank
-        if bank is None or list(map(_DATA_PTR, bank.params)) != bank.ptrs:  # (inline: the hot path)
+        if bank is None or not bank.valid():
             bank = self._remainder_bank()
         if bank is not None:
             bank.join(_compiled_remainder_fns()[2] if compiled else None)
@@ -712,16 +720,13 @@ class MasterWeightOptimizer(Optimizer):
         self._live = True
 
     def _remainder_bank(self) -> RemainderBank | None:
-        """The pairs' :class:`~mixprec._remainder.RemainderBank` (built, or rebuilt after ``p.data = ...``, here).
+        """Build the pairs' :class:`~mixprec._remainder.RemainderBank` (none yet, or a weight was replaced: ``p.data = ...``).
 
         ``None`` where the pairs cannot share one: FSDP2 shards (DTensors), a non-contiguous
         weight, weights on several devices; those join and split one tensor at a time. Building
         moves the remainders into the bank's flat buffer (:attr:`remainders` then are views of it).
         """
-        bank = self._bank
-        if bank is not None and bank.valid():
-            return bank
-        self._bank = None  # none yet, or a weight was replaced (p.data = ...): the remainders are moved again
+        self._bank = None
         params, masters = self._pair_lists
         if not params or any(_is_dtensor(p) or not p.is_contiguous() or p.device != params[0].device for p in params):
             return None
@@ -753,7 +758,7 @@ class MasterWeightOptimizer(Optimizer):
             if split_fn is not None and w.is_contiguous() and v.is_contiguous():
                 split_fn(v.view(-1), w.view(-1), r.view(-1))
             else:
-                _split_into(v, w, r)
+                split_into_(v, w, r)
             _set_local(m, placeholder(w))
         self._live = False
 
@@ -1009,18 +1014,11 @@ def _shard_like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(value.to(p.device), p.device_mesh, p.placements)  # type: ignore[attr-defined]
 
 
-def _split_into(m: torch.Tensor, p: torch.Tensor, r: torch.Tensor) -> None:
-    """Write ``split(m)`` into the weight ``p`` and the remainder ``r``."""
-    hi, lo = split(m)
-    p.copy_(hi)
-    r.copy_(lo)
-
-
 _REMAINDER_FNS: list[Callable[..., Any]] = []
 
 
 def _compiled_remainder_fns() -> list[Callable[..., Any]]:
-    """``[join_edited, split_into, join_flat_compilable_, split_flat_compilable_]`` of flat tensors under ``torch.compile(dynamic=True)``, built on first use.
+    """``[join_edited, split_into_, join_flat_compilable_, split_flat_compilable_]`` of flat tensors under ``torch.compile(dynamic=True)``, built on first use.
 
     The first two serve one tensor at a time (FSDP2 shards), the last two a :class:`RemainderBank`'s passes.
 
@@ -1030,7 +1028,7 @@ def _compiled_remainder_fns() -> list[Callable[..., Any]]:
     join 1.6 ms against 3.4 (its eager form is an FP32 cast and an integer add).
     """
     if not _REMAINDER_FNS:
-        _REMAINDER_FNS.extend([torch.compile(f, dynamic=True) for f in (join_edited, _split_into, join_flat_compilable_, split_flat_compilable_)])
+        _REMAINDER_FNS.extend([torch.compile(f, dynamic=True) for f in (join_edited, split_into_, join_flat_compilable_, split_flat_compilable_)])
     return _REMAINDER_FNS
 
 
@@ -1043,7 +1041,6 @@ def _compiled_remainder_fns() -> list[Callable[..., Any]]:
 REMAINDERS_IN_KERNEL: frozenset[str] = frozenset({"cuda", "xpu"})
 
 _GRAD = operator.attrgetter("grad")
-_DATA_PTR = torch.Tensor.data_ptr
 _NOT_NONE = functools.partial(operator.is_not, None)
 _ONLY_VIEWS = frozenset({MasterGradView, type(None)})
 #: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (10 bytes per

@@ -273,7 +273,7 @@ class RemainderBank:
         self.placeholders = [m.data for m in masters]
         words = [w.view(torch.int16) for w in weights]  # the weights' bit patterns: the split writes them
         self._nbytes = self.flat.untyped_storage().nbytes()
-        # Passes over whole tensors, at most BANK_CHUNK elements each (one larger tensor alone): the slices of
+        # Passes over whole tensors, at most ``chunk`` elements each (one larger tensor alone): the slices of
         # the flat buffer and of the remainders (views: they follow the buffer's storage as it is reallocated),
         # the 1-D views of the weights and of the masters' FP32 views, and the sizes.
         if chunk is None:
