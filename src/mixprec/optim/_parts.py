@@ -77,21 +77,20 @@ class _Plan:
     """One (device, param dtype, grad dtype) bucket of a param group, kept across steps.
 
     ``params`` are the parameters (the cache key holds their ids); the rest is filled by the
-    fused step: ``struct`` (shapes, strides and dtypes that select the compiled function) for
-    the mirrors ``struct_key``, and ``hp_key`` (the compiled-in hyper-parameters) for ``hp``;
-    and by the eager step: ``eager``, its cached tiles (:class:`_EagerLayout`).
+    fused step: ``hp_key`` (the compiled-in hyper-parameters) for ``hp`` and ``fused``, its
+    cached tiles (``_fused_step._FusedLayout``); and by the eager step: ``eager``, its cached
+    tiles (:class:`_EagerLayout`).
     """
 
-    __slots__ = ("device", "eager", "hp", "hp_key", "params", "struct", "struct_key")
+    __slots__ = ("device", "eager", "fused", "hp", "hp_key", "params")
 
     def __init__(self, device: torch.device, params: list[Tensor]) -> None:
         self.device = device
         self.params = params
-        self.struct: tuple[Any, ...] | None = None
-        self.struct_key: tuple[int, ...] = ()
         self.hp: dict[str, Any] | None = None
         self.hp_key = ""
         self.eager: _EagerLayout | None = None
+        self.fused: Any = None
 
 
 class _Tile:
@@ -340,10 +339,6 @@ def _local_value(v: Tensor, p: Tensor, offset: int) -> Tensor:
     return v
 
 
-def _scalar_expand(v: Tensor) -> Tensor:
-    return v.reshape(())
-
-
 def _flat_view(t: Tensor, s: _Segment) -> Tensor | None:
     """The segment's elements of ``t`` as a 1-D view; ``None`` for a whole non-contiguous tensor."""
     if s.start == 0 and s.stop == t.numel():
@@ -378,3 +373,24 @@ def _device_ctx(device: torch.device, grad_scale: Tensor | float | None, found_i
         skip = f != 0
         keep = (~skip).to(torch.float32)
     return _DeviceCtx(scale, skip, keep)
+
+
+def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
+    """Write a flat tile value back into its tensors (``split`` + one ``_foreach_copy_``)."""
+    views = tile.views[kind]
+    if len(views) == 1:
+        v = views[0]
+        if v is not None:
+            v.copy_(value)
+        else:
+            t = tile.tensors[kind][0]
+            t.copy_(value.view(t.shape))
+        return
+    pieces = value.split(tile.sizes)
+    if tile.contiguous:
+        torch._foreach_copy_(cast(list[Tensor], views), list(pieces))
+        return
+    ts = tile.tensors[kind]
+    dsts = [v if v is not None else t for v, t in zip(views, ts)]
+    srcs = [x if v is not None else x.view(t.shape) for x, v, t in zip(pieces, views, ts)]
+    torch._foreach_copy_(dsts, srcs)
