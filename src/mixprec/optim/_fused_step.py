@@ -3,7 +3,7 @@
 Algorithm (issue 27: compile a fixed number of graphs, not one per parameter shape):
 
 1. Each (device, dtype) bucket is laid out once into *tiles* (``T`` elements,
-   :meth:`FusedStep._fused_tile_numel`: 2**16 on a CPU, 2**20 elsewhere, at most ``chunk_numel``):
+   :meth:`FusedStep._fused_tile_numel`: 2**16 on a CPU, 2**19 elsewhere, at most ``chunk_numel``):
    every full slice of ``_BIG * T``, then of ``T``, elements of a contiguous parameter is a
    *direct* tile (its 1-D views of the parameter, states, compensation buffer and mirror are the
    kernel's inputs, written in place);
@@ -70,9 +70,12 @@ _MAX_COMPILES = 32
 _SEGS = 128
 #: Tile elements of the compiled step: on a CPU small enough that the zero padding of the last
 #: tile costs little on small models; elsewhere large enough that the per-call host time
-#: (~30-50 us: guards and the wrapper) stays below the kernel's time.
+#: (~30-50 us: guards and the wrapper) stays below the kernel's time. 2**19 rather than 2**20 on
+#: a GPU by arithmetic, not measurement (no GPU yet): GPT-2's widths (multiples of 768) leave
+#: remainders that are packed, i.e. copied in and out; at 2**19 (direct tiles of 2**19 and 2**21)
+#: a GPT-2 block packs 0.8M elements in 8 calls, at 2**20 1.8M elements in 7 calls.
 _CPU_FUSED_TILE = 1 << 16
-_GPU_FUSED_TILE = 1 << 20
+_GPU_FUSED_TILE = 1 << 19
 #: Direct tiles also come ``_BIG`` times larger (a third graph at most): a large tensor then
 #: takes a quarter of the calls.
 _BIG = 4
