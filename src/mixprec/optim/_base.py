@@ -436,22 +436,13 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                 tile.bind(_COMP_KEY, b.comps)
             for k in keys:
                 tile.bind(k, b.states[k])
-        p0 = b.params[0]
-        slots: list[int] = []
-        if p0.dtype in _HALF and self.compensation == "stochastic":
-            slots.append(_SLOT_PARAM)
-        if b.comps:
-            slots.append(_SLOT_COMP)
-        if self._state_dtype_for(p0) in _HALF:
-            slots.extend(self._state_slot(k) for k in keys)
+        slots = self._random_slots(b, keys)
         ka0 = kb0 = None
         if slots:
-            if len(b.ids) != len(b.params):
-                raise RuntimeError("internal: the bucket has no random stream ids but draws random bits")
             table = [[stream_key(self.seed, i * _STREAMS_PER_PARAM + slot) for i in b.ids] for slot in slots]
             ka0 = torch.tensor([[k[0] for k in row] for row in table], dtype=torch.int64).to(device, non_blocking=True)
             kb0 = torch.tensor([[k[1] for k in row] for row in table], dtype=torch.int64).to(device, non_blocking=True)
-        layout = plan.eager = _EagerLayout(sig, ptrs, tiles, tuple(slots), ka0, kb0)
+        layout = plan.eager = _EagerLayout(sig, ptrs, tiles, slots, ka0, kb0)
         return layout
 
     def _step_tile(

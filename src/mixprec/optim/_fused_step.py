@@ -474,18 +474,8 @@ class FusedStep(OptimizerParts):
             starts = [0, *_cumsum(tile.sizes)[:-1]]
             bases.append([b.offsets[s.param] + s.start - c for s, c in zip(segs, starts)] + [0] * (_SEGS - len(segs)))
         layout.seg_param = torch.tensor(seg_param, dtype=torch.int64).to(device, non_blocking=True)
-        p0 = b.params[0]
-        slots: list[int] = []
-        if p0.dtype in _HALF and self.compensation == "stochastic":
-            slots.append(_SLOT_PARAM)
-        if b.comps:
-            slots.append(_SLOT_COMP)
-        if self._state_dtype_for(p0) in _HALF:
-            slots.extend(self._state_slot(k) for k in keys)
-        layout.slots = tuple(slots)
+        slots = layout.slots = self._random_slots(b, keys)
         if slots:
-            if len(b.ids) != len(b.params):
-                raise RuntimeError("internal: the bucket has no random stream ids but draws random bits")
             layout.bases = torch.tensor(bases, dtype=torch.int64).to(device, non_blocking=True)
             table = [[[stream_key(self.seed, b.ids[j] * _STREAMS_PER_PARAM + slot)
                        for j in seg_param[t * _SEGS:(t + 1) * _SEGS]] for slot in slots] for t in range(len(cut[0]))]

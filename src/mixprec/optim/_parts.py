@@ -307,6 +307,25 @@ class OptimizerParts(Optimizer):
     def _state_slot(self, key: str) -> int:
         return _SLOT_STATE0 + self._ALL_STATE_KEYS.index(key)
 
+    def _random_slots(self, b: _Bucket, keys: tuple[str, ...]) -> tuple[int, ...]:
+        """The random stream slots a bucket's step draws: stochastically rounded parameters, the Kahan
+        buffer, half states (eager and fused step alike, so both draw the same bits).
+
+        Raises:
+            RuntimeError: the bucket draws random bits but has no stream ids (an internal error).
+        """
+        p0 = b.params[0]
+        slots: list[int] = []
+        if p0.dtype in _HALF and self.compensation == "stochastic":
+            slots.append(_SLOT_PARAM)
+        if b.comps:
+            slots.append(_SLOT_COMP)
+        if self._state_dtype_for(p0) in _HALF:
+            slots.extend(self._state_slot(k) for k in keys)
+        if slots and len(b.ids) != len(b.params):
+            raise RuntimeError("internal: the bucket has no random stream ids but draws random bits")
+        return tuple(slots)
+
     def _state_dtype_for(self, p: Tensor) -> torch.dtype:
         return torch.float64 if p.dtype == torch.float64 else self.state_dtype
 
