@@ -16,9 +16,12 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
 3. ``gpt2-eager``: ``gpu_gpt2.py`` (GPT-2 124M, each preset beside its torch.amp recipe).
 4. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
 5. ``step``: ``step_overhead.py --device cuda --fused`` (the optimizer step alone).
-6. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
+6. ``compensated``: ``step_overhead.py --device cuda --only-compensated --fused --shapes gpt2``
+   (``bf16-pure``'s Kahan and stochastic-rounding steps, eager and fused, on GPT-2 124M's tensors,
+   against torch's fused AdamW, with the fused step's first-step compile seconds; issue 27, item 3).
+7. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
    ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
-7. ``cuda-tests``: every CUDA-marked test (``pytest -m cuda``).
+8. ``cuda-tests``: every CUDA-marked test (``pytest -m cuda``).
 
 Everything a step prints goes to this process's output as it comes; ``--out`` (default ``$OUT``)
 also gets ``gpu_suite.txt`` (the whole log) and the JSON of the GPT-2 runs.
@@ -89,6 +92,8 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
     ("gpt2-compiled", 180, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,bf16-master",
                             "--budget", "{budget}", "--out", "{out}/compiled"]),
     ("step", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--fused", "--rounds", "5"]),
+    ("compensated", 90, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
+                         "--fused", "--shapes", "gpt2", "--rounds", "5"]),
     ("remainder", 90, [sys.executable, "benchmarks/remainder_step_cost.py", "--device", "cuda", "--width", "768",
                        "--blocks", "12"]),
     ("cuda-tests", 90, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"]),

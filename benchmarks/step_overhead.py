@@ -18,7 +18,8 @@ Rows (same parameter shapes, same AdamW settings, interleaved A B A B ..., order
 * ``fused`` variants (``--fused``): ``fused=True`` AdamW on both sides (skips on the device).
 
 Compensated rows (``--compensated``; issue 14.2), the optimizer step alone (``opt.step``), against
-``adamw-foreach`` (torch's foreach AdamW on FP32 parameters, no scaler):
+``adamw-foreach`` (torch's foreach AdamW on FP32 parameters, no scaler; ``adamw-fused``, torch's
+fused AdamW, with ``--fused``):
 
 * ``pure-kahan-eager``: ``mixprec.optim.AdamW`` on BF16 parameters, Kahan, FP32 states,
   ``fused=False`` (the eager foreach reference), ``found_inf`` passed (the on-device skip).
@@ -44,6 +45,8 @@ Usage::
     python benchmarks/step_overhead.py --params 16 --rounds 30 --json out.json
     python benchmarks/step_overhead.py --compensated       # + the fused rows (~1-2 min of compiling first)
     python benchmarks/step_overhead.py --count-ops 2,12,24 # aten ops per eager optimizer step, by depth
+    python benchmarks/step_overhead.py --device cuda --only-compensated --fused --shapes gpt2
+                                        # issue 27, item 3: bf16-pure's step on GPT-2 124M's tensors
 """
 
 from __future__ import annotations
@@ -62,9 +65,29 @@ from torch import nn
 
 import mixprec
 
+#: ``--shapes``: "linear" (``--params`` million parameters in 24 tensors) or "gpt2" (GPT-2 124M's).
+SHAPES = "linear"
+
+
+def gpt2_shaped(device: torch.device) -> nn.Module:
+    """GPT-2 124M's parameter tensors (``wte``, tied to the head; ``wpe``; 12 blocks; ``ln_f``): 124.4M in 148 tensors.
+
+    Only the shapes matter here (the optimizer step): a module that holds them, not a working GPT-2.
+    """
+    d, blocks = 768, 12
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Embedding(50257, d), nn.Embedding(1024, d)]
+    for _ in range(blocks):
+        layers += [nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, 4 * d),
+                   nn.Linear(4 * d, d)]
+    layers.append(nn.LayerNorm(d))
+    return nn.ModuleList(layers).to(device)
+
 
 def make_model(n_million: float, device: torch.device) -> nn.Module:
-    """A stack of linear layers holding about ``n_million`` million parameters in 24 tensors."""
+    """A stack of linear layers holding about ``n_million`` million parameters in 24 tensors (or :func:`gpt2_shaped`)."""
+    if SHAPES == "gpt2":
+        return gpt2_shaped(device)
     width = max(64, int((n_million * 1e6 / 12) ** 0.5))
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(12)]).to(device)
@@ -123,8 +146,10 @@ class OptimizerLoop:
         self.model = make_model(n, device)
         self.prec = None
         self.found_inf = torch.zeros((), device=device)
-        if kind == "torch":
-            self.opt: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+        if kind in ("torch", "torch-fused"):
+            self.opt: torch.optim.Optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=1e-4, **({"fused": True} if kind == "torch-fused" else {"foreach": True})
+            )
             return
         comp, sdt = {"kahan": ("kahan", torch.float32), "sr-bf16": ("stochastic", torch.bfloat16)}[kind]
         if prec:
@@ -219,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compensated", action="store_true", help="add the compensated (bf16-pure) eager and fused rows")
     ap.add_argument("--only-compensated", action="store_true", help="only the compensated rows and their baseline")
     ap.add_argument("--rows", default="", help="comma-separated row names to keep (default: all selected)")
+    ap.add_argument("--shapes", choices=("linear", "gpt2"), default="linear",
+                    help="parameter shapes: 'linear' (--params million in 24 tensors) or 'gpt2' (GPT-2 124M's "
+                         "148 tensors, 124.4M elements; --params ignored)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="")
     ap.add_argument("--count-ops", default="", metavar="DEPTHS",
@@ -227,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.count_ops:
         count_ops([int(d) for d in args.count_ops.split(",")])
         return 0
+    global SHAPES
+    SHAPES = args.shapes
     device = torch.device(args.device)
     rows: dict[str, Callable[[], TorchLoop | MixprecLoop | OptimizerLoop]] = {}
     baseline: dict[str, str] = {}
@@ -239,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         })
         baseline.update(dict.fromkeys(rows, "torch"))
     if args.compensated or args.only_compensated:
+        # --fused: torch's fused AdamW is the baseline (issue 27: <= 1.1x it on a GPU).
+        comp_base = "adamw-fused" if args.fused else "adamw-foreach"
         comp_rows: dict[str, Callable[[], OptimizerLoop]] = {
-            "adamw-foreach": lambda: OptimizerLoop("torch", args.params, device),
+            comp_base: lambda: OptimizerLoop("torch-fused" if args.fused else "torch", args.params, device),
             "pure-kahan-eager": lambda: OptimizerLoop("kahan", args.params, device, fused=False),
             "pure-sr-bf16-eager": lambda: OptimizerLoop("sr-bf16", args.params, device, fused=False),
             "pure-kahan-fused": lambda: OptimizerLoop("kahan", args.params, device, fused=True),
@@ -248,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             "bf16-pure-fused": lambda: OptimizerLoop("kahan", args.params, device, fused=True, prec=True),
         }
         rows.update(comp_rows)
-        baseline.update(dict.fromkeys(comp_rows, "adamw-foreach"))
+        baseline.update(dict.fromkeys(comp_rows, comp_base))
     if args.rows:
         keep = set(args.rows.split(","))
         unknown = keep - set(rows)
@@ -270,9 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             per_round[name].append(time_step(loops[name], device, args.reps))
-    n = sum(p.numel() for p in next(iter(loops.values())).model.parameters())
+    first = list(next(iter(loops.values())).model.parameters())
+    n, n_tensors = sum(p.numel() for p in first), len(first)
     print(f"# torch {torch.__version__}, {device}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads; {n / 1e6:.2f}M params in 24 tensors; "
+          f"{torch.get_num_threads()} threads; {n / 1e6:.2f}M params in {n_tensors} tensors ({args.shapes}); "
           f"AdamW {'fused' if args.fused else 'foreach'}; {args.rounds} rounds x {args.reps} steps, interleaved")
     print(f"{'row':21s} {'median ms':>10s} {'ratio':>8s} {'ratio p10-p90':>15s}  baseline")
     result = {}

@@ -407,9 +407,8 @@ def test_no_recompiles_with_inductor_and_the_fused_step(preset: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 27: the fused step compiles one graph per bucket structure (the "
-                   "parameters' shapes), so a param group added later compiles a graph of its own")
 def test_a_param_group_added_later_compiles_nothing_new() -> None:
+    """Issue 27: the fused step compiles one tile step per configuration, whatever the parameters' shapes."""
     new_graphs, recompiles, _ = _recompile_scenario("bf16-master", "inductor", True, steps=30)
     assert (new_graphs, recompiles) == (0, 0)
 
@@ -446,3 +445,35 @@ def test_a_warm_start_loads_the_island_graph_from_aotautograds_cache(tmp_path: A
     start()
     assert counters["aot_autograd"]["autograd_cache_hit"] >= 1, dict(counters["aot_autograd"])
     dynamo.reset()
+
+
+def _fused_step_graphs(layers: int) -> tuple[int, int]:
+    """Graphs and frames dynamo compiles for the fused step of a ``layers``-block GPT (three steps, one skipped)."""
+    from torch._dynamo.utils import counters
+
+    import mixprec.optim as mo
+
+    torch.manual_seed(0)
+    model = CharGPT(VOCAB, BLOCK, layers, 2, 32).to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = mo.AdamW(params, lr=1e-2, weight_decay=0.1, compensation="kahan", fused=True, seed=0)
+    before = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+    for i in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step(found_inf=torch.tensor(float(i == 1)))
+    assert opt._fused_fns and opt._fused_off is None, "the fused step did not run"
+    return counters["stats"]["unique_graphs"] - before[0], counters["frames"]["total"] - before[1]
+
+
+def test_fused_step_compiles_the_same_graphs_for_2_and_6_blocks() -> None:
+    """Issue 27: the compiled step is one graph per (dtypes, device, compensation, hyper-parameters, tile size),
+    not per parameter shape or bucket size: a 6-block model compiles what a 2-block one does."""
+    two = _fused_step_graphs(2)
+    dynamo.reset()  # forget the compiled tile step: the 6-block model compiles its own from scratch
+    from mixprec.optim import _fused_step
+
+    _fused_step._FUSED_CACHE.clear()
+    six = _fused_step_graphs(6)
+    assert two == six
+    assert two[0] == 1  # one graph: the tile step

@@ -146,7 +146,9 @@ def test_compile_cold_reports_ratios_and_the_goal_per_preset(capsys: pytest.Capt
              ("torch.amp bf16", 4): 20.0, ("bf16-mixed", 4): 26.0, ("bf16-pure", 4): 21.0}
     calls: list[str] = []
 
-    def fake_child(row: str, layers: int, width: int, steps: int, cache: str) -> dict[str, Any]:
+    def fake_child(row: str, layers: int, width: int, steps: int, cache: str,
+                   optimizer_step: bool = False) -> dict[str, Any]:
+        assert not optimizer_step
         calls.append(cache)
         warm = calls.count(cache) == 2
         return {"first_s": first[(row, layers)] / (10.0 if warm else 1.0), "step_s": 0.01, "graphs": 1}
@@ -162,3 +164,27 @@ def test_compile_cold_reports_ratios_and_the_goal_per_preset(capsys: pytest.Capt
     assert module.main(["--presets", "bf16-mixed", "--layers", "2,4"]) == 0
     assert "goal bf16-mixed: cold and warm <= 1.25x torch.amp's at every depth: met (at most 1.20x cold, 1.20x warm)" in \
         capsys.readouterr().out
+
+
+def test_compile_cold_optimizer_step_rows_are_against_torch_compile_of_adamw_step(
+        capsys: pytest.CaptureFixture[str], load_benchmark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--optimizer-step``: torch.compile(AdamW.step) is the baseline row, the fused compensated steps are the rows,
+    each child runs the step mode; a child really runs one fused Kahan step and reports its first step."""
+    module = load_benchmark("compile_cold")
+    seen: list[tuple[str, bool]] = []
+
+    def fake_child(row: str, layers: int, width: int, steps: int, cache: str,
+                   optimizer_step: bool = False) -> dict[str, Any]:
+        seen.append((row, optimizer_step))
+        return {"first_s": {"compile(AdamW.step)": 8.0, "kahan fused": 4.0, "sr-bf16 fused": 11.0}[row],
+                "step_s": 0.01, "graphs": 1}
+
+    monkeypatch.setattr(module, "run_child", fake_child)
+    assert module.main(["--optimizer-step", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert {r for r, _ in seen} == {"compile(AdamW.step)", "kahan fused", "sr-bf16 fused"}
+    assert all(flag for _, flag in seen)
+    assert "goal kahan fused: cold and warm <= 1.25x compile(AdamW.step)'s at every depth: met (at most 0.50x" in out
+    assert "goal sr-bf16 fused: cold and warm <= 1.25x compile(AdamW.step)'s at every depth: NOT met (at most 1.38x" in out
+    got = module.child_step("kahan fused", 1, 32, 2)
+    assert got["first_s"] > 0 and got["step_s"] > 0 and got["graphs"] >= 1

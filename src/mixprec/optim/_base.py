@@ -63,12 +63,12 @@ AdamW with FP32 parameters 8.6 ms, BF16 + Kahan + FP32 states 13.9 ms (16.8 ms w
 (17.8 ms with ``found_inf``). The unfused elementwise chain (~250 bytes of memory traffic per
 element) is the cost. CPU measurements: ``docs/optim.md``.
 
-The fused step (``fused=True``; default on CUDA/XPU with Triton): each bucket runs one
-``torch.compile``d function (:meth:`LowPrecisionOptimizer._build_fused`): the same ``_update``
-arithmetic and commit on each parameter's local tensor, one kernel per parameter, equal to the
-eager step bit for bit. Per-parameter scalars (``_step_scalars``) and the random keys are
-computed outside the graph; compiled functions are cached process-wide by bucket structure.
-CPU measurements and the default rule: ``docs/optim.md``.
+The fused step (``fused=True``; default on CUDA/XPU with Triton; ``_fused_step.py``): the same
+``_update`` arithmetic and commit, compiled once per configuration (dtypes, compensation,
+hyper-parameters but the LR, ...) as a step of one fixed-size tile; each bucket is cut into such
+tiles (full slices of large tensors stepped in place, the rest packed and padded) and stepped
+one call per tile, equal to the eager step bit for bit. CPU measurements and the default rule:
+``docs/optim.md``.
 
 ``DTensor`` parameters (FSDP2): the step runs on local shards (``_local_tensor``); states and
 compensation buffers are ``DTensor``s with the parameter's placements; random bits use each
@@ -106,6 +106,7 @@ from ._parts import (
     _DeviceCtx,
     _EagerLayout,
     _Plan,
+    _scatter,
     _Segment,
     _Tile,
 )
@@ -435,22 +436,13 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                 tile.bind(_COMP_KEY, b.comps)
             for k in keys:
                 tile.bind(k, b.states[k])
-        p0 = b.params[0]
-        slots: list[int] = []
-        if p0.dtype in _HALF and self.compensation == "stochastic":
-            slots.append(_SLOT_PARAM)
-        if b.comps:
-            slots.append(_SLOT_COMP)
-        if self._state_dtype_for(p0) in _HALF:
-            slots.extend(self._state_slot(k) for k in keys)
+        slots = self._random_slots(b, keys)
         ka0 = kb0 = None
         if slots:
-            if len(b.ids) != len(b.params):
-                raise RuntimeError("internal: the bucket has no random stream ids but draws random bits")
             table = [[stream_key(self.seed, i * _STREAMS_PER_PARAM + slot) for i in b.ids] for slot in slots]
             ka0 = torch.tensor([[k[0] for k in row] for row in table], dtype=torch.int64).to(device, non_blocking=True)
             kb0 = torch.tensor([[k[1] for k in row] for row in table], dtype=torch.int64).to(device, non_blocking=True)
-        layout = plan.eager = _EagerLayout(sig, ptrs, tiles, tuple(slots), ka0, kb0)
+        layout = plan.eager = _EagerLayout(sig, ptrs, tiles, slots, ka0, kb0)
         return layout
 
     def _step_tile(
@@ -650,24 +642,3 @@ def _gather(tile: _Tile, kind: str | None) -> Tensor:
     if tile.contiguous:
         return torch.cat(cast(list[Tensor], views))
     return torch.cat([v if v is not None else t.reshape(-1) for v, t in zip(views, tile.tensors[kind])])
-
-
-def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
-    """Write a flat tile value back into its tensors (``split`` + one ``_foreach_copy_``)."""
-    views = tile.views[kind]
-    if len(views) == 1:
-        v = views[0]
-        if v is not None:
-            v.copy_(value)
-        else:
-            t = tile.tensors[kind][0]
-            t.copy_(value.view(t.shape))
-        return
-    pieces = value.split(tile.sizes)
-    if tile.contiguous:
-        torch._foreach_copy_(cast(list[Tensor], views), list(pieces))
-        return
-    ts = tile.tensors[kind]
-    dsts = [v if v is not None else t for v, t in zip(views, ts)]
-    srcs = [x if v is not None else x.view(t.shape) for x, v, t in zip(pieces, views, ts)]
-    torch._foreach_copy_(dsts, srcs)

@@ -1,4 +1,30 @@
-"""The fused (``torch.compile``d) step of a :class:`~mixprec.optim.LowPrecisionOptimizer` (``fused=True``)."""
+"""The fused (``torch.compile``d) step of a :class:`~mixprec.optim.LowPrecisionOptimizer` (``fused=True``).
+
+Algorithm (issue 27: compile a fixed number of graphs, not one per parameter shape):
+
+1. Each (device, dtype) bucket is laid out once into *tiles* (``T`` elements,
+   :meth:`FusedStep._fused_tile_numel`: 2**16 on a CPU, 2**19 elsewhere, at most ``chunk_numel``):
+   every full slice of ``_BIG * T``, then of ``T``, elements of a contiguous parameter is a
+   *direct* tile (its 1-D views of the parameter, states, compensation buffer and mirror are the
+   kernel's inputs, written in place);
+   the rest (small tensors, the remainders of large ones, non-contiguous tensors) is packed into
+   tiles of at most ``T`` elements and ``_SEGS`` segments, gathered each step by ``torch.cat``
+   (padded with zeros to ``T``) and scattered back by ``split`` + ``torch._foreach_copy_``.
+2. One compiled function steps one tile. Its inputs have fixed shapes: the tile's buffers, a
+   ``(T,)`` int32 segment index ``pid`` and per-segment tables of ``_SEGS`` entries (the
+   per-parameter scalars, random keys, global index bases, mirror flags), read in the kernel as
+   ``table[pid]`` (``table[0]`` in a direct tile: one segment). So the graphs (at most three:
+   direct tiles of two sizes, packed tiles) depend on the dtypes, device, compensation, state
+   dtype, the compiled-in hyper-parameters, mirrors yes/no and ``T`` only: a 6-block model
+   compiles what a 2-block one does, and a param group added later compiles nothing new.
+3. Per step and bucket, outside the graph: the step counters are stacked, spread to the
+   (tile, segment) tables by one ``index_select``, and the scalars and random keys computed on
+   those short vectors; then one call per tile.
+
+The per-element arithmetic is the eager step's (``_update``, the same rounding), so the fused
+step equals the eager one bit for bit. Buckets holding a non-contiguous parameter of more than
+``T`` elements step eagerly.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +32,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable
+from itertools import accumulate, chain
 from typing import Any, cast
 
 import torch
@@ -13,6 +40,7 @@ from torch import Tensor
 
 from .._remainder import join_edited, split
 from ._parts import (
+    _COMP_KEY,
     _DYNAMIC_GROUP_KEYS,
     _HALF,
     _SLOT_COMP,
@@ -23,21 +51,146 @@ from ._parts import (
     _DeviceCtx,
     _Plan,
     _same_values,
-    _scalar_expand,
+    _scatter,
+    _Segment,
+    _Tile,
 )
 from ._rounding import counter_bits, step_keys, stochastic_round, stream_key, with_edits
 
 __all__ = ["FusedStep"]
 
-#: Compiled steps are shared by every optimizer in the process, keyed by bucket structure.
+#: Compiled steps are shared by every optimizer in the process, keyed by the tile step's configuration.
 _FUSED_CACHE: dict[Any, Callable[..., None]] = {}
 _FUSED_CACHE_SIZE = 64
-#: Structures one optimizer may compile before it falls back to the eager step.
+#: Configurations one optimizer may compile before it falls back to the eager step.
 _MAX_COMPILES = 32
+#: Segments (parameter pieces) per packed tile: the length of the per-segment tables (a fixed
+#: input shape). 128 bounds the tables to a few KiB while a 2**16-element tile of small tensors
+#: (biases, norms: hundreds of elements each) still packs full.
+_SEGS = 128
+#: Tile elements of the compiled step: on a CPU small enough that the zero padding of the last
+#: tile costs little on small models; elsewhere large enough that the per-call host time
+#: (~30-50 us: guards and the wrapper) stays below the kernel's time. 2**19 rather than 2**20 on
+#: a GPU by arithmetic, not measurement (no GPU yet): GPT-2's widths (multiples of 768) leave
+#: remainders that are packed, i.e. copied in and out; at 2**19 (direct tiles of 2**19 and 2**21)
+#: a GPT-2 block packs 0.8M elements in 8 calls, at 2**20 1.8M elements in 7 calls.
+_CPU_FUSED_TILE = 1 << 16
+_GPU_FUSED_TILE = 1 << 19
+#: Direct tiles also come ``_BIG`` times larger (a third graph at most): a large tensor then
+#: takes a quarter of the calls.
+_BIG = 4
+_MIRROR = "mirror"  # the buffer kind of the mirrors in a tile's cached views
+_REM = "rem"  # the buffer kind of the int16 remainders (bf16-master-r16) in a tile's cached views
+
+
+class _FusedLayout:
+    """The fused step's cached structure of one bucket: tiles, their views and per-segment tables.
+
+    Valid while ``sig`` (seed, state keys, tile size, stream ids, offsets, mirrors) and ``ptrs``
+    (data pointers of every parameter, compensation buffer, state and mirror) match.
+    ``tiles[t]`` is a :class:`~mixprec.optim._parts._Tile`; ``direct[t]`` is the numel of a
+    direct tile (one full slice of ``T`` or ``_BIG * T`` elements, stepped in place), 0 for a packed one. Tables, one row per tile: ``seg_param`` (flat
+    ``(tiles * _SEGS,)`` int64: the bucket position of each segment), ``bases`` (int64 global
+    index of a segment's first element minus its tile-local start), ``flags`` (whether a
+    segment has a mirror; when the optimizer has mirrors), ``ka0``/``kb0`` (int64
+    ``(tiles, slots, _SEGS)`` stream keys), ``pids`` (int32 ``(T,)`` segment of each element of
+    a packed tile; ``None`` for a direct one).
+    """
+
+    __slots__ = ("bases", "direct", "direct_args", "flags", "ka0", "kb0", "key_rows", "keys_buf", "mirror_dtype",
+                 "pads", "pids", "ptrs", "rem_tiles", "seg_param", "sig", "slots", "table_keys", "table_rows",
+                 "tables_buf", "tile_numel", "tiles")
+
+    def __init__(self, sig: tuple[Any, ...], ptrs: list[int], tile_numel: int) -> None:
+        self.sig = sig
+        self.ptrs = ptrs
+        self.tile_numel = tile_numel
+        self.tiles: list[_Tile] = []
+        self.direct: list[int] = []
+        self.pids: list[Tensor | None] = []
+        self.seg_param: Tensor | None = None
+        self.bases: Tensor | None = None
+        self.flags: Tensor | None = None
+        self.ka0: Tensor | None = None
+        self.kb0: Tensor | None = None
+        self.slots: tuple[int, ...] = ()
+        self.mirror_dtype: torch.dtype | None = None
+        #: dtype -> zeros of ``tile_numel`` elements: the padding of packed tiles (sliced, never written).
+        self.pads: dict[torch.dtype, Tensor] = {}
+        # Per-step tables written in place into buffers whose per-tile rows are cached views: a
+        # tensor index per tile and table costs ~3 us of host time, as much as a small kernel.
+        self.table_keys: tuple[str, ...] | None = None
+        self.tables_buf: Tensor | None = None  # (scalar keys, tiles, _SEGS)
+        self.table_rows: list[list[Tensor]] = []
+        self.keys_buf: Tensor | None = None  # (2, tiles, slots, _SEGS) int64: ka, kb
+        self.key_rows: list[tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]] = []
+        #: (parameter, compensation, states, mirror, remainder) views of a direct tile, None for a packed one
+        #: (the parameter is None in a remainder tile: its placeholder is neither read nor written).
+        self.direct_args: list[tuple[Tensor | None, Tensor | None, list[Tensor], Tensor | None, Tensor | None] | None] = []
+        #: Per tile: whether its segments are remainder-stored masters (``bf16-master-r16`` in the kernel).
+        self.rem_tiles: list[bool] = []
+
+
+def _fused_segments(params: list[Tensor], mirrors: list[Tensor | None], tile: int, segs: int,
+                    rems: list[Tensor | None] | None = None) -> tuple[list[list[_Segment]], list[int]] | None:
+    """Cut a bucket into direct tiles (one full slice of ``_BIG * tile`` or ``tile`` elements) and packed tiles.
+
+    A contiguous tensor (with a contiguous mirror, if any) gives as many direct tiles of
+    ``_BIG * tile`` elements as fit, then of ``tile`` elements (fewer calls for large tensors:
+    each call costs ~30 us of host time on a CPU);
+    its remainder and every other tensor are packed in order into tiles of at most ``tile``
+    elements and ``segs`` segments, contiguous pieces split across tile boundaries so that
+    every packed tile but the last is full. ``None`` when a non-contiguous tensor exceeds
+    ``tile`` elements (it cannot be sliced without a copy: the bucket steps eagerly).
+    Remainder-stored masters (``rems[i]`` not ``None``) come after the others and never share a
+    tile with them: their parameter is a placeholder, and their mirror and remainder are what is
+    sliced.
+    """
+    out: list[list[_Segment]] = []
+    direct: list[int] = []
+    cur: list[_Segment] = []
+    cur_n = 0
+    rems = rems if rems is not None else [None] * len(params)
+    order = [i for i, r in enumerate(rems) if r is None] + [i for i, r in enumerate(rems) if r is not None]
+    for j, i in enumerate(order):
+        p, m, r = params[i], mirrors[i], rems[i]
+        if r is not None and j and rems[order[j - 1]] is None and cur:
+            out.append(cur)  # the last packed tile of the others ends here
+            direct.append(0)
+            cur, cur_n = [], 0
+        n = p.numel()
+        if n == 0:
+            continue
+        if r is not None:
+            sliceable = m is not None and m.is_contiguous() and r.is_contiguous()
+        else:
+            sliceable = p.is_contiguous() and (m is None or m.is_contiguous())
+        start = 0
+        if sliceable:
+            for size in (_BIG * tile, tile):
+                while n - start >= size:
+                    out.append([_Segment(i, start, start + size)])
+                    direct.append(size)
+                    start += size
+        elif n > tile:
+            return None
+        while start < n:
+            if cur and (len(cur) == segs or cur_n == tile or (not sliceable and cur_n + n > tile)):
+                out.append(cur)
+                direct.append(0)
+                cur, cur_n = [], 0
+            stop = min(n, start + tile - cur_n) if sliceable else n
+            cur.append(_Segment(i, start, stop))
+            cur_n += stop - start
+            start = stop
+    if cur:
+        out.append(cur)
+        direct.append(0)
+    return out, direct
 
 
 class FusedStep(OptimizerParts):
-    """The fused step of ``LowPrecisionOptimizer``: one compiled function per bucket structure (see ``_base.py``)."""
+    """The fused step of ``LowPrecisionOptimizer``: one compiled tile step per configuration (module docstring)."""
 
     @property
     def prefer_fused(self) -> bool:
@@ -54,14 +207,13 @@ class FusedStep(OptimizerParts):
         ``fused=True``: always (a compile error raises). ``fused=False``: never. ``fused=None``
         (default): on CUDA and XPU when Triton is available; off on CPU and other devices. The
         rule and the measurements behind it are in ``docs/optim.md``: on a GPU the eager step is
-        a chain of ~30 memory-bound kernels and the compiled one a few (the 124M-parameter eager
-        Kahan step was 7.7x torch's fused AdamW); on a CPU the compiled step is faster too, but
-        its first step costs ~10-30 s of C++ compilation per bucket structure, which dominates
+        a chain of ~30 memory-bound kernels and the compiled one a few; on a CPU the compiled
+        step is faster too, but its first step costs seconds of C++ compilation, which dominates
         short runs and test suites, so it is opt-in there, except when the model runs compiled
         (``_prefer_fused``, set by ``MixedPrecision`` once it saw a compiled backward: the user
-        already pays compile time, and the fused step is then the faster one). Also off (with a warning naming the
-        cause) after a compile failure under ``fused=None``, and after more than
-        ``_MAX_COMPILES`` structures (e.g. a scheduler changing ``betas`` every step).
+        already pays compile time, and the fused step is then the faster one). Also off (with a
+        warning naming the cause) after a compile failure under ``fused=None``, and after more
+        than ``_MAX_COMPILES`` configurations (e.g. a scheduler changing ``betas`` every step).
         """
         if self._fused_off is not None:
             return False
@@ -78,13 +230,17 @@ class FusedStep(OptimizerParts):
             return False
         return bool(has_triton())
 
+    def _fused_tile_numel(self, device: torch.device) -> int:
+        """Elements per compiled tile (see ``_CPU_FUSED_TILE``), at most ``chunk_numel``."""
+        return min(self.chunk_numel, _CPU_FUSED_TILE if device.type == "cpu" else _GPU_FUSED_TILE)
+
     def _step_bucket_fused(self, gi: int, group: dict[str, Any], plan: _Plan, keys: tuple[str, ...],
                            ctx: _DeviceCtx) -> bool:
-        """Step one bucket with its compiled function (built on first use, shared process-wide).
+        """Step one bucket tile by tile with the compiled tile step (built on first use, shared process-wide).
 
-        Returns ``False`` (the caller steps eagerly) when compiling failed under ``fused=None``
-        or too many structures were compiled. The per-step host work is a few list
-        comprehensions: the bucket's structure and hyper-parameter key are cached on ``plan``.
+        Returns ``False`` (the caller steps eagerly) when compiling failed under ``fused=None``,
+        too many configurations were compiled, or the bucket cannot be tiled without copies
+        (a large non-contiguous parameter, mirrors of two dtypes).
         """
         params = plan.params
         p0 = params[0]
@@ -106,189 +262,378 @@ class FusedStep(OptimizerParts):
         # stochastic compensation, half states): FP32 steps skip the key kernels.
         bits = (p0.dtype in _HALF and self.compensation != "none") or self._state_dtype_for(p0) in _HALF
         b = self._bucket(group, params, self._streams() if bits else None)
-        mirror_ids = (*map(id, b.mirrors), *map(id, b.rems))
-        if plan.struct is None or plan.struct_key != mirror_ids:
-            # Shapes, strides and dtypes select the compiled function; dynamo's guards check them
-            # on every call, so a later layout change (a swapped p.data) recompiles, never misreads.
-            plan.struct_key = mirror_ids
-            plan.struct = tuple(
-                (tuple(p.shape), tuple(p.stride()), p.dtype, type(p), tuple(g.shape), tuple(g.stride()), g.dtype,
-                 None if m is None else (m.dtype, tuple(m.stride())), None if r is None else tuple(r.stride()))
-                for p, g, m, r in zip(b.params, b.grads, b.mirrors, b.rems))
-        spec: tuple[Any, ...] = (
-            type(self), self.compensation, self.state_dtype, plan.struct, keys, plan.hp_key,
-            ctx.scale is not None, ctx.skip is not None, device, self.sync_mirrors,
-        )
+        layout = self._fused_layout(plan, b, keys)
+        if layout is None:
+            return False
+        if not layout.tiles:  # only empty tensors (empty shards): nothing to update, the steps still count
+            self._count_steps(b, ctx)
+            return True
         acc = torch.promote_types(p0.dtype, torch.float32)
-        # Per-parameter scalars and random keys outside the graph (a few tiny kernels per bucket):
-        # inside, Inductor would recompute them (pow, the key hash) for every vector of elements.
-        steps_old = torch.stack(b.steps)
+        n_tiles = len(layout.tiles)
+        # Per-(tile, segment) step counts, scalars and random keys: a few tiny kernels per bucket
+        # (inside the graph Inductor would recompute them, pow and the key hash, per element).
+        steps_old = torch.stack(b.steps).index_select(0, cast(Tensor, layout.seg_param))
         steps_new = steps_old + (ctx.keep if ctx.keep is not None else 1.0)
         scalars = self._step_scalars(group, steps_old, steps_new, acc)
         scalar_keys = tuple(sorted(scalars))
-        ka = kb = offsets = None
-        if bits:
-            rand_keys, offsets = self._fused_keys(b, keys, device)
-            ka, kb = step_keys((rand_keys[..., 0], rand_keys[..., 1]), steps_old[:, None])
-        spec = (*spec, scalar_keys)
-        args = (b.params, b.grads, b.comps, [b.states[k] for k in keys], [scalars[k] for k in scalar_keys], lr_t,
-                ctx.scale, ctx.skip, ka, kb, offsets, b.mirrors, b.rems)
-        fn = self._fused_fns.get(spec)
-        if fn is not None:
-            fn(*args)
-            self._count_steps(b, ctx)
-            return True
-        fn = _FUSED_CACHE.get(spec)
-        compiled_here = fn is None
-        if fn is None:
-            if len(self._fused_fns) >= _MAX_COMPILES:
-                self._fused_off = (f"{_MAX_COMPILES} step structures compiled already (hyper-parameters other than lr "
-                                   "are compiled in: is a scheduler changing them every step?)")
-                warnings.warn(f"{type(self).__name__}: using the eager step from now on: {self._fused_off}. Pass "
-                              "fused=False to silence this.", RuntimeWarning, stacklevel=4)
-                return False
-            fn = self._build_fused(hp, b, keys, scalar_keys, len(_FUSED_CACHE))
-        t0 = time.perf_counter()
-        try:
-            fn(*args)
-        except Exception as e:  # compile errors surface at the first call (backend, dynamo, C++ toolchain)
-            if not compiled_here:
-                raise
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if self.fused:
-                raise RuntimeError(
-                    f"{type(self).__name__}(fused=True): torch.compile of the fused step failed ({why}). Use "
-                    "fused=False for the eager step, or fix the compiler setup (a C++ compiler on CPU, Triton on GPU)."
-                ) from e
-            self._fused_off = why
-            warnings.warn(
-                f"{type(self).__name__}: the fused (torch.compile) step failed to build, using the eager step from "
-                f"now on ({why}). Pass fused=False to silence this.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return False
-        if compiled_here:
-            self.compile_seconds += time.perf_counter() - t0
-            _FUSED_CACHE[spec] = fn
-            while len(_FUSED_CACHE) > _FUSED_CACHE_SIZE:
-                _FUSED_CACHE.pop(next(iter(_FUSED_CACHE)))
-        self._fused_fns[spec] = fn
+        if layout.table_keys != scalar_keys:
+            layout.table_keys = scalar_keys
+            buf = layout.tables_buf = torch.empty((len(scalar_keys), n_tiles, _SEGS), dtype=acc, device=device)
+            layout.table_rows = [list(buf[:, t].unbind(0)) for t in range(n_tiles)]
+        if scalar_keys:
+            torch.stack([scalars[k].view(n_tiles, _SEGS) for k in scalar_keys], out=layout.tables_buf)
+        if layout.slots:
+            ka, kb = step_keys((cast(Tensor, layout.ka0), cast(Tensor, layout.kb0)),
+                               steps_old.view(n_tiles, 1, _SEGS))
+            torch.stack([ka, kb], out=layout.keys_buf)
+        spec: tuple[Any, ...] = (
+            type(self), self.compensation, self.state_dtype, p0.dtype, b.grads[0].dtype, layout.tile_numel, _SEGS,
+            keys, plan.hp_key, ctx.scale is not None, ctx.skip is not None, device, self.sync_mirrors,
+            layout.mirror_dtype, layout.slots, scalar_keys,
+        )
+        # (direct size, remainder tile) -> (spec, function, compiled here)
+        fns: dict[tuple[int, bool], tuple[Any, Callable[..., None], bool]] = {}
+        flat_grads: dict[int, Tensor] = {}
+        for t, tile in enumerate(layout.tiles):
+            direct = layout.direct[t]
+            variant = (direct, layout.rem_tiles[t])
+            entry = fns.get(variant)
+            if entry is None:
+                got = self._tile_fn((*spec, *variant), hp, p0.dtype, keys, scalar_keys, layout, bool(direct))
+                if got is None:
+                    return False
+                entry = fns[variant] = got
+            tspec, fn, compiled_here = entry
+            args = self._tile_args(b, layout, t, tile, keys, lr_t, ctx, flat_grads)
+            if compiled_here:
+                t0 = time.perf_counter()
+                try:
+                    fn(*args)
+                except Exception as e:  # compile errors surface at the first call (backend, dynamo, C++ toolchain)
+                    return self._compile_failed(e)
+                self.compile_seconds += time.perf_counter() - t0
+                _FUSED_CACHE[tspec] = fn
+                while len(_FUSED_CACHE) > _FUSED_CACHE_SIZE:
+                    _FUSED_CACHE.pop(next(iter(_FUSED_CACHE)))
+                self._fused_fns[tspec] = fn
+                fns[variant] = (tspec, fn, False)
+            else:
+                fn(*args)
+            if not direct:
+                self._scatter_tile(tile, args, keys, layout.mirror_dtype is not None)
         self._count_steps(b, ctx)
         return True
 
-    def _fused_keys(self, b: _Bucket, keys: tuple[str, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-        """The bucket's stream keys (int64 ``(n, 2 + len(keys), 2)``) and offsets (int64 ``(n,)``), cached."""
-        slots = (_SLOT_PARAM, _SLOT_COMP, *(self._state_slot(k) for k in keys))
-        cache_key = ("fused", device, tuple(b.ids), tuple(b.offsets), slots)
-        cached = self._key_cache.get(cache_key)
-        if cached is None:
-            if len(self._key_cache) > 4096:
-                self._key_cache.clear()
-            table = [[list(stream_key(self.seed, i * _STREAMS_PER_PARAM + s)) for s in slots] for i in b.ids]
-            kt = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
-            ot = torch.tensor(b.offsets, dtype=torch.int64).to(device, non_blocking=True)
-            cached = self._key_cache[cache_key] = (kt, ot)
-        return cached[0], cached[1]
+    def _tile_fn(self, spec: tuple[Any, ...], hp: dict[str, Any], pdt: torch.dtype, keys: tuple[str, ...],
+                 scalar_keys: tuple[str, ...], layout: _FusedLayout,
+                 direct: bool) -> tuple[Any, Callable[..., None], bool] | None:
+        """``(spec, compiled tile step, whether it still compiles at its first call)``; ``None``: too many compiled."""
+        fn = self._fused_fns.get(spec)
+        if fn is not None:
+            return spec, fn, False
+        fn = _FUSED_CACHE.get(spec)
+        if fn is not None:
+            self._fused_fns[spec] = fn
+            return spec, fn, False
+        if len(self._fused_fns) >= _MAX_COMPILES:
+            self._fused_off = (f"{_MAX_COMPILES} step configurations compiled already (hyper-parameters "
+                               "other than lr are compiled in: is a scheduler changing them every step?)")
+            warnings.warn(f"{type(self).__name__}: using the eager step from now on: {self._fused_off}. "
+                          "Pass fused=False to silence this.", RuntimeWarning, stacklevel=5)
+            return None
+        return spec, self._build_fused(hp, pdt, keys, scalar_keys, layout, direct, len(_FUSED_CACHE)), True
 
-    def _build_fused(
-        self, hp: dict[str, Any], b: _Bucket, keys: tuple[str, ...], scalar_keys: tuple[str, ...], n: int
-    ) -> Callable[..., None]:
-        """A ``torch.compile``d step for one bucket structure (static shapes, hyper-parameters but ``lr`` baked in).
+    def _compile_failed(self, e: Exception) -> bool:
+        """Raise under ``fused=True``; otherwise warn and turn the fused step off (returns ``False``)."""
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if self.fused:
+            raise RuntimeError(
+                f"{type(self).__name__}(fused=True): torch.compile of the fused step failed ({why}). Use "
+                "fused=False for the eager step, or fix the compiler setup (a C++ compiler on CPU, Triton on GPU)."
+            ) from e
+        self._fused_off = why
+        warnings.warn(
+            f"{type(self).__name__}: the fused (torch.compile) step failed to build, using the eager step from "
+            f"now on ({why}). Pass fused=False to silence this.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return False
 
-        The per-parameter scalars (from the step counts), the LR, ``grad_scale``, ``found_inf``,
-        the random keys (mixed with the step counts) and the global offsets are tensor inputs, so neither a new step, a scheduler's LR, another
-        seed nor another optimizer with the same structure needs a new graph: compiled steps
-        are cached process-wide by structure. Each structure gets its own code object so that
-        dynamo's per-code cache (and its recompile limit) is per structure. The arithmetic is
-        the eager step's (the subclass's ``_update``, called on an uninitialised instance:
-        ``_update`` must not read instance attributes).
+    @staticmethod
+    def _tile_args(b: _Bucket, layout: _FusedLayout, t: int, tile: _Tile, keys: tuple[str, ...], lr: Tensor,
+                   ctx: _DeviceCtx, flat_grads: dict[int, Tensor]) -> tuple[Any, ...]:
+        """The compiled tile step's arguments for tile ``t``: views (direct) or padded gathers (packed)."""
+        mirrored = layout.mirror_dtype is not None
+        fixed = layout.direct_args[t]
+        p: Tensor | None
+        if fixed is not None:
+            s = tile.segs[0]
+            flat = flat_grads.get(s.param)
+            if flat is None:  # once per parameter and step (a copy only for a non-contiguous gradient)
+                flat = flat_grads[s.param] = b.grads[s.param].reshape(-1)
+            grad = flat[s.start:s.stop]
+            p, comp, states, mirror, rem = fixed
+        else:
+            pad = layout.tile_numel - tile.total
+            in_rem = layout.rem_tiles[t]
+            grad = _gather_grads(b, tile, pad)
+            p = None if in_rem else _gather_padded(layout, tile, None, pad)
+            comp = _gather_padded(layout, tile, _COMP_KEY, pad) if b.comps else None
+            states = [_gather_padded(layout, tile, k, pad) for k in keys]
+            mirror = _gather_padded(layout, tile, _MIRROR, pad) if mirrored else None
+            rem = _gather_padded(layout, tile, _REM, pad) if in_rem else None
+        ka, kb, bases, flags = layout.key_rows[t]
+        return (p, grad, comp, states, mirror, rem, layout.pids[t], layout.table_rows[t], lr, ctx.scale, ctx.skip,
+                ka, kb, bases, flags)
+
+    @staticmethod
+    def _scatter_tile(tile: _Tile, args: tuple[Any, ...], keys: tuple[str, ...], mirrored: bool) -> None:
+        """Write a packed tile's stepped buffers back into its tensors (``split`` + ``_foreach_copy_`` each)."""
+        n = tile.total
+        if args[0] is not None:  # (not in a remainder tile: its parameters are placeholders)
+            _scatter(tile, None, args[0][:n])
+        if args[2] is not None:
+            _scatter(tile, _COMP_KEY, args[2][:n])
+        for k, v in zip(keys, args[3]):
+            _scatter(tile, k, v[:n])
+        if mirrored:
+            _scatter(tile, _MIRROR, args[4][:n])
+        if args[5] is not None:
+            _scatter(tile, _REM, args[5][:n])
+
+    def _fused_layout(self, plan: _Plan, b: _Bucket, keys: tuple[str, ...]) -> _FusedLayout | None:
+        """The bucket's tiles, cached views and per-segment tables; rebuilt when the structure changes.
+
+        Checked every step on the host: the seed, state keys, tile size, stream ids, global
+        offsets, mirrors, and the data pointer of every parameter, compensation buffer, state
+        and mirror. ``None``: the bucket cannot be tiled (see :func:`_fused_segments`).
         """
-        p0 = b.params[0]
-        pdt = p0.dtype
+        device = plan.device
+        tile_numel = self._fused_tile_numel(device)
+        mirror_ids = (*map(id, b.mirrors), *map(id, b.rems))
+        sig = (self.seed, keys, tile_numel, tuple(b.ids), tuple(b.offsets), mirror_ids, self.compensation)
+        ptrs = [t.data_ptr() for t in chain(b.params, b.comps, *(b.states[k] for k in keys),
+                                            (m for m in b.mirrors if m is not None), (r for r in b.rems if r is not None))]
+        layout = plan.fused
+        if layout is not None and layout.sig == sig and layout.ptrs == ptrs:
+            return layout
+        plan.fused = None  # drop the old views before building the new ones
+        # Mirrors yes/no is decided per optimizer, not per bucket: a bucket of an optimizer that has
+        # mirrors (a master-weight step) without one of its own (a group added later, FP32 norms only)
+        # compiles nothing new; its tiles write into scratch, masked by the flags.
+        mirror_dtypes = {m.dtype for m in chain(b.mirrors, self.mirrors.values()) if m is not None}
+        if len(mirror_dtypes) > 1:
+            return None
+        if any(r is not None and m is None for m, r in zip(b.mirrors, b.rems)):
+            return None  # (a remainder always comes with its weight: FusedShadow sets both)
+        cut = _fused_segments(b.params, b.mirrors, tile_numel, _SEGS, b.rems)
+        if cut is None:
+            return None
+        layout = _FusedLayout(sig, ptrs, tile_numel)
+        mdt = next(iter(mirror_dtypes)) if mirror_dtypes else None
+        layout.mirror_dtype = mdt
+        mirrors: list[Tensor] = []
+        if mdt is not None:
+            # A segment without a mirror writes its rounded value into scratch (flag 0 in the kernel).
+            scratch = torch.empty(max(p.numel() for p in b.params), dtype=mdt, device=device)
+            mirrors = [m if m is not None else scratch[:p.numel()].view(p.shape) for p, m in zip(b.params, b.mirrors)]
+            layout.flags = torch.tensor(
+                [[s < len(segs) and b.mirrors[segs[s].param] is not None for s in range(_SEGS)] for segs in cut[0]],
+                dtype=torch.bool).to(device, non_blocking=True)
+        seg_param: list[int] = []
+        bases: list[list[int]] = []
+        # Detached: a direct tile's views are compiled-step inputs, and a view of a parameter would
+        # carry requires_grad=True where a packed tile's gathered buffer does not (a dynamo guard:
+        # a second graph). In-place writes through them reach the parameters all the same.
+        params = [p.detach() for p in b.params]
+        mirrors = [m.detach() for m in mirrors]
+        for segs, direct in zip(*cut):
+            tile = _Tile(segs, b.offsets, device)
+            in_rem = b.rems[segs[0].param] is not None
+            layout.rem_tiles.append(in_rem)
+            if in_rem:  # the parameters are placeholders: the kernel reads and writes weight and remainder
+                tile.bind(_REM, cast(list[Tensor], b.rems))
+            else:
+                tile.bind(None, params)
+            if b.comps:
+                tile.bind(_COMP_KEY, b.comps)
+            for k in keys:
+                tile.bind(k, b.states[k])
+            if mdt is not None:
+                tile.bind(_MIRROR, mirrors)
+            layout.tiles.append(tile)
+            layout.direct.append(direct)
+            if direct:
+                layout.pids.append(None)  # one segment: the kernel reads table[0]
+            else:  # padding elements get segment len(segs) (a table entry of its own, or the last one)
+                counts = [*tile.sizes, tile_numel - tile.total]
+                ids = torch.arange(len(counts), dtype=torch.int32).clamp_(max=_SEGS - 1)
+                layout.pids.append(ids.repeat_interleave(torch.tensor(counts)).to(device, non_blocking=True))
+            seg_param.extend([s.param for s in segs] + [0] * (_SEGS - len(segs)))
+            starts = [0, *_cumsum(tile.sizes)[:-1]]
+            bases.append([b.offsets[s.param] + s.start - c for s, c in zip(segs, starts)] + [0] * (_SEGS - len(segs)))
+        layout.seg_param = torch.tensor(seg_param, dtype=torch.int64).to(device, non_blocking=True)
+        slots = layout.slots = self._random_slots(b, keys)
+        if slots:
+            layout.bases = torch.tensor(bases, dtype=torch.int64).to(device, non_blocking=True)
+            table = [[[stream_key(self.seed, b.ids[j] * _STREAMS_PER_PARAM + slot)
+                       for j in seg_param[t * _SEGS:(t + 1) * _SEGS]] for slot in slots] for t in range(len(cut[0]))]
+            layout.ka0 = torch.tensor([[[k[0] for k in row] for row in tt] for tt in table],
+                                      dtype=torch.int64).to(device, non_blocking=True)
+            layout.kb0 = torch.tensor([[[k[1] for k in row] for row in tt] for tt in table],
+                                      dtype=torch.int64).to(device, non_blocking=True)
+            layout.keys_buf = torch.empty((2, *layout.ka0.shape), dtype=torch.int64, device=device)
+        n_tiles = len(layout.tiles)
+        kbuf, fl, ba = layout.keys_buf, layout.flags, layout.bases
+        layout.key_rows = [(None if kbuf is None else kbuf[0, t], None if kbuf is None else kbuf[1, t],
+                            None if ba is None else ba[t], None if fl is None else fl[t]) for t in range(n_tiles)]
+        for tile, direct, in_rem in zip(layout.tiles, layout.direct, layout.rem_tiles):
+            v = tile.views
+            layout.direct_args.append(None if not direct else (
+                None if in_rem else cast(Tensor, v[None][0]), cast(Tensor, v[_COMP_KEY][0]) if b.comps else None,
+                [cast(Tensor, v[k][0]) for k in keys], cast(Tensor, v[_MIRROR][0]) if mdt is not None else None,
+                cast(Tensor, v[_REM][0]) if in_rem else None))
+        plan.fused = layout
+        return layout
+
+    def _build_fused(self, hp: dict[str, Any], pdt: torch.dtype, keys: tuple[str, ...], scalar_keys: tuple[str, ...],
+                     layout: _FusedLayout, direct: bool, n: int) -> Callable[..., None]:
+        """A ``torch.compile``d step of one ``T``-element tile (static shapes, hyper-parameters but ``lr`` baked in).
+
+        Inputs: the tile's parameter, gradient, compensation, states and mirror (``(T,)``,
+        updated in place), its segment index ``pid`` (int32 ``(T,)``) and per-segment tables
+        (``_SEGS`` entries: the scalars of :meth:`_step_scalars`, the random keys mixed with the
+        step counts, the global index bases, mirror flags), the LR, ``grad_scale`` and
+        ``found_inf``. Per-parameter values reach the elements as ``table[pid]``; in the
+        variant for direct tiles (``direct``: one segment) as ``table[0]``, a scalar the kernel
+        loads once instead of a gather per element (measured ~1.5x the kernel time on a CPU). Each
+        configuration gets its own code object so that dynamo's per-code cache (and its
+        recompile limit) is per configuration. The arithmetic is the eager step's (the
+        subclass's ``_update``, called on an uninitialised instance: ``_update`` must not read
+        instance attributes).
+        """
         acc = torch.promote_types(pdt, torch.float32)
         half = pdt in _HALF
-        kahan = bool(b.comps)
         stochastic = half and self.compensation == "stochastic"
         sync_mirrors = self.sync_mirrors
-        sdt = self._state_dtype_for(p0)
+        sdt = self._state_dtype_for(torch.empty(0, dtype=pdt))
         cls = type(self)
         update = cls.__new__(cls)._update
-        scalar = _scalar_expand
-        slot_of = {k: 2 + j for j, k in enumerate(keys)}  # column in the key table (0: param, 1: comp)
+        slots = layout.slots
+        state_slot = {k: self._state_slot(k) for k in keys}
 
-        def fused_step(
-            ps: list[Tensor], gs: list[Tensor], comps: list[Tensor], states: list[list[Tensor]],
-            scalars: list[Tensor], lr: Tensor, scale: Tensor | None, skip: Tensor | None,
-            ka: Tensor | None, kb: Tensor | None, offsets: Tensor | None, mirrors: list[Tensor | None],
-            rems: list[Tensor | None],
+        def fused_tile(
+            p: Tensor | None, grad: Tensor, comp: Tensor | None, states: list[Tensor], mirror: Tensor | None,
+            rem: Tensor | None, pid: Tensor | None, scalars: list[Tensor], lr: Tensor, scale: Tensor | None,
+            skip: Tensor | None,
+            ka: Tensor | None, kb: Tensor | None, bases: Tensor | None, flags: Tensor | None,
         ) -> None:
             group = dict(hp)
             # lr arrives with shape (1,): dynamo turns a 0-d float64 input into a Python float
             # (SymFloat), which Inductor fails to tensorify and restarts the whole trace from scratch
             # (about a fifth of the step's compile time); a view taken inside the graph is not an input.
             group["lr"] = lr.reshape(())
-            for i, p in enumerate(ps):
-                g = gs[i].to(acc)
-                if scale is not None:
-                    g = g / scale
-                mirror = mirrors[i]
-                rem = rems[i]
-                if rem is not None and mirror is not None:
-                    # A remainder-stored master (bf16-master-r16): p is a placeholder; the FP32 value is
-                    # the model's BF16 weight joined with its remainder, read here, in this pass.
-                    w = join_edited(mirror, rem)
-                else:
-                    w = p.to(acc)
-                p_old: Tensor = p
-                if sync_mirrors and mirror is not None and rem is None:
-                    # An edit of the model's weight since the last step (p.data.clamp_, a pruning
-                    # mask) wins over the master, elementwise, in this pass over the weights: the
-                    # exact check of weight_edits="values" without three extra kernels per tensor.
-                    w = with_edits(w, mirror)
-                    p_old = w.to(p.dtype)  # what a skipped step keeps: the master with the edits
-                if kahan:
-                    w = w + comps[i].to(acc)
-                s_old = {k: states[j][i] for j, k in enumerate(keys)}
-                w_new, s_new = update(group, w, g, {k: v.to(acc) for k, v in s_old.items()},
-                                      {k: scalars[j][i] for j, k in enumerate(scalar_keys)}, scalar)
-                index = None
-                if ka is not None:  # random bits drawn (stochastic rounding somewhere in this bucket)
-                    index = (torch.arange(p.numel(), dtype=torch.int64, device=p.device)
-                             + cast(Tensor, offsets)[i]).view(p.shape)
+            index = None if direct else cast(Tensor, pid).long()
 
-                def rand(col: int, i: int = i, index: Tensor | None = index) -> Tensor:
-                    return counter_bits(cast(Tensor, ka)[i, col], cast(Tensor, kb)[i, col], cast(Tensor, index))
+            def expand(v: Tensor) -> Tensor:
+                return v[0] if index is None else v[index]
 
-                new: list[tuple[Tensor, Tensor, Tensor]] = []  # (destination, new value, value if skipped)
-                if rem is not None and mirror is not None:
-                    hi, lo = split(w_new.to(torch.float32))  # weight and remainder; the placeholder is not written
-                    new.append((mirror, hi, mirror))
-                    new.append((rem, lo, rem))
-                elif half:
-                    p_new = stochastic_round(w_new, pdt, bits=rand(0)) if stochastic else w_new.to(pdt)
-                    new.append((p, p_new, p_old))
-                    if kahan:
-                        c = comps[i]
-                        new.append((c, stochastic_round(w_new - p_new.to(acc), pdt, bits=rand(1)), c))
-                else:
-                    new.append((p, w_new.to(pdt), p_old))
-                for k in keys:
-                    v = s_new[k]
-                    v = stochastic_round(v, sdt, bits=rand(slot_of[k])) if sdt in _HALF else v.to(sdt)
-                    new.append((s_old[k], v, s_old[k]))
-                for dst, value, old in new:
-                    dst.copy_(torch.where(skip, old, value) if skip is not None else value)
-                if mirror is not None and rem is None:  # the copy back into the model's half weight, in the same kernel
-                    mirror.copy_(p.to(mirror.dtype))
+            g = grad.to(acc)
+            if scale is not None:
+                g = g / scale
+            if rem is not None and mirror is not None:
+                # Remainder-stored masters (bf16-master-r16): the parameter is a placeholder (not an input);
+                # the FP32 value is the model's BF16 weight joined with its remainder, read in this pass.
+                w = join_edited(mirror, rem)
+            else:
+                w = cast(Tensor, p).to(acc)
+            p_old = p
+            if sync_mirrors and mirror is not None and rem is None:
+                # An edit of the model's weight since the last step (p.data.clamp_, a pruning mask)
+                # wins over the master, elementwise: the exact check of weight_edits="values".
+                edited = with_edits(w, mirror)
+                w = torch.where(expand(cast(Tensor, flags)), edited, w)  # segments with a mirror only
+                p_old = w.to(pdt)  # what a skipped step keeps: the master with the edits
+            if comp is not None:
+                w = w + comp.to(acc)
+            s_old = dict(zip(keys, states))
+            w_new, s_new = update(group, w, g, {k: v.to(acc) for k, v in s_old.items()},
+                                  dict(zip(scalar_keys, scalars)), expand)
+            gidx = None
+            if ka is not None:  # global element index: the random bits are a function of it
+                gidx = torch.arange(g.numel(), dtype=torch.int64, device=g.device) + expand(cast(Tensor, bases))
 
-        code = fused_step.__code__.replace(co_name=f"_mixprec_fused_step_{n}")
-        fn = types.FunctionType(code, fused_step.__globals__, code.co_name, fused_step.__defaults__,
-                                fused_step.__closure__)
+            def rand(slot: int) -> Tensor:
+                row = slots.index(slot)
+                return counter_bits(expand(cast(Tensor, ka)[row]), expand(cast(Tensor, kb)[row]), cast(Tensor, gidx))
+
+            new: list[tuple[Tensor, Tensor, Tensor]] = []  # (destination, new value, value if skipped)
+            if rem is not None and mirror is not None:
+                hi, lo = split(w_new.to(torch.float32))  # weight and remainder; the placeholder is not written
+                new.append((mirror, hi, mirror))
+                new.append((rem, lo, rem))
+            elif half:
+                p_new = stochastic_round(w_new, pdt, bits=rand(_SLOT_PARAM)) if stochastic else w_new.to(pdt)
+                new.append((cast(Tensor, p), p_new, cast(Tensor, p_old)))
+                if comp is not None:
+                    new.append((comp, stochastic_round(w_new - p_new.to(acc), pdt, bits=rand(_SLOT_COMP)), comp))
+            else:
+                new.append((cast(Tensor, p), w_new.to(pdt), cast(Tensor, p_old)))
+            for k in keys:
+                v = s_new[k]
+                v = stochastic_round(v, sdt, bits=rand(state_slot[k])) if sdt in _HALF else v.to(sdt)
+                new.append((s_old[k], v, s_old[k]))
+            for dst, value, old in new:
+                dst.copy_(torch.where(skip, old, value) if skip is not None else value)
+            if mirror is not None and rem is None:  # the copy back into the model's half weight, in the same kernel
+                mirror.copy_(cast(Tensor, p).to(mirror.dtype))
+
+        code = fused_tile.__code__.replace(co_name=f"_mixprec_fused_tile_{n}")
+        fn = types.FunctionType(code, fused_tile.__globals__, code.co_name, fused_tile.__defaults__,
+                                fused_tile.__closure__)
         # emulate_precision_casts: keep every rounding to the half dtype (Inductor elides a
         # half->FP32 round trip by default, which would make the Kahan remainder w - round(w) zero).
-        # size_asserts off: dynamo's guards already check every input's sizes and strides; the
-        # generated wrapper's second check cost ~0.2 ms per call for a 29-tensor bucket on a CPU.
+        # size_asserts off: dynamo's guards already check every input's sizes and strides.
+        # assert_indirect_indexing off: ``pid`` is built by the layout, always inside the tables; the
+        # check is a vector compare per 16 elements on a CPU.
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True,
-                                                                     "size_asserts": False}
+                                                                     "size_asserts": False,
+                                                                     "assert_indirect_indexing": False}
         return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True, options=options))
+
+
+def _gather_padded(layout: _FusedLayout, tile: _Tile, kind: str | None, pad: int) -> Tensor:
+    """A packed tile's elements of one buffer kind, zero-padded to the tile size (one ``cat``, a copy)."""
+    views = tile.views[kind]
+    parts = [v if v is not None else t.reshape(-1) for v, t in zip(views, tile.tensors[kind])]
+    if pad:
+        ref = parts[0]
+        zeros = layout.pads.get(ref.dtype)
+        if zeros is None:
+            zeros = layout.pads[ref.dtype] = torch.zeros(layout.tile_numel, dtype=ref.dtype, device=ref.device)
+        parts.append(zeros[:pad])
+    return torch.cat(parts)
+
+
+def _gather_grads(b: _Bucket, tile: _Tile, pad: int) -> Tensor:
+    """A packed tile's gradient elements in the gradients' dtype, zero-padded (one ``_chunk_cat`` when all are whole)."""
+    segs = tile.segs
+    gs = [b.grads[s.param] for s in segs]
+    g0 = gs[0]
+    out = torch.empty(tile.total + pad, dtype=g0.dtype, device=g0.device)
+    if pad:
+        out[tile.total:].zero_()
+    pieces = [g if s.start == 0 and s.stop == g.numel() else g.reshape(-1)[s.start:s.stop] for g, s in zip(gs, segs)]
+    if _chunk_cat is None:  # pragma: no cover - torch without _chunk_cat
+        torch.cat([x.reshape(-1) for x in pieces], out=out[:tile.total])
+    else:  # one kernel gathers gradients of any shapes and strides (0-d ones need a 1-element view)
+        _chunk_cat([x if x.dim() else x.reshape(1) for x in pieces], 0, 1, out=out[:tile.total].view(1, tile.total))
+    return out
+
+
+def _cumsum(sizes: list[int]) -> list[int]:
+    return list(accumulate(sizes))
+
+
+_chunk_cat: Callable[..., Tensor] | None = getattr(torch, "_chunk_cat", None)

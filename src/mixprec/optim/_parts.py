@@ -77,21 +77,20 @@ class _Plan:
     """One (device, param dtype, grad dtype) bucket of a param group, kept across steps.
 
     ``params`` are the parameters (the cache key holds their ids); the rest is filled by the
-    fused step: ``struct`` (shapes, strides and dtypes that select the compiled function) for
-    the mirrors ``struct_key``, and ``hp_key`` (the compiled-in hyper-parameters) for ``hp``;
-    and by the eager step: ``eager``, its cached tiles (:class:`_EagerLayout`).
+    fused step: ``hp_key`` (the compiled-in hyper-parameters) for ``hp`` and ``fused``, its
+    cached tiles (``_fused_step._FusedLayout``); and by the eager step: ``eager``, its cached
+    tiles (:class:`_EagerLayout`).
     """
 
-    __slots__ = ("device", "eager", "hp", "hp_key", "params", "struct", "struct_key")
+    __slots__ = ("device", "eager", "fused", "hp", "hp_key", "params")
 
     def __init__(self, device: torch.device, params: list[Tensor]) -> None:
         self.device = device
         self.params = params
-        self.struct: tuple[Any, ...] | None = None
-        self.struct_key: tuple[int, ...] = ()
         self.hp: dict[str, Any] | None = None
         self.hp_key = ""
         self.eager: _EagerLayout | None = None
+        self.fused: Any = None
 
 
 class _Tile:
@@ -308,6 +307,25 @@ class OptimizerParts(Optimizer):
     def _state_slot(self, key: str) -> int:
         return _SLOT_STATE0 + self._ALL_STATE_KEYS.index(key)
 
+    def _random_slots(self, b: _Bucket, keys: tuple[str, ...]) -> tuple[int, ...]:
+        """The random stream slots a bucket's step draws: stochastically rounded parameters, the Kahan
+        buffer, half states (eager and fused step alike, so both draw the same bits).
+
+        Raises:
+            RuntimeError: the bucket draws random bits but has no stream ids (an internal error).
+        """
+        p0 = b.params[0]
+        slots: list[int] = []
+        if p0.dtype in _HALF and self.compensation == "stochastic":
+            slots.append(_SLOT_PARAM)
+        if b.comps:
+            slots.append(_SLOT_COMP)
+        if self._state_dtype_for(p0) in _HALF:
+            slots.extend(self._state_slot(k) for k in keys)
+        if slots and len(b.ids) != len(b.params):
+            raise RuntimeError("internal: the bucket has no random stream ids but draws random bits")
+        return tuple(slots)
+
     def _state_dtype_for(self, p: Tensor) -> torch.dtype:
         return torch.float64 if p.dtype == torch.float64 else self.state_dtype
 
@@ -338,10 +356,6 @@ def _local_value(v: Tensor, p: Tensor, offset: int) -> Tensor:
     if _is_dtensor(p) and tuple(v.shape) != tuple(lp.shape):
         return v.reshape(-1)[offset:offset + lp.numel()].view(lp.shape)
     return v
-
-
-def _scalar_expand(v: Tensor) -> Tensor:
-    return v.reshape(())
 
 
 def _flat_view(t: Tensor, s: _Segment) -> Tensor | None:
@@ -378,3 +392,24 @@ def _device_ctx(device: torch.device, grad_scale: Tensor | float | None, found_i
         skip = f != 0
         keep = (~skip).to(torch.float32)
     return _DeviceCtx(scale, skip, keep)
+
+
+def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
+    """Write a flat tile value back into its tensors (``split`` + one ``_foreach_copy_``)."""
+    views = tile.views[kind]
+    if len(views) == 1:
+        v = views[0]
+        if v is not None:
+            v.copy_(value)
+        else:
+            t = tile.tensors[kind][0]
+            t.copy_(value.view(t.shape))
+        return
+    pieces = value.split(tile.sizes)
+    if tile.contiguous:
+        torch._foreach_copy_(cast(list[Tensor], views), list(pieces))
+        return
+    ts = tile.tensors[kind]
+    dsts = [v if v is not None else t for v, t in zip(views, ts)]
+    srcs = [x if v is not None else x.view(t.shape) for x, v, t in zip(pieces, views, ts)]
+    torch._foreach_copy_(dsts, srcs)

@@ -1,0 +1,27 @@
+"""``benchmarks/step_overhead.py``: the GPT-2 shapes and the fused baseline of the compensated rows (issue 27, item 3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+
+def test_gpt2_shapes_are_gpt2_124m_parameter_tensors(load_benchmark: Any) -> None:
+    module = load_benchmark("step_overhead")
+    params = list(module.gpt2_shaped(torch.device("meta")).parameters())
+    assert len(params) == 148
+    assert sum(p.numel() for p in params) == 124_439_808  # GPT-2 124M, the head tied to wte
+    assert params[0].shape == (50257, 768) and params[1].shape == (1024, 768)
+
+
+def test_fused_compensated_rows_are_against_torchs_fused_adamw(capsys: pytest.CaptureFixture[str],
+                                                                 load_benchmark: Any) -> None:
+    module = load_benchmark("step_overhead")
+    assert module.main(["--only-compensated", "--fused", "--rows", "pure-kahan-eager", "--params", "0.02",
+                        "--rounds", "2", "--reps", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line and not line.startswith(("#", "row"))}
+    assert rows == {"adamw-fused": "adamw-fused", "pure-kahan-eager": "adamw-fused"}, out
+    assert "AdamW fused" in out and "(linear)" in out
