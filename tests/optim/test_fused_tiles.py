@@ -14,6 +14,8 @@ eager step does.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -112,3 +114,30 @@ def test_master_bucket_with_and_without_mirrors_writes_every_mirror_and_carries_
         # mixprec's FP32 AdamW against torch's: FP32 rounding apart. A pruning edit the fused step
         # missed would leave O(1) differences in the masters of the pruned elements.
         torch.testing.assert_close(b, a, rtol=0, atol=2e-6)
+
+
+def test_a_bucket_that_cannot_be_tiled_steps_eagerly_with_one_warning_that_names_the_tensor(monkeypatch):
+    """A non-contiguous parameter larger than a tile (channels_last conv weight) cannot be sliced without a
+    copy: its bucket takes the eager step (the same values), and the user is told once why, not silently."""
+    monkeypatch.setattr(_fused_step, "_CPU_FUSED_TILE", TILE)
+    g = torch.Generator().manual_seed(0)
+    conv = torch.randn(8, 4, 3, 3, generator=g).to(torch.bfloat16).to(memory_format=torch.channels_last)  # 288 > 64
+    assert not conv.is_contiguous()
+    vec = torch.randn(40, generator=g).to(torch.bfloat16)
+    runs = {}
+    for fused in (True, False):
+        params = [torch.nn.Parameter(conv.clone(memory_format=torch.preserve_format)),
+                  torch.nn.Parameter(vec.clone())]
+        opt = mo.AdamW(params, lr=1e-2, compensation="kahan", fused=fused, seed=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(params, opt, scaled=False)
+        msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        if fused:
+            assert len(msgs) == 1, msgs  # once, not once per step
+            assert "not contiguous" in msgs[0] and "(8, 4, 3, 3)" in msgs[0] and "steps eagerly" in msgs[0]
+            assert not opt._fused_fns  # nothing compiled: the bucket went eager
+        else:
+            assert not msgs
+        runs[fused] = snapshot(opt)
+    assert_bit_identical(runs[True], runs[False])

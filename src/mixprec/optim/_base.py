@@ -186,6 +186,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         self.compile_seconds: float = 0.0
         self._fused_fns: dict[Any, Callable[..., None]] = {}
         self._fused_off: str | None = None  # why fused=None fell back to eager
+        self._eager_warned: set[str] = set()  # why a bucket stepped eagerly under the fused step (warned once)
         self._key_cache: dict[Any, tuple[Tensor, ...]] = {}
         self._offsets: dict[int, int] = {}  # id(param) -> global position of its first element
         self._lr_tensors: dict[Any, Tensor] = {}
@@ -244,6 +245,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             compile_seconds=self.compile_seconds,
             _fused_fns={},
             _fused_off=self._fused_off,
+            _eager_warned=set(),
             _key_cache={},
             _offsets={},
             _lr_tensors={},

@@ -132,7 +132,7 @@ class _FusedLayout:
 
 
 def _fused_segments(params: list[Tensor], mirrors: list[Tensor | None], tile: int, segs: int,
-                    rems: list[Tensor | None] | None = None) -> tuple[list[list[_Segment]], list[int]] | None:
+                    rems: list[Tensor | None] | None = None) -> tuple[list[list[_Segment]], list[int]] | str:
     """Cut a bucket into direct tiles (one full slice of ``_BIG * tile`` or ``tile`` elements) and packed tiles.
 
     A contiguous tensor (with a contiguous mirror, if any) gives as many direct tiles of
@@ -140,8 +140,8 @@ def _fused_segments(params: list[Tensor], mirrors: list[Tensor | None], tile: in
     each call costs ~30 us of host time on a CPU);
     its remainder and every other tensor are packed in order into tiles of at most ``tile``
     elements and ``segs`` segments, contiguous pieces split across tile boundaries so that
-    every packed tile but the last is full. ``None`` when a non-contiguous tensor exceeds
-    ``tile`` elements (it cannot be sliced without a copy: the bucket steps eagerly).
+    every packed tile but the last is full. A string (the reason) when a non-contiguous tensor
+    exceeds ``tile`` elements (it cannot be sliced without a copy: the bucket steps eagerly).
     Remainder-stored masters (``rems[i]`` not ``None``) come after the others and never share a
     tile with them: their parameter is a placeholder, and their mirror and remainder are what is
     sliced.
@@ -173,7 +173,9 @@ def _fused_segments(params: list[Tensor], mirrors: list[Tensor | None], tile: in
                     direct.append(size)
                     start += size
         elif n > tile:
-            return None
+            t = m if m is not None and (r is not None or p.is_contiguous()) else p  # the tensor that is not contiguous
+            return (f"parameter {i} of the bucket is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}, "
+                    f"e.g. channels_last) and has more than a tile's {tile} elements; contiguous weights keep it fused")
         while start < n:
             if cur and (len(cur) == segs or cur_n == tile or (not sliceable and cur_n + n > tile)):
                 out.append(cur)
@@ -263,7 +265,8 @@ class FusedStep(OptimizerParts):
         bits = (p0.dtype in _HALF and self.compensation != "none") or self._state_dtype_for(p0) in _HALF
         b = self._bucket(group, params, self._streams() if bits else None)
         layout = self._fused_layout(plan, b, keys)
-        if layout is None:
+        if isinstance(layout, str):
+            self._warn_eager_bucket(layout)
             return False
         if not layout.tiles:  # only empty tensors (empty shards): nothing to update, the steps still count
             self._count_steps(b, ctx)
@@ -402,12 +405,22 @@ class FusedStep(OptimizerParts):
         if args[5] is not None:
             _scatter(tile, _REM, args[5][:n])
 
-    def _fused_layout(self, plan: _Plan, b: _Bucket, keys: tuple[str, ...]) -> _FusedLayout | None:
+    def _warn_eager_bucket(self, why: str) -> None:
+        """Warn, once per optimizer and cause, that a bucket steps eagerly although the fused step is on."""
+        warned = self.__dict__.setdefault("_eager_warned", set())  # (an optimizer pickled before it existed)
+        if why in warned:
+            return
+        warned.add(why)
+        warnings.warn(f"{type(self).__name__}: the fused step cannot tile a bucket ({why}); that bucket steps "
+                      "eagerly (same result, slower). Pass fused=False to silence this.", RuntimeWarning,
+                      stacklevel=5)
+
+    def _fused_layout(self, plan: _Plan, b: _Bucket, keys: tuple[str, ...]) -> _FusedLayout | str:
         """The bucket's tiles, cached views and per-segment tables; rebuilt when the structure changes.
 
         Checked every step on the host: the seed, state keys, tile size, stream ids, global
         offsets, mirrors, and the data pointer of every parameter, compensation buffer, state
-        and mirror. ``None``: the bucket cannot be tiled (see :func:`_fused_segments`).
+        and mirror. A string: why the bucket cannot be tiled (see :func:`_fused_segments`).
         """
         device = plan.device
         tile_numel = self._fused_tile_numel(device)
@@ -424,12 +437,12 @@ class FusedStep(OptimizerParts):
         # compiles nothing new; its tiles write into scratch, masked by the flags.
         mirror_dtypes = {m.dtype for m in chain(b.mirrors, self.mirrors.values()) if m is not None}
         if len(mirror_dtypes) > 1:
-            return None
+            return f"mirrors of two dtypes: {sorted(map(str, mirror_dtypes))}"
         if any(r is not None and m is None for m, r in zip(b.mirrors, b.rems)):
-            return None  # (a remainder always comes with its weight: FusedShadow sets both)
+            return "a remainder without its weight"  # (internal: FusedShadow always sets both)
         cut = _fused_segments(b.params, b.mirrors, tile_numel, _SEGS, b.rems)
-        if cut is None:
-            return None
+        if isinstance(cut, str):
+            return cut
         layout = _FusedLayout(sig, ptrs, tile_numel)
         mdt = next(iter(mirror_dtypes)) if mirror_dtypes else None
         layout.mirror_dtype = mdt

@@ -188,6 +188,7 @@ class OptimizerParts(Optimizer):
     compile_seconds: float
     _fused_fns: dict[Any, Callable[..., None]]
     _fused_off: str | None
+    _eager_warned: set[str]
     _key_cache: dict[Any, tuple[Tensor, ...]]
     _offsets: dict[int, int]
     _lr_tensors: dict[Any, Tensor]
