@@ -86,6 +86,39 @@ def test_fused_step_equals_eager_bit_for_bit(name):
     assert not torch.equal(runs[1][0][1], _params()[0].detach())
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["adamw-kahan-f32", "adamw-sr-bf16"])
+def test_fused_step_equals_eager_bit_for_bit_on_cuda(name):
+    """On a GPU too (Triton kernels): division rounded as eager's, no flush of subnormals, no FMA contraction;
+    parameters larger than a tile take the direct tiles, the rest packed ones."""
+    shapes = [(1 << 10, 1 << 10), (3, 1000), (7,)]  # 2**20: two direct 2**19-element tiles
+    runs = []
+    for fused in (False, True):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16).cuda()) for s in shapes]
+        cls, hp, comp, sdt, _ = CONFIGS[name]
+        opt = cls(params, **hp, compensation=comp, state_dtype=sdt, seed=7, fused=fused)
+        for step in range(STEPS):
+            gg = torch.Generator().manual_seed(100 + step)
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gg) * 1e-3).to(torch.bfloat16).cuda()
+            opt.step(grad_scale=torch.tensor(4.0, device="cuda"),
+                     found_inf=torch.tensor(float(step == SKIP_STEP), device="cuda"))
+        assert bool(opt._fused_fns) is fused
+        runs.append([(k, v.cpu()) for k, v in snapshot(opt)])
+    assert_bit_identical(*runs)
+
+
+def test_fused_step_asks_inductor_for_eager_division_and_subnormals():
+    """The options that make Triton round as eager does, under the installed torch's names (a no-op on a CPU)."""
+    from torch._inductor import config
+
+    opts = _fused_step._eager_division_options()
+    assert opts and all(v is True for v in opts.values())
+    current = config.get_config_copy()
+    assert all(k in current for k in opts), opts  # names this torch's Inductor accepts as torch.compile options
+
+
 def test_compiled_once_per_structure_and_cached_across_steps_and_optimizers():
     name = "adamw-kahan-f32"
     before = set(_fused_step._FUSED_CACHE)

@@ -612,8 +612,32 @@ class FusedStep(OptimizerParts):
         # check is a vector compare per 16 elements on a CPU.
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True,
                                                                      "size_asserts": False,
-                                                                     "assert_indirect_indexing": False}
+                                                                     "assert_indirect_indexing": False,
+                                                                     **_eager_division_options()}
         return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True, options=options))
+
+
+def _eager_division_options() -> dict[str, bool]:
+    """Inductor options, by the installed torch's names, that make Triton divide and keep subnormals as eager does.
+
+    Triton lowers ``x / y`` to an approximate division (``div.full``, ~2 ulp) and may flush FP32
+    subnormals (tiny Kahan remainders) to zero; eager CUDA kernels do neither, so without these
+    the compiled step on a GPU would not equal the eager one bit for bit. ``emulate_precision_casts``
+    already turns off Triton's FMA contraction. CPU (C++) kernels are unaffected. Names:
+    ``eager_numerics.division_rounding``/``eager_numerics.disable_ftz`` (torch >= 2.12),
+    ``emulate_divison_rounding`` (sic; torch 2.5-2.11); an option this torch lacks is left out.
+    """
+    from torch._inductor import config
+
+    numerics = getattr(config, "eager_numerics", None)
+    out: dict[str, bool] = {}
+    if numerics is not None and hasattr(numerics, "division_rounding"):
+        out["eager_numerics.division_rounding"] = True
+    elif hasattr(config, "emulate_divison_rounding"):
+        out["emulate_divison_rounding"] = True
+    if numerics is not None and hasattr(numerics, "disable_ftz"):
+        out["eager_numerics.disable_ftz"] = True
+    return out
 
 
 def _gather_padded(layout: _FusedLayout, tile: _Tile, kind: str | None, pad: int) -> Tensor:
