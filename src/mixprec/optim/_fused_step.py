@@ -98,8 +98,8 @@ class _FusedLayout:
     """
 
     __slots__ = ("bases", "direct", "direct_args", "flags", "ka0", "kb0", "key_rows", "keys_buf", "mirror_dtype",
-                 "pads", "pids", "ptrs", "rem_tiles", "seg_param", "sig", "slots", "table_keys", "table_rows",
-                 "tables_buf", "tile_numel", "tiles")
+                 "pads", "pids", "ptrs", "rem_tiles", "seg_param", "sig", "slots", "stage_bufs", "stage_origs",
+                 "table_keys", "table_rows", "tables_buf", "tile_numel", "tiles")
 
     def __init__(self, sig: tuple[Any, ...], ptrs: list[int], tile_numel: int) -> None:
         self.sig = sig
@@ -129,6 +129,11 @@ class _FusedLayout:
         self.direct_args: list[tuple[Tensor | None, Tensor | None, list[Tensor], Tensor | None, Tensor | None] | None] = []
         #: Per tile: whether its segments are remainder-stored masters (``bf16-master-r16`` in the kernel).
         self.rem_tiles: list[bool] = []
+        #: Non-contiguous tensors of parameters larger than a tile (``channels_last`` weights, their
+        #: states) and their contiguous stand-ins, which the tiles slice: copied in before the tiles,
+        #: back after (see :func:`_staged`).
+        self.stage_origs: list[Tensor] = []
+        self.stage_bufs: list[Tensor] = []
 
 
 def _fused_segments(params: list[Tensor], mirrors: list[Tensor | None], tile: int, segs: int,
@@ -294,6 +299,8 @@ class FusedStep(OptimizerParts):
             keys, plan.hp_key, ctx.scale is not None, ctx.skip is not None, device, self.sync_mirrors,
             layout.mirror_dtype, layout.slots, scalar_keys,
         )
+        if layout.stage_bufs:  # logical order, as the eager step gathers them: the same random bits
+            torch._foreach_copy_(layout.stage_bufs, layout.stage_origs)
         # (direct size, remainder tile) -> (spec, function, compiled here)
         fns: dict[tuple[int, bool], tuple[Any, Callable[..., None], bool]] = {}
         flat_grads: dict[int, Tensor] = {}
@@ -324,6 +331,8 @@ class FusedStep(OptimizerParts):
                 fn(*args)
             if not direct:
                 self._scatter_tile(tile, args, keys, layout.mirror_dtype is not None)
+        if layout.stage_bufs:
+            torch._foreach_copy_(layout.stage_origs, layout.stage_bufs)
         self._count_steps(b, ctx)
         return True
 
@@ -440,17 +449,24 @@ class FusedStep(OptimizerParts):
             return f"mirrors of two dtypes: {sorted(map(str, mirror_dtypes))}"
         if any(r is not None and m is None for m, r in zip(b.mirrors, b.rems)):
             return "a remainder without its weight"  # (internal: FusedShadow always sets both)
-        cut = _fused_segments(b.params, b.mirrors, tile_numel, _SEGS, b.rems)
+        layout = _FusedLayout(sig, ptrs, tile_numel)
+        # Remainder-stored masters' parameters are placeholders: never staged (their weight and remainder are).
+        stage = _Stager(b.params, tile_numel, layout)
+        params_in = stage.tensors(b.params, skip={i for i, r in enumerate(b.rems) if r is not None})
+        mirrors_in = stage.optional(b.mirrors)
+        rems_in = stage.optional(b.rems)
+        comps_in = stage.tensors(b.comps) if b.comps else []
+        states_in = {k: stage.tensors(b.states[k]) for k in keys}
+        cut = _fused_segments(params_in, mirrors_in, tile_numel, _SEGS, rems_in)
         if isinstance(cut, str):
             return cut
-        layout = _FusedLayout(sig, ptrs, tile_numel)
         mdt = next(iter(mirror_dtypes)) if mirror_dtypes else None
         layout.mirror_dtype = mdt
         mirrors: list[Tensor] = []
         if mdt is not None:
             # A segment without a mirror writes its rounded value into scratch (flag 0 in the kernel).
             scratch = torch.empty(max(p.numel() for p in b.params), dtype=mdt, device=device)
-            mirrors = [m if m is not None else scratch[:p.numel()].view(p.shape) for p, m in zip(b.params, b.mirrors)]
+            mirrors = [m if m is not None else scratch[:p.numel()].view(p.shape) for p, m in zip(b.params, mirrors_in)]
             layout.flags = torch.tensor(
                 [[s < len(segs) and b.mirrors[segs[s].param] is not None for s in range(_SEGS)] for segs in cut[0]],
                 dtype=torch.bool).to(device, non_blocking=True)
@@ -459,20 +475,20 @@ class FusedStep(OptimizerParts):
         # Detached: a direct tile's views are compiled-step inputs, and a view of a parameter would
         # carry requires_grad=True where a packed tile's gathered buffer does not (a dynamo guard:
         # a second graph). In-place writes through them reach the parameters all the same.
-        params = [p.detach() for p in b.params]
+        params = [p.detach() for p in params_in]
         mirrors = [m.detach() for m in mirrors]
         for segs, direct in zip(*cut):
             tile = _Tile(segs, b.offsets, device)
             in_rem = b.rems[segs[0].param] is not None
             layout.rem_tiles.append(in_rem)
             if in_rem:  # the parameters are placeholders: the kernel reads and writes weight and remainder
-                tile.bind(_REM, cast(list[Tensor], b.rems))
+                tile.bind(_REM, cast(list[Tensor], rems_in))
             else:
                 tile.bind(None, params)
             if b.comps:
-                tile.bind(_COMP_KEY, b.comps)
+                tile.bind(_COMP_KEY, comps_in)
             for k in keys:
-                tile.bind(k, b.states[k])
+                tile.bind(k, states_in[k])
             if mdt is not None:
                 tile.bind(_MIRROR, mirrors)
             layout.tiles.append(tile)
@@ -615,6 +631,37 @@ class FusedStep(OptimizerParts):
                                                                      "assert_indirect_indexing": False,
                                                                      **_eager_division_options()}
         return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True, options=options))
+
+
+class _Stager:
+    """Contiguous stand-ins for the non-contiguous tensors of a bucket's parameters larger than a tile.
+
+    Such a tensor (a ``channels_last`` conv weight, its states, its half weight) cannot be sliced
+    into tiles without a copy. Its stand-in is a contiguous buffer of the same shape, allocated
+    once with the layout (memory: one more copy of those tensors only); the step copies every
+    original into its stand-in before the tiles (one ``_foreach_copy_``) and back after, so the
+    tiles see the elements in logical order, as the eager step's ``reshape`` does (the same
+    global positions, hence the same random bits). Smaller non-contiguous tensors are gathered
+    whole into packed tiles, as before.
+    """
+
+    def __init__(self, params: list[Tensor], tile: int, layout: _FusedLayout) -> None:
+        self.big = [p.numel() > tile for p in params]
+        self.layout = layout
+
+    def one(self, i: int, t: Tensor) -> Tensor:
+        if not self.big[i] or t.is_contiguous():
+            return t
+        buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        self.layout.stage_origs.append(t.detach())
+        self.layout.stage_bufs.append(buf)
+        return buf
+
+    def tensors(self, ts: list[Tensor], skip: frozenset[int] | set[int] = frozenset()) -> list[Tensor]:
+        return [t if i in skip else self.one(i, t) for i, t in enumerate(ts)]
+
+    def optional(self, ts: list[Tensor | None]) -> list[Tensor | None]:
+        return [None if t is None else self.one(i, t) for i, t in enumerate(ts)]
 
 
 def _eager_division_options() -> dict[str, bool]:
