@@ -141,6 +141,11 @@ def test_a_channels_last_weight_larger_than_a_tile_is_staged_and_steps_as_a_cont
         assert bool(opt._fused_fns) is fused
         if name == "fused":
             assert params[0].is_contiguous(memory_format=torch.channels_last)  # written back in place
+            # its stand-ins: the weight, the Kahan buffer if it follows the weight's layout (states are contiguous)
+            staged = [t for t in [params[0], *opt.state[params[0]].values()] if t.dim() and not t.is_contiguous()]
+            assert opt.memory_bytes()["staging"] == sum(t.numel() * t.element_size() for t in staged) > 0
+        else:
+            assert opt.memory_bytes()["staging"] == 0
         runs[name] = [(k, v.contiguous()) for k, v in snapshot(opt)]
     assert_bit_identical(runs["fused"], runs["fused-contiguous"])
     if _eager_sqrt_is_exact():
@@ -176,3 +181,44 @@ def test_a_bucket_that_cannot_be_tiled_steps_eagerly_with_one_warning_that_names
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "mirrors of two dtypes" in msgs[0] and "steps eagerly" in msgs[0], msgs
     assert not opt._fused_fns
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-master-r16"])
+def test_channels_last_conv_weights_take_the_fused_master_step(preset, monkeypatch):
+    """Through MixedPrecision: a channels_last conv net's master step runs compiled (its FP32 masters and half
+    weights staged where they are not contiguous), writes the half weights back in their layout, says nothing
+    about an eager fallback, and tracks the unfused master step."""
+    import mixprec
+
+    monkeypatch.setattr(_fused_step, "_CPU_FUSED_TILE", 256)
+
+    def run(fused: bool) -> tuple[list[torch.Tensor], object, torch.nn.Module]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3))
+        net = net.to(memory_format=torch.channels_last)  # the second weight: 2304 elements > 256
+        prec = mixprec.MixedPrecision(preset, fused=fused)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # prepare's advice on a CPU
+            model, opt = prec.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(3):
+                x = torch.randn(4, 3, 10, 10, generator=torch.Generator().manual_seed(i))
+                with prec.autocast():
+                    loss = model(x.to(memory_format=torch.channels_last)).float().square().mean()
+                prec.backward(loss)
+                prec.step(opt)
+                opt.zero_grad()
+        assert not [w for w in caught if "eagerly" in str(w.message)]
+        return [p.detach().float().clone() for p in model.parameters()], opt, model
+
+    fused, opt, model = run(True)
+    shadow = getattr(opt, "_shadow", None)
+    assert shadow is not None and shadow._view is not None and shadow._view._fused_fns  # the compiled step ran
+    assert model[2].weight.is_contiguous(memory_format=torch.channels_last)
+    unfused, _, _ = run(False)
+    for a, b in zip(fused, unfused):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)
+    torch.manual_seed(0)  # the same initial weights as in run()
+    start = torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3)
+    assert not torch.equal(fused[2], start[2].weight.detach().to(torch.bfloat16).float())  # the step moved it

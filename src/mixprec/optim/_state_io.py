@@ -227,12 +227,14 @@ class StateIO(OptimizerParts):
         Returns:
             ``numel`` (parameter elements this process holds: a ``DTensor``'s local shard), ``params``, ``grads`` (existing ``.grad`` tensors),
             ``compensation`` (``kahan_comp``), ``states`` (moments and other per-element
-            buffers), ``scalars`` (0-d step counters) and ``total`` (all but ``numel``).
+            buffers), ``scalars`` (0-d step counters), ``staging`` (the fused step's contiguous
+            stand-ins for non-contiguous tensors larger than a tile, e.g. ``channels_last``
+            weights; 0 otherwise) and ``total`` (all but ``numel``).
             ``(params + grads + compensation + states) / numel`` is the bytes-per-parameter
             figure: 14 for Kahan with FP32 states on BF16 AdamW, 10 with BF16 states, 8 for
             stochastic rounding with BF16 states, 16 for FP32 parameters with FP32 states.
         """
-        out = dict.fromkeys(("numel", "params", "grads", "compensation", "states", "scalars"), 0)
+        out = dict.fromkeys(("numel", "params", "grads", "compensation", "states", "scalars", "staging"), 0)
         for g in self.param_groups:
             for p in g["params"]:
                 out["numel"] += _local(p).numel()
@@ -248,6 +250,9 @@ class StateIO(OptimizerParts):
                         out["scalars"] += _nbytes(v)
                     else:
                         out["states"] += _nbytes(v)
+        for _, plans in self._plan_cache.values():
+            for plan in plans:
+                out["staging"] += sum(_nbytes(t) for t in getattr(plan.fused, "stage_bufs", ()))
         out["total"] = sum(v for k, v in out.items() if k != "numel")
         return out
 
