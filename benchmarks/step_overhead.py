@@ -47,6 +47,8 @@ Usage::
     python benchmarks/step_overhead.py --count-ops 2,12,24 # aten ops per eager optimizer step, by depth
     python benchmarks/step_overhead.py --device cuda --only-compensated --fused --shapes gpt2
                                         # issue 27, item 3: bf16-pure's step on GPT-2 124M's tensors
+    python benchmarks/step_overhead.py --device cuda --only-compensated --fused --shapes gpt2 --fused-tile 2097152
+                                        # the same with 2**21-element tiles (fewer calls, more packing)
 """
 
 from __future__ import annotations
@@ -247,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", choices=("linear", "gpt2"), default="linear",
                     help="parameter shapes: 'linear' (--params million in 24 tensors) or 'gpt2' (GPT-2 124M's "
                          "148 tensors, 124.4M elements; --params ignored)")
+    ap.add_argument("--fused-tile", type=int, default=0, metavar="N",
+                    help="elements per tile of the fused step on this device (default: mixprec's, 2**16 on a CPU, "
+                         "2**19 on a GPU); to compare tile sizes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="")
     ap.add_argument("--count-ops", default="", metavar="DEPTHS",
@@ -257,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     global SHAPES
     SHAPES = args.shapes
+    if args.fused_tile:
+        from mixprec.optim import _fused_step
+
+        if args.fused_tile < 1:
+            ap.error(f"--fused-tile: a positive number of elements, got {args.fused_tile}")
+        _fused_step._CPU_FUSED_TILE = _fused_step._GPU_FUSED_TILE = args.fused_tile
     device = torch.device(args.device)
     rows: dict[str, Callable[[], TorchLoop | MixprecLoop | OptimizerLoop]] = {}
     baseline: dict[str, str] = {}

@@ -25,3 +25,18 @@ def test_fused_compensated_rows_are_against_torchs_fused_adamw(capsys: pytest.Ca
     rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line and not line.startswith(("#", "row"))}
     assert rows == {"adamw-fused": "adamw-fused", "pure-kahan-eager": "adamw-fused"}, out
     assert "AdamW fused" in out and "(linear)" in out
+
+
+def test_fused_tile_sets_the_tile_of_the_fused_step(capsys: pytest.CaptureFixture[str], load_benchmark: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec.optim import _fused_step
+
+    module = load_benchmark("step_overhead")
+    monkeypatch.setattr(_fused_step, "_CPU_FUSED_TILE", _fused_step._CPU_FUSED_TILE)  # restored after the test
+    monkeypatch.setattr(_fused_step, "_GPU_FUSED_TILE", _fused_step._GPU_FUSED_TILE)
+    assert module.main(["--only-compensated", "--rows", "pure-kahan-fused", "--params", "0.02", "--rounds", "1",
+                        "--reps", "1", "--device", "cpu", "--fused-tile", "1024"]) == 0
+    assert _fused_step._CPU_FUSED_TILE == _fused_step._GPU_FUSED_TILE == 1024
+    assert "pure-kahan-fused" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        module.main(["--fused-tile", "-5", "--only-compensated"])
