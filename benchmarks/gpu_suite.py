@@ -22,6 +22,8 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
 7. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
    ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
 8. ``cuda-tests``: every CUDA-marked test (``pytest -m cuda``).
+9. ``compensated-t21``: the fused Kahan row of 6. with 2**21-element tiles instead of 2**19 (fewer
+   calls, more packing), when the budget leaves time: which tile size the GPU should default to.
 
 Everything a step prints goes to this process's output as it comes; ``--out`` (default ``$OUT``)
 also gets ``gpu_suite.txt`` (the whole log) and the JSON of the GPT-2 runs.
@@ -98,6 +100,9 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
     ("remainder", 90, [sys.executable, "benchmarks/remainder_step_cost.py", "--device", "cuda", "--width", "768",
                        "--blocks", "12"]),
     ("cuda-tests", 90, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"]),
+    ("compensated-t21", 75, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
+                             "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",
+                             "--fused-tile", str(1 << 21)]),
 ]
 
 
