@@ -38,6 +38,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from .._dist import local_tensor as _local
 from .._remainder import join_edited, split
 from ._parts import (
     _COMP_KEY,
@@ -652,6 +653,7 @@ class _Stager:
     def one(self, i: int, t: Tensor) -> Tensor:
         if not self.big[i] or t.is_contiguous():
             return t
+        t = _local(t)  # (a DTensor mirror: this rank's shard is what the tiles step)
         buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         self.layout.stage_origs.append(t.detach())
         self.layout.stage_bufs.append(buf)
