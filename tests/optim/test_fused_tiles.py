@@ -222,3 +222,45 @@ def test_channels_last_conv_weights_take_the_fused_master_step(preset, monkeypat
     torch.manual_seed(0)  # the same initial weights as in run()
     start = torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3)
     assert not torch.equal(fused[2], start[2].weight.detach().to(torch.bfloat16).float())  # the step moved it
+
+
+@pytest.mark.parametrize("fused", [True, None])
+def test_a_tile_kind_that_fails_to_compile_changes_nothing_before_the_fallback(fused, monkeypatch):
+    """Every tile kind compiles (on scratch copies) before any tile is stepped: when the packed kind fails after
+    the direct kind compiled, fused=True raises with the weights untouched, and fused=None warns and takes the
+    eager step once, equal to an eager optimizer's step (no tile stepped twice)."""
+    monkeypatch.setattr(_fused_step, "_CPU_FUSED_TILE", TILE)
+    real = _fused_step.FusedStep._build_fused
+
+    def build(self, hp, pdt, keys, scalar_keys, layout, direct, n):
+        fn = real(self, hp, pdt, keys, scalar_keys, layout, direct, n)
+        if direct:
+            return fn
+
+        def broken(*args):
+            raise RuntimeError("simulated Inductor failure")
+        return broken
+
+    monkeypatch.setattr(_fused_step.FusedStep, "_build_fused", build)
+    hp = {"lr": 1e-2, "eps": 1.2345e-7, "compensation": "kahan", "seed": 0}  # an eps no other test compiled
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(160, generator=g).to(torch.bfloat16), torch.randn(5, generator=g).to(torch.bfloat16)]
+    grads = [torch.randn(160, generator=g).to(torch.bfloat16), torch.randn(5, generator=g).to(torch.bfloat16)]
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = mo.AdamW(params, fused=fused, **hp)
+    opt._prefer_fused = True  # what MixedPrecision sets for a compiled model: fused=None then compiles on a CPU
+    for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+    if fused:
+        with pytest.raises(RuntimeError, match="simulated Inductor failure"):
+            opt.step()
+        assert all(torch.equal(p.detach(), t) for p, t in zip(params, init))  # the direct tiles were not stepped
+        return
+    with pytest.warns(RuntimeWarning, match="failed to build"):
+        opt.step()
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_opt = mo.AdamW(ref, fused=False, **hp)
+    for p, gr in zip(ref, grads):
+        p.grad = gr.clone()
+    ref_opt.step()
+    assert_bit_identical(snapshot(opt), snapshot(ref_opt))

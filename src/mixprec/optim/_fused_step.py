@@ -300,23 +300,22 @@ class FusedStep(OptimizerParts):
             keys, plan.hp_key, ctx.scale is not None, ctx.skip is not None, device, self.sync_mirrors,
             layout.mirror_dtype, layout.slots, scalar_keys,
         )
-        if layout.stage_bufs:  # logical order, as the eager step gathers them: the same random bits
-            torch._foreach_copy_(layout.stage_bufs, layout.stage_origs)
-        # (direct size, remainder tile) -> (spec, function, compiled here)
-        fns: dict[tuple[int, bool], tuple[Any, Callable[..., None], bool]] = {}
+        # Every tile kind's compiled step before any tile is stepped: a compile that fails (or the
+        # compile limit) then sends the whole bucket to the eager step with nothing updated twice.
+        # (direct size, remainder tile) -> the compiled tile step
+        fns: dict[tuple[int, bool], Callable[..., None]] = {}
         flat_grads: dict[int, Tensor] = {}
-        for t, tile in enumerate(layout.tiles):
-            direct = layout.direct[t]
-            variant = (direct, layout.rem_tiles[t])
-            entry = fns.get(variant)
-            if entry is None:
-                got = self._tile_fn((*spec, *variant), hp, p0.dtype, keys, scalar_keys, layout, bool(direct))
-                if got is None:
-                    return False
-                entry = fns[variant] = got
-            tspec, fn, compiled_here = entry
-            args = self._tile_args(b, layout, t, tile, keys, lr_t, ctx, flat_grads)
+        for t in range(n_tiles):
+            variant = (layout.direct[t], layout.rem_tiles[t])
+            if variant in fns:
+                continue
+            got = self._tile_fn((*spec, *variant), hp, p0.dtype, keys, scalar_keys, layout, bool(variant[0]))
+            if got is None:
+                return False
+            tspec, fn, compiled_here = got
             if compiled_here:
+                # Compiled on copies of what the kernel writes (its first call compiles): no state changes here.
+                args = _scratch(self._tile_args(b, layout, t, layout.tiles[t], keys, lr_t, ctx, flat_grads))
                 t0 = time.perf_counter()
                 try:
                     fn(*args)
@@ -327,9 +326,13 @@ class FusedStep(OptimizerParts):
                 while len(_FUSED_CACHE) > _FUSED_CACHE_SIZE:
                     _FUSED_CACHE.pop(next(iter(_FUSED_CACHE)))
                 self._fused_fns[tspec] = fn
-                fns[variant] = (tspec, fn, False)
-            else:
-                fn(*args)
+            fns[variant] = fn
+        if layout.stage_bufs:  # logical order, as the eager step gathers them: the same random bits
+            torch._foreach_copy_(layout.stage_bufs, layout.stage_origs)
+        for t, tile in enumerate(layout.tiles):
+            direct = layout.direct[t]
+            args = self._tile_args(b, layout, t, tile, keys, lr_t, ctx, flat_grads)
+            fns[(direct, layout.rem_tiles[t])](*args)
             if not direct:
                 self._scatter_tile(tile, args, keys, layout.mirror_dtype is not None)
         if layout.stage_bufs:
@@ -632,6 +635,16 @@ class FusedStep(OptimizerParts):
                                                                      "assert_indirect_indexing": False,
                                                                      **_eager_division_options()}
         return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True, options=options))
+
+
+def _scratch(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A tile step's arguments with copies of the buffers it writes (parameter, compensation, states, mirror,
+    remainder: positions 0, 2, 3, 4, 5), for the call that compiles it; the rest is only read."""
+    def copy(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.clone()
+
+    return (copy(args[0]), args[1], copy(args[2]), [t.clone() for t in args[3]], copy(args[4]), copy(args[5]),
+            *args[6:])
 
 
 class _Stager:
