@@ -227,8 +227,8 @@ def test_channels_last_conv_weights_take_the_fused_master_step(preset, monkeypat
 @pytest.mark.parametrize("fused", [True, None])
 def test_a_tile_kind_that_fails_to_compile_changes_nothing_before_the_fallback(fused, monkeypatch):
     """Every tile kind compiles (on scratch copies) before any tile is stepped: when the packed kind fails after
-    the direct kind compiled, fused=True raises with the weights untouched, and fused=None warns and takes the
-    eager step once, equal to an eager optimizer's step (no tile stepped twice)."""
+    the direct kind compiled, fused=True raises with the weights untouched, and fused=None warns and steps
+    eagerly, equal to an eager optimizer's step (no tile stepped twice)."""
     monkeypatch.setattr(_fused_step, "_CPU_FUSED_TILE", TILE)
     real = _fused_step.FusedStep._build_fused
 
