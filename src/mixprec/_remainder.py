@@ -89,17 +89,10 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         TypeError: ``x`` is not a float32 tensor.
     """
     _check_f32(x, "x")
-    bits = x.contiguous().view(torch.int32)
-    # floor((b + 2^15) / 2^16) is (b >> 16) + (low >= 2^15): the top half rounded half up on the
-    # magnitude (the arithmetic shift keeps the sign bit), and b - (top << 16) is the signed remainder.
-    top = (bits + _HALF) >> 16
-    # Only NaNs need care (a payload in the low bits would round into inf or across the sign); inf
-    # splits as (inf, 0) and values that round past BF16's largest finite number as (inf, negative).
-    nan = torch.isnan(x)
-    hi = torch.where(nan, _BF16_NAN, top).to(torch.int16).view(torch.bfloat16)
-    # The remainder b - (top << 16) is in int16's range and equal to b modulo 2^16, so it *is* b's
-    # low 16 bits read as int16: int32 -> int16 keeps exactly those (one pass, no subtraction).
-    return hi, bits.to(torch.int16).masked_fill_(nan, 0)
+    x = x.contiguous()
+    lo = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+    top = split_flat_(x, x.view(torch.int32), lo)
+    return top.to(torch.int16).view(torch.bfloat16), lo
 
 
 def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -191,8 +184,10 @@ def join_flat_(out: torch.Tensor, bits: torch.Tensor, lo: torch.Tensor) -> None:
 def split_flat_(x: torch.Tensor, bits: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """``split(x)``, in place where it can be: writes the remainders into ``lo`` and returns the BF16 halves' bits.
 
+    The algorithm of :func:`split` (which calls it).
+
     Args:
-        x: flat float32 values.
+        x: contiguous float32 values (flat in a :class:`RemainderBank`'s passes).
         bits: ``x`` viewed as ``int32`` (the same memory).
         lo: the ``int16`` remainders, written.
 
@@ -201,9 +196,15 @@ def split_flat_(x: torch.Tensor, bits: torch.Tensor, lo: torch.Tensor) -> torch.
         ``int16`` view of the weights keeps exactly those bits). Bit for bit :func:`split`.
     """
     nan = torch.isnan(x)
-    top = (bits + _HALF).bitwise_right_shift_(16)  # as in split(): the magnitude rounded half up
+    # floor((b + 2^15) / 2^16) is (b >> 16) + (low >= 2^15): the top half rounded half up on the
+    # magnitude (the arithmetic shift keeps the sign bit), and b - (top << 16) is the signed remainder.
+    top = (bits + _HALF).bitwise_right_shift_(16)
+    # Only NaNs need care (a payload in the low bits would round into inf or across the sign); inf
+    # splits as (inf, 0) and values that round past BF16's largest finite number as (inf, negative).
     top.masked_fill_(nan, _BF16_NAN)
-    lo.copy_(bits)  # int32 -> int16 keeps the low 16 bits: the remainder (split())
+    # The remainder b - (top << 16) is in int16's range and equal to b modulo 2^16, so it *is* b's
+    # low 16 bits read as int16: int32 -> int16 keeps exactly those (one pass, no subtraction).
+    lo.copy_(bits)
     lo.masked_fill_(nan, 0)
     return top
 

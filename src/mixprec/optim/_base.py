@@ -88,7 +88,7 @@ from torch import Tensor
 
 from .._dtypes import dtype_name, parse_dtype
 from .._errors import check_fused, unknown_choice
-from .._remainder import join_edited, placeholder, split
+from .._remainder import join_edited, placeholder, split_into_
 from ._fused_step import FusedStep
 from ._parts import (
     _COMP_KEY,
@@ -102,6 +102,7 @@ from ._parts import (
     DEFAULT_CHUNK_NUMEL,
     Compensation,
     _Bucket,
+    _chunk_cat,
     _device_ctx,
     _DeviceCtx,
     _EagerLayout,
@@ -399,9 +400,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         if pairs:
             torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
         for p, m, r in rem:  # split again; the master goes back to its placeholder
-            hi, lo = split(p)
-            m.copy_(hi)
-            r.copy_(lo)
+            split_into_(p, m, r)
             p.data = placeholder(p)
 
     @staticmethod
@@ -578,7 +577,6 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
 
 
 _CPU_TILE_NUMEL = 1 << 17
-_chunk_cat: Callable[..., Tensor] | None = getattr(torch, "_chunk_cat", None)
 
 
 _SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,

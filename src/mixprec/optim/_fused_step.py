@@ -49,6 +49,7 @@ from ._parts import (
     _STREAMS_PER_PARAM,
     OptimizerParts,
     _Bucket,
+    _chunk_cat,
     _DeviceCtx,
     _Plan,
     _same_values,
@@ -420,10 +421,9 @@ class FusedStep(OptimizerParts):
 
     def _warn_eager_bucket(self, why: str) -> None:
         """Warn, once per optimizer and cause, that a bucket steps eagerly although the fused step is on."""
-        warned = self.__dict__.setdefault("_eager_warned", set())  # (an optimizer pickled before it existed)
-        if why in warned:
+        if why in self._eager_warned:
             return
-        warned.add(why)
+        self._eager_warned.add(why)
         warnings.warn(f"{type(self).__name__}: the fused step cannot tile a bucket ({why}); that bucket steps "
                       "eagerly (same result, slower). Pass fused=False to silence this.", RuntimeWarning,
                       stacklevel=5)
@@ -734,5 +734,3 @@ def _gather_grads(b: _Bucket, tile: _Tile, pad: int) -> Tensor:
 def _cumsum(sizes: list[int]) -> list[int]:
     return list(accumulate(sizes))
 
-
-_chunk_cat: Callable[..., Tensor] | None = getattr(torch, "_chunk_cat", None)

@@ -395,6 +395,11 @@ def _device_ctx(device: torch.device, grad_scale: Tensor | float | None, found_i
     return _DeviceCtx(scale, skip, keep)
 
 
+#: ``torch._chunk_cat``: one kernel gathers tensors of any shapes and strides into one flat buffer
+#: (the tiles' gradients, eager and fused step); ``None`` on a torch without it.
+_chunk_cat: Callable[..., Tensor] | None = getattr(torch, "_chunk_cat", None)
+
+
 def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
     """Write a flat tile value back into its tensors (``split`` + one ``_foreach_copy_``)."""
     views = tile.views[kind]
