@@ -13,6 +13,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec import EMA, MasterWeightOptimizer, MixedPrecision
+from mixprec.bench._timing import OpCounter
 
 PRESETS = ["fp32", "bf16-mixed", "bf16-master", "bf16-master-r16", "fp16-master", "bf16-pure"]
 
@@ -119,6 +120,25 @@ def test_update_has_no_host_sync(preset, monkeypatch):
     ema.update(info)
     monkeypatch.undo()
     assert int(ema.num_updates) == 0 and bool(info.skipped)
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-pure"])
+def test_update_reads_nothing_back_to_the_host(preset):
+    # The CPU proxy of the CUDA test below: a 0-d tensor passed where torch takes a Scalar is read
+    # with .item() (aten._local_scalar_dense), a host sync on a GPU.
+    torch.manual_seed(0)
+    model = mlp()
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ema = EMA(prec, decay=0.9, warmup=True)
+    with prec.autocast():
+        loss = model(torch.randn(16, 8)).float().square().mean()
+    prec.backward(loss)
+    prec.step(opt)
+    with OpCounter() as c:
+        ema.update()
+    assert c.ops["_local_scalar_dense"] == 0 and c.ops["is_nonzero"] == 0
+    assert int(ema.num_updates) == 1
 
 
 @pytest.mark.cuda

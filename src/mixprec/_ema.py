@@ -165,8 +165,8 @@ class EMA:
             TypeError: ``info`` is not a ``StepInfo``.
 
         Host syncs: none. The skip decision is ``info.mask()``, a 0-d tensor on the device; the
-        update is one ``torch._foreach_lerp_`` per device (plus an FP32 upcast of half-precision
-        parameters under ``*-pure`` policies).
+        update is ``torch._foreach_lerp_`` per device with 0-d tensor weights (a ``lerp_`` kernel per
+        tensor; plus an FP32 upcast of half-precision parameters under ``*-pure`` policies).
         """
         if info is None and self.prec is not None:
             info = self.prec.last_step
@@ -189,8 +189,12 @@ class EMA:
         weight = (1 - self.decay_now()) * mask  # 0 on a skipped step: lerp leaves the average unchanged
         sources = [s if s.dtype == torch.float32 else s.float() for s in self._sources()]
         for device, (avgs, srcs) in _by_device(self._averages, sources).items():
-            # The 0-d tensor weight overload (one fused kernel; torch 2.13 ships it, its stubs do not list it).
-            torch._foreach_lerp_(avgs, srcs, weight if weight.device == device else weight.to(device))  # type: ignore[call-overload]
+            # A list of 0-d tensor weights, not the tensor itself: torch has no 0-d tensor overload of
+            # _foreach_lerp_, so a bare tensor becomes a Python scalar (.item(): a host sync on a GPU,
+            # measured on an H200). With per-tensor 0-d weights torch runs lerp_ per tensor in C++
+            # (one kernel each, no sync), lerp's own rounding kept.
+            w = weight if weight.device == device else weight.to(device)
+            torch._foreach_lerp_(avgs, srcs, [w] * len(avgs))
         self.num_updates += mask.to(torch.int64)
 
     # ----- using the average --------------------------------------------------------------------------
