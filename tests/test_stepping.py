@@ -193,3 +193,57 @@ def test_an_optimizer_without_a_twin_is_checked_once_until_a_group_is_added(monk
     opt.add_param_group({"params": ps})
     step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
     assert len(calls) == 2  # checked again for the new group (still complex: the host decides)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_carry_edits_across_layouts_equals_the_elementwise_where(dtype: torch.dtype) -> None:
+    """channels_last pairs take the flat passes (1-D in memory order); pairs laid out differently or with gaps
+    take where() each; an empty pair is skipped."""
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(6, 10, generator=g)
+    masters = [
+        torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),  # dense, not contiguous
+        torch.randn(4, 5, generator=g),  # its weight is channels_last below: a different layout
+        big[:, ::2],  # gaps: not dense
+        torch.randn(0, 3),
+        torch.randn(17, generator=g),
+    ]
+    weights = [m.to(dtype) for m in masters]
+    weights[1] = masters[1].to(dtype).t().contiguous().t()  # same values, transposed strides
+    weights[0][0, 0, 0, :2] = torch.tensor([5.0, -1.0], dtype=dtype)  # edits, in each kind of pair
+    weights[1][0, :2] = torch.tensor([2.0, 0.0], dtype=dtype)
+    weights[2][1, :2] = torch.tensor([-7.0, 3.0], dtype=dtype)
+    weights[4][3] = 0.0
+    want = [with_edits(m, w) for m, w in zip(masters, weights)]
+    got = [m.clone() for m in masters]  # preserve_format: the channels_last one stays channels_last
+    got[2] = big.clone()[:, ::2]  # keep the gaps
+    assert got[0].stride() == weights[0].stride() and got[1].stride() != weights[1].stride()
+    carry_edits_(got, weights)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert got[0][0, 0, 0, 0] == 5.0 and got[4][3] == 0.0  # the edits landed
+
+
+def test_the_edit_check_sees_a_weight_whose_storage_was_replaced() -> None:
+    """``p.data = new`` moves the weight: the cached 1-D views are rebuilt, so the new storage's edits are carried."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    prec = mixprec.MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    for _ in range(2):  # the views are cached at the first step
+        with prec.autocast():
+            loss = model(torch.randn(4, 8)).float().square().mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+    new = model.weight.detach().clone()
+    new[0, 0] = 3.0
+    model.weight.data = new.detach()  # new storage, with an edit
+    with prec.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    prec.backward(loss)
+    prec.step(opt)  # lr 0: the masters keep what the edit check carried in
+    assert float(model.weight[0, 0].detach()) == 3.0  # the copy-back wrote the master, which took the edit
+    assert float(opt.master_for(model.weight)[0, 0].detach()) == 3.0

@@ -153,6 +153,7 @@ class MasterWeightOptimizer(Optimizer):
     _pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     _pair_lists: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     _live = False  # "remainder": the masters hold their joined FP32 values (inside a step)
+    _edit_views: EditViews | None = None  # the edit check's cached 1-D views (built at its first use)
     master_storage: MasterStorage = "full"  # set in __init__; the default reads instances pickled before it existed
 
     def __init__(
@@ -240,7 +241,7 @@ class MasterWeightOptimizer(Optimizer):
         for key in ("step", "_mixprec_step_guard"):  # a MixedPrecision run's routing guard
             d.pop(key, None)
         d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None, _pairs=None, _pair_lists=([], []),
-                 _rem_list=[], _bank=None)
+                 _rem_list=[], _bank=None, _edit_views=None)
         return d
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -426,9 +427,10 @@ class MasterWeightOptimizer(Optimizer):
 
         * ``"values"`` (default): all of them. The common idioms ``p.data.clamp_(...)`` (WGAN)
           and ``p.data.mul_(mask)`` (pruning) edit through ``.data``, which has a version counter
-          of its own, so only comparing the values sees them. Cost: ten foreach ops per
-          (device, dtype) group and 32M elements, whatever the number of parameters
-          (:func:`carry_edits_`; about 40 bytes of memory traffic per element).
+          of its own, so only comparing the values sees them. Cost: four ops (two foreach
+          copies, a flat comparison, a foreach ``lerp_``) per (device, dtype) group and 32M
+          elements, whatever the number of parameters (:func:`carry_edits_`; about 38 bytes of
+          memory traffic per element).
         * ``"versions"``: those whose version counter or storage changed since the last copy
           (in-place ops on the parameter itself: ``torch.no_grad()`` edits,
           ``nn.Embedding(max_norm=...)``, ``load_state_dict``). Free when nothing changed;
@@ -459,7 +461,9 @@ class MasterWeightOptimizer(Optimizer):
         else:
             params, masters = self._pair_lists
             if params:
-                _carry_edits(masters, params)
+                if self._edit_views is None:
+                    self._edit_views = EditViews()
+                _carry_edits(masters, params, self._edit_views)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group: its half-precision parameters get FP32 masters (taken from their current values)."""
@@ -1050,54 +1054,122 @@ EDIT_CHUNK = 1 << 25
 
 @torch.no_grad()
 def carry_edits_(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
-    """``masters[i] = where(weights[i] == round(masters[i]), masters[i], weights[i])`` for every i, in foreach ops.
+    """``masters[i] = where(weights[i] == round(masters[i]), masters[i], weights[i])`` for every i, in a few passes.
 
     The edit check of :meth:`MasterWeightOptimizer.sync_edits_` (the per-tensor form is
     ``optim._rounding.with_edits``, which the fused step runs inside its kernel).
 
-    Algorithm, per (device, dtype) group and per pass of at most :data:`EDIT_CHUNK` elements
-    (ten foreach ops, whatever the number of tensors):
+    Algorithm, per (device, dtypes) group and per pass of at most :data:`EDIT_CHUNK` elements
+    (two foreach copies, one flat comparison and one foreach ``lerp_``, whatever the number of
+    tensors; about 38 bytes of memory traffic per element):
 
-    1. ``r = round(m) - w`` in the weights' dtype: exactly zero where the weight is untouched
-       (with gradual underflow, ``a - b == 0`` only when ``a == b``);
-    2. ``e = sign(|r|)`` in FP32: 1 where edited, 0 where not;
-    3. ``m = lerp(m, float(w), e)``: ``m + 0 * (w - m) = m`` and ``w - (w - m) * 0 = w``, both exact.
+    1. ``r = round(m)`` and ``f = float(w)`` into two flat scratch buffers (``_foreach_copy_``
+       into their 1-D pieces, the tensors seen as 1-D in memory order);
+    2. ``e = (r != f)`` as FP32 in one kernel over the flat buffers: 1 where edited, 0 where not
+       (``round(m)`` and ``w`` are compared exactly: both are values of the weights' dtype);
+    3. ``m = lerp(m, f, e)``: ``m + 0 * (f - m) = m`` and ``f - (f - m) * 0 = f``, both exact.
 
-    A NaN on either side gives NaN, as ``where`` does. One difference from ``where``: an FP16
-    master beyond the FP16 range (its weight is already inf) becomes NaN rather than staying finite.
-    No host sync.
+    A NaN weight gives a NaN master, as ``where`` does. One difference from ``where``: an FP16
+    master beyond the FP16 range (its weight is already inf) becomes NaN rather than staying
+    finite. Pairs whose two tensors are laid out differently (or not densely) take ``where`` per
+    pair. No host sync.
     """
     _carry_edits(masters, weights)
 
 
-def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
-    """:func:`carry_edits_` without its ``no_grad`` decorator (the step runs with grad mode off)."""
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for m, w in zip(masters, weights):
-        ms, ws = groups.setdefault((w.device, w.dtype), ([], []))
-        ms.append(m)
-        ws.append(w)
-    for ms, ws in groups.values():
-        start, n = 0, 0
-        for i, w in enumerate(ws):
-            n += w.numel()
-            if n >= EDIT_CHUNK or i == len(ws) - 1:
-                _carry_edits_pass(ms[start:i + 1], ws[start:i + 1])
-                start, n = i + 1, 0
+class EditViews:
+    """Cached 1-D views of the (master, weight) pairs the edit check reads, rebuilt when a pointer moves.
+
+    Making a view costs about 1 us of host time per tensor, every step; the check that they still
+    match (every data pointer, the weights' sizes: ``map`` over C methods, a few Python calls in
+    all) a tenth of that. ``passes`` holds the flat passes (at most :data:`EDIT_CHUNK` elements
+    each) as ``(1-D masters, 1-D weights, element counts, total)``.
+    """
+
+    __slots__ = ("dtensors", "key", "odd", "passes")
+
+    def __init__(self) -> None:
+        self.key: list[int] | None = None
+        self.dtensors = False  # FSDP2 shards: the key and the views come from the local tensors
+        self.passes: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int], int]] = []
+        self.odd: list[tuple[torch.Tensor, torch.Tensor]] = []  # pairs laid out differently: where() each
+
+    def get(self, masters: list[torch.Tensor], weights: list[torch.Tensor]) -> EditViews:
+        """These views for ``masters``/``weights``, rebuilt first if any tensor moved or changed size."""
+        if self.dtensors:
+            masters, weights = [_local(t) for t in masters], [_local(t) for t in weights]
+        try:
+            key = [*map(_DATA_PTR, masters), *map(_DATA_PTR, weights), *map(_NUMEL, weights)]
+        except RuntimeError:  # a tensor without storage (a DTensor): its local shard holds the data
+            if self.dtensors:
+                raise
+            self.dtensors = True
+            return self.get(masters, weights)
+        if key != self.key:
+            self._build(masters, weights)
+            self.key = key
+        return self
+
+    def _build(self, masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+        groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.passes, self.odd = [], []
+        for m, w in zip(masters, weights):
+            if m.numel() == 0:
+                continue
+            if m.stride() != w.stride() or not _dense(m):
+                self.odd.append((m, w))
+            else:
+                groups.setdefault((w.device, w.dtype, m.dtype), []).append((m, w))
+        for pairs in groups.values():
+            ms: list[torch.Tensor] = []
+            ws: list[torch.Tensor] = []
+            sizes: list[int] = []
+            for i, (m, w) in enumerate(pairs):
+                ms.append(m.as_strided((m.numel(),), (1,)))  # memory order: equal strides pair the elements
+                ws.append(w.as_strided((w.numel(),), (1,)))
+                sizes.append(m.numel())
+                if sum(sizes) >= EDIT_CHUNK or i == len(pairs) - 1:
+                    self.passes.append((ms, ws, sizes, sum(sizes)))
+                    ms, ws, sizes = [], [], []
 
 
-def _carry_edits_pass(ms: list[torch.Tensor], ws: list[torch.Tensor]) -> None:
-    r = torch._foreach_neg(ws)  # a buffer of the weights' dtype (its values are overwritten next)
-    torch._foreach_copy_(r, ms)  # round(m)
-    torch._foreach_sub_(r, ws)  # 0 exactly where w == round(m)
-    torch._foreach_abs_(r)
-    torch._foreach_sign_(r)  # 1 where edited
-    e = torch._foreach_abs(ms)  # an FP32 buffer
-    torch._foreach_copy_(e, r)
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span with no gaps or overlaps (contiguous in some dimension order)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda ss: ss[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor], views: EditViews | None = None) -> None:
+    """:func:`carry_edits_` without its ``no_grad`` decorator (the step runs with grad mode off).
+
+    ``views``: a cache of the pairs' 1-D views kept by the caller (one per optimizer); none: built here.
+    """
+    v = (views or EditViews()).get(masters, weights)
+    for m, w in v.odd:  # optim._rounding.with_edits, inline (this module stays below mixprec.optim)
+        torch.where(w == m.to(w.dtype), m, w.to(m.dtype), out=m)
+    for ms, ws, sizes, n in v.passes:
+        _carry_edits_pass(ms, ws, sizes, n)
+
+
+def _carry_edits_pass(ms: list[torch.Tensor], ws: list[torch.Tensor], sizes: list[int], n: int) -> None:
+    r = torch.empty(n, dtype=ws[0].dtype, device=ws[0].device)
+    f = torch.empty(n, dtype=ms[0].dtype, device=ms[0].device)
+    fs = f.split(sizes)
+    torch._foreach_copy_(r.split(sizes), ms)  # round(m)
+    torch._foreach_copy_(fs, ws)  # float(w), exact
+    e = torch.ne(r, f, out=torch.empty_like(f))  # 1.0 where edited; compared exactly (r is f's dtype's subset)
     del r
-    wf = torch._foreach_abs(ms)
-    torch._foreach_copy_(wf, ws)  # float(w), exact
-    torch._foreach_lerp_(ms, wf, e)
+    torch._foreach_lerp_(ms, fs, e.split(sizes))
 
 
 def model_params_of(opt: Optimizer) -> list[torch.Tensor]:
