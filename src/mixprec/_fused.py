@@ -9,11 +9,13 @@ steps the optimizers of policies without masters with it (``bf16-mixed``) when `
 the update and the skip on ``found_inf`` then run in one kernel with no host sync (the gradients
 were unscaled and checked before, in ``prec.unscale_``).
 
-When (``fused=None``): the master step on a GPU (CUDA/XPU with Triton); a plain policy's
-optimizer never (torch's own fused kernel, which skips on the device too, is as fast and
-compiles nothing). :func:`runs_compiled` (has the model's backward passed through a region
-``torch.compile`` compiled with Inductor?) turns on only the compensated ``mixprec.optim`` step
-on a CPU; measurements in docs/optim.md.
+When (``fused=None``): never, on any device. A plain policy's optimizer keeps torch's own fused
+kernel (it skips on the device too, is as fast and compiles nothing); the master step keeps the
+wrapped optimizer's step plus mixprec's foreach edit check and copy-back, which on a GPU is the
+faster of the two (GPT-2 124M on an H200: the compiled master step made ``bf16-master`` 1.47-1.79x
+torch.amp's step, host-bound at ~0.4 ms per tile call; docs/optim.md). :func:`runs_compiled`
+(has the model's backward passed through a region ``torch.compile`` compiled with Inductor?)
+turns on only the compensated ``mixprec.optim`` step on a CPU; measurements in docs/optim.md.
 """
 
 from __future__ import annotations
@@ -81,8 +83,6 @@ class FusedShadow:
         remainders: ``id(tensor in optimizer) -> int16 remainder`` of remainder-stored masters
             (``bf16-master-r16``): such a tensor is a placeholder, its value is joined from its mirror
             and remainder, and the step writes the split of the new value into both.
-        gpu_default: Whether ``fused=None`` turns on on a GPU (the master step: yes; a plain
-            policy's torch optimizer, which ``MixedPrecision`` shadows only under ``fused=True``: no).
 
     :meth:`view` returns the ``mixprec.optim`` optimizer to step, or ``None`` where the torch
     optimizer's own step must run: fused off for a device, or a torch option mixprec does not
@@ -93,10 +93,9 @@ class FusedShadow:
     """
 
     def __init__(self, optimizer: Optimizer, fused: bool | None, mirrors: dict[int, Tensor] | None = None, *,
-                 gpu_default: bool = True, remainders: dict[int, Tensor] | None = None) -> None:
+                 remainders: dict[int, Tensor] | None = None) -> None:
         self.optimizer = optimizer
         self.fused = fused
-        self.gpu_default = gpu_default
         self.mirrors: dict[int, Tensor] = dict(mirrors or {})
         self.remainders: dict[int, Tensor] = dict(remainders or {})
         self._prefer = False
@@ -127,7 +126,7 @@ class FusedShadow:
     def view(self) -> Any:
         """The ``mixprec.optim`` optimizer to step now, or ``None`` (step the torch optimizer itself)."""
         opt = self.optimizer
-        if self.fused is False or self._unsupported or (self.fused is None and not self._prefer and not self.gpu_default):
+        if self.fused is False or self._unsupported or (self.fused is None and not self._prefer):
             self._steps_on_device = False  # torch's own step runs: it may create CPU step counters
             self.off = True
             return None  # the last: a plain policy's eager model, the usual case, decided without a lookup

@@ -78,11 +78,12 @@ class MixedPrecision(RunCheckpoint):
             ``mixprec.optim`` optimizer of compensated policies, and, for policies without
             masters, a torch AdamW/Adam/SGD you keep (it steps through ``mixprec._fused.FusedShadow``
             on its own state; torch's own ``fused=True`` optimizers are left as they are).
-            ``None``: the master step on CUDA/XPU with Triton; the compensated step there too, and
-            on any device once the first :meth:`backward` sees a model compiled by Inductor
-            (``torch.compile``'s default backend: its eager step is 2-4x the compiled one's); a
-            plain policy's torch optimizer never (torch's own fused kernel steps it, skipping on
-            the device, as fast and with nothing to compile). See docs/optim.md.
+            ``None``: the compensated step on CUDA/XPU with Triton, and on any device once the
+            first :meth:`backward` sees a model compiled by Inductor (``torch.compile``'s default
+            backend: its eager step is 2-4x the compiled one's on a CPU); the master step and a
+            plain policy's torch optimizer never (the wrapped optimizer's own step, torch's fused
+            kernel where it has one: skips on the device and compiles nothing; on a GPU the
+            compiled master step measured slower, see docs/optim.md).
 
     Lifecycle (each raises a clear error when called out of order)::
 
@@ -289,7 +290,7 @@ class MixedPrecision(RunCheckpoint):
             elif opt is given and self.fused is True and not facts.fsdp and fusable_plain(opt):
                 # Update and skip in one compiled kernel, on request only: by default torch's own fused
                 # kernel steps it (the twin, _stepping.py), as fast and with nothing to compile (docs/optim.md).
-                rec.shadow = FusedShadow(opt, self.fused, gpu_default=False)
+                rec.shadow = FusedShadow(opt, self.fused)
             self._records[id(opt)] = rec
         self._iteration_flags = []
         self._applied_steps = AppliedSteps(torch.zeros((), dtype=torch.int64, device=facts.device))

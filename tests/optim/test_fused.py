@@ -88,10 +88,14 @@ def test_fused_step_equals_eager_bit_for_bit(name):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["adamw-kahan-f32", "adamw-sr-bf16"])
-def test_fused_step_equals_eager_bit_for_bit_on_cuda(name):
+def test_fused_step_equals_eager_bit_for_bit_on_cuda(name, monkeypatch):
     """On a GPU too (Triton kernels): division rounded as eager's, no flush of subnormals, no FMA contraction;
     parameters larger than a tile take the direct tiles, the rest packed ones."""
-    shapes = [(1 << 10, 1 << 10), (3, 1000), (7,)]  # 2**20: two direct 2**19-element tiles
+    from mixprec.optim import _fused_step
+
+    monkeypatch.setattr(_fused_step, "_GPU_FUSED_TILE", 1 << 18)  # small tiles: every kind on small tensors
+    # 2**20: one direct tile of 4T; 2**19 + 5: two direct tiles of T and a packed remainder; the rest packed
+    shapes = [(1 << 10, 1 << 10), ((1 << 19) + 5,), (3, 1000), (7,)]
     runs = []
     for fused in (False, True):
         g = torch.Generator().manual_seed(0)

@@ -3,7 +3,7 @@
 Algorithm (issue 27: compile a fixed number of graphs, not one per parameter shape):
 
 1. Each (device, dtype) bucket is laid out once into *tiles* (``T`` elements,
-   :meth:`FusedStep._fused_tile_numel`: 2**16 on a CPU, 2**19 elsewhere, at most ``chunk_numel``):
+   :meth:`FusedStep._fused_tile_numel`: 2**16 on a CPU, 2**21 elsewhere, at most ``chunk_numel``):
    every full slice of ``_BIG * T``, then of ``T``, elements of a contiguous parameter is a
    *direct* tile (its 1-D views of the parameter, states, compensation buffer and mirror are the
    kernel's inputs, written in place);
@@ -71,13 +71,13 @@ _MAX_COMPILES = 32
 #: (biases, norms: hundreds of elements each) still packs full.
 _SEGS = 128
 #: Tile elements of the compiled step: on a CPU small enough that the zero padding of the last
-#: tile costs little on small models; elsewhere large enough that the per-call host time
-#: (~30-50 us: guards and the wrapper) stays below the kernel's time. 2**19 rather than 2**20 on
-#: a GPU by arithmetic, not measurement (no GPU yet): GPT-2's widths (multiples of 768) leave
-#: remainders that are packed, i.e. copied in and out; at 2**19 (direct tiles of 2**19 and 2**21)
-#: a GPT-2 block packs 0.8M elements in 8 calls, at 2**20 1.8M elements in 7 calls.
+#: tile costs little on small models; elsewhere large, because each call costs host time (guards,
+#: the wrapper, a packed tile's gather and scatter). Measured on an H200 (torch 2.11, GPT-2 124M's
+#: 148 tensors, `benchmarks/gpu_suite.py`): the Kahan step took 28.7 ms at 2**19 (112 calls, 20
+#: of them packed) and 21.4 ms at 2**21 (48 calls, 18 packed), against 2.3 ms for torch's fused
+#: AdamW: host-bound either way (docs/optim.md), fewer calls faster.
 _CPU_FUSED_TILE = 1 << 16
-_GPU_FUSED_TILE = 1 << 19
+_GPU_FUSED_TILE = 1 << 21
 #: Direct tiles also come ``_BIG`` times larger (a third graph at most): a large tensor then
 #: takes a quarter of the calls.
 _BIG = 4
