@@ -47,8 +47,10 @@ Usage::
     python benchmarks/step_overhead.py --count-ops 2,12,24 # aten ops per eager optimizer step, by depth
     python benchmarks/step_overhead.py --device cuda --only-compensated --fused --shapes gpt2
                                         # issue 27, item 3: bf16-pure's step on GPT-2 124M's tensors
-    python benchmarks/step_overhead.py --device cuda --only-compensated --fused --shapes gpt2 --fused-tile 2097152
-                                        # the same with 2**21-element tiles (fewer calls, more packing)
+    python benchmarks/step_overhead.py --device cuda --only-compensated --fused --shapes gpt2 --fused-tile 524288
+                                        # the same with 2**19-element tiles (the default is 2**21 on a GPU)
+    python benchmarks/step_overhead.py --device cuda --fused --profile
+                                        # + per row: kernel time against the step's, top kernels and Python functions
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -199,6 +203,69 @@ def time_step(loop: TorchLoop | MixprecLoop | OptimizerLoop, device: torch.devic
     return statistics.median(times)
 
 
+def profile_step(name: str, loop: TorchLoop | MixprecLoop | OptimizerLoop, device: torch.device, wall_ms: float,
+                 steps: int = 3, top: int = 8) -> dict[str, Any]:
+    """Print where one row's step spends its time: device kernels (torch.profiler) and Python (cProfile).
+
+    Each of ``steps`` steps is profiled alone (its backward runs outside the profilers). The
+    kernels' time per step beside ``wall_ms`` (the row's median step) says whether the step is
+    bound by the device or by the host; cProfile's own time per function says which host code.
+    On a CPU the aten ops' own CPU time stands in for the kernels. Profilers slow the host, so
+    the times they print are for attribution, not for comparison with the table.
+    """
+    import cProfile
+    import pstats
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    kernels: dict[str, list[float]] = {}
+    for _ in range(steps):
+        loop.backward()
+        sync(device)
+        with torch.profiler.profile(activities=acts) as prof:
+            loop.step()
+            sync(device)
+        events = prof.key_averages()
+        ranges = {e.key for e in events if e.self_cpu_time_total > 0}  # record_function ranges show on the device too
+        for e in events:
+            if device.type == "cuda":
+                us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+                keep = us > 0 and e.key not in ranges
+            else:
+                us, keep = float(e.self_cpu_time_total), e.key.startswith("aten::")
+            if keep:
+                acc = kernels.setdefault(e.key, [0.0, 0.0])
+                acc[0] += us / steps
+                acc[1] += e.count / steps
+    prof_py = cProfile.Profile()
+    for _ in range(steps):
+        loop.backward()
+        sync(device)
+        prof_py.enable()
+        loop.step()
+        sync(device)
+        prof_py.disable()
+    stats = pstats.Stats(prof_py)
+    rows = sorted(((tt / steps * 1e6, nc / steps, f"{Path(fn).name}:{line}({fname})")
+                   for (fn, line, fname), (_, nc, tt, _, _) in stats.stats.items()),  # type: ignore[attr-defined]
+                  reverse=True)
+    k_total = sum(v[0] for v in kernels.values()) / 1e3
+    launches = sum(v[1] for v in kernels.values())
+    what = "CUDA kernels" if device.type == "cuda" else "aten ops (own CPU time)"
+    bound = "" if device.type != "cuda" else (", host-bound" if k_total < 0.7 * wall_ms else ", device-bound")
+    print(f"## profile {name}: step {wall_ms:.2f} ms (median above); {what} {k_total:.2f} ms in {launches:.0f} "
+          f"per step{bound}")
+    for us, (k, (_, n)) in sorted(((v[0], (k, v)) for k, v in kernels.items()), reverse=True)[:top]:
+        print(f"    {us:9.1f} us  {n:5.0f}x  {k[:100]}")
+    print(f"  Python, own time per step (cProfile, {steps} steps):")
+    for us, n, where in rows[:top]:
+        print(f"    {us:9.1f} us  {n:5.0f}x  {where[:100]}")
+    return {"wall_ms": wall_ms, "kernel_ms": k_total, "launches": launches,
+            "top_kernels": {k: v for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]},
+            "top_python": [{"us": us, "calls": n, "where": w} for us, n, w in rows[:top]]}
+
+
 def count_ops(depths: list[int]) -> None:
     """Print the aten ops of one ``opt.step`` (after two warm-up steps) per optimizer and depth."""
     import mixprec.optim as mo
@@ -251,9 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                          "148 tensors, 124.4M elements; --params ignored)")
     ap.add_argument("--fused-tile", type=int, default=0, metavar="N",
                     help="elements per tile of the fused step on this device (default: mixprec's, 2**16 on a CPU, "
-                         "2**19 on a GPU); to compare tile sizes")
+                         "2**21 on a GPU); to compare tile sizes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the table, per row: device kernels and Python functions per step (where the time goes)")
     ap.add_argument("--count-ops", default="", metavar="DEPTHS",
                     help="print aten ops per eager optimizer step at these GPT depths (e.g. 2,12,24) and exit")
     args = ap.parse_args(argv)
@@ -328,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         result[name] = {"median_ms": med, "ratio": statistics.median(ratios), "ratio_p10": p10, "ratio_p90": p90,
                         "baseline": base, "compile_seconds": compile_s.get(name)}
         print(f"{name:21s} {med:10.2f} {statistics.median(ratios):8.3f} {p10:7.3f}-{p90:<7.3f}  {base}")
+    if args.profile:
+        sys.stdout.flush()
+        for name in names:
+            result[name]["profile"] = profile_step(name, loops[name], device, result[name]["median_ms"])
     if args.json:
         env = {"torch": torch.__version__, "device": str(device), "python": sys.version.split()[0],
                "threads": torch.get_num_threads(), "params": n, "args": vars(args)}

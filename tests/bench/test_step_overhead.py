@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -40,3 +41,22 @@ def test_fused_tile_sets_the_tile_of_the_fused_step(capsys: pytest.CaptureFixtur
     assert "pure-kahan-fused" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         module.main(["--fused-tile", "-5", "--only-compensated"])
+
+
+def test_profile_attributes_each_rows_step(capsys: pytest.CaptureFixture[str], load_benchmark: Any,
+                                           tmp_path: Any) -> None:
+    module = load_benchmark("step_overhead")
+    out_json = tmp_path / "p.json"
+    assert module.main(["--rows", "bf16-master", "--params", "0.02", "--rounds", "1", "--reps", "1", "--device", "cpu",
+                        "--profile", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "## profile bf16-master:" in out and "## profile torch:" in out, out
+    import json
+
+    prof = json.loads(out_json.read_text())["rows"]["bf16-master"]["profile"]
+    assert prof["launches"] > 0 and prof["kernel_ms"] > 0
+    # Python functions by own time, largest first, named by file:line(function)
+    py = prof["top_python"]
+    assert py and all(a["us"] >= b["us"] for a, b in itertools.pairwise(py)), py
+    assert all(r["where"].endswith(")") and ":" in r["where"] for r in py), py  # file:line(function); builtins ~:0(...)
+    assert any(k.startswith("aten::_foreach") for k in prof["top_kernels"]), prof["top_kernels"]
