@@ -4,6 +4,7 @@
     python benchmarks/compile_cold.py                          # CPU: 4-block GPT, 64 wide, ~5 min on 2 cores
     python benchmarks/compile_cold.py --presets bf16-mixed --layers 2,6
     python benchmarks/compile_cold.py --optimizer-step --layers 2,6   # the optimizer step alone (issue 27, item 3)
+    python benchmarks/compile_cold.py --device cuda            # on a GPU (benchmarks/gpu_suite.py runs it)
 
 Each row runs in a process of its own (`torch.compile` state does not leak between rows), twice:
 first with an empty ``TORCHINDUCTOR_CACHE_DIR`` (**cold**: everything is compiled), then again with
@@ -50,7 +51,14 @@ STEP_ROWS = {"kahan fused": ("kahan", "float32"), "sr-bf16 fused": ("stochastic"
 GOAL = 1.25
 
 
-def child(row: str, layers: int, width: int, steps: int) -> dict[str, Any]:
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def child(row: str, layers: int, width: int, steps: int, device: str = "cpu") -> dict[str, Any]:
     """Build the row, run ``steps`` training steps; return the first step's and the last step's seconds."""
     import torch
     from torch._dynamo.utils import counters
@@ -62,14 +70,14 @@ def child(row: str, layers: int, width: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     vocab, block = 96, 64
-    model = CharGPT(vocab, block, layers, 4, width)
-    x = torch.randint(0, vocab, (8, block), generator=torch.Generator().manual_seed(1))
+    model = CharGPT(vocab, block, layers, 4, width).to(device)
+    x = torch.randint(0, vocab, (8, block), generator=torch.Generator().manual_seed(1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if row == AMP:
         cm = torch.compile(model)
 
         def step() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                 loss = F.cross_entropy(cm(x).float().flatten(0, 1), x.flatten())
             loss.backward()
             opt.step()
@@ -90,11 +98,12 @@ def child(row: str, layers: int, width: int, steps: int) -> dict[str, Any]:
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return {"first_s": times[0], "step_s": times[-1], "graphs": int(counters["stats"]["unique_graphs"])}
 
 
-def child_step(row: str, layers: int, width: int, steps: int) -> dict[str, Any]:
+def child_step(row: str, layers: int, width: int, steps: int, device: str = "cpu") -> dict[str, Any]:
     """The optimizer step alone: ``steps`` steps of one ``--optimizer-step`` row; first and last step's seconds."""
     import torch
     from torch._dynamo.utils import counters
@@ -104,8 +113,8 @@ def child_step(row: str, layers: int, width: int, steps: int) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = CharGPT(96, 64, layers, 4, width)
-    found_inf = torch.zeros(())
+    model = CharGPT(96, 64, layers, 4, width).to(device)
+    found_inf = torch.zeros((), device=device)
     run: Any
     if row == TORCH_STEP:
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -123,16 +132,20 @@ def child_step(row: str, layers: int, width: int, steps: int) -> dict[str, Any]:
     times = []
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad = torch.randn(p.shape, generator=gen).to(device=device, dtype=p.dtype)
+        _sync(device)
         t0 = time.perf_counter()
         run()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return {"first_s": times[0], "step_s": times[-1], "graphs": int(counters["stats"]["unique_graphs"])}
 
 
-def run_child(row: str, layers: int, width: int, steps: int, cache: str, optimizer_step: bool = False) -> dict[str, Any]:
+def run_child(row: str, layers: int, width: int, steps: int, cache: str, optimizer_step: bool = False,
+              device: str = "cpu") -> dict[str, Any]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--child", row, "--layers", str(layers), "--width", str(width), "--steps", str(steps)]
+    cmd = [sys.executable, __file__, "--child", row, "--layers", str(layers), "--width", str(width), "--steps", str(steps),
+           "--device", device]
     if optimizer_step:
         cmd.append("--optimizer-step")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -150,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--optimizer-step", action="store_true",
                     help="the optimizer step alone: mixprec's fused compensated AdamW against torch.compile(AdamW.step)")
+    ap.add_argument("--device", default="cpu", help="where the rows run (default cpu; cuda on a GPU)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         fn = child_step if a.optimizer_step else child
-        print(json.dumps(fn(a.child, int(a.layers), a.width, a.steps)))
+        print(json.dumps(fn(a.child, int(a.layers), a.width, a.steps, a.device)))
         return 0
     base_row = TORCH_STEP if a.optimizer_step else AMP
     base_name = TORCH_STEP if a.optimizer_step else "torch.amp"
@@ -163,15 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = [AMP, *[p.strip() for p in a.presets.split(",") if p.strip()]]
     results: list[dict[str, Any]] = []
-    print("# each row in its own process, 1 thread; cold: empty TORCHINDUCTOR_CACHE_DIR, warm: the same directory again")
+    print(f"# {a.device}; each row in its own process, 1 thread; cold: empty TORCHINDUCTOR_CACHE_DIR, warm: the same "
+          "directory again")
     print(f"{'row':20s} {'layers':>6s} {'cold s':>7s} {'warm s':>7s} {'step ms':>8s} {'graphs':>6s} {'cold/base':>9s} "
           f"{'warm/base':>9s}")
     for layers in [int(n) for n in a.layers.split(",")]:
         base: dict[str, float] = {}
         for row in rows:
             with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
-                cold = run_child(row, layers, a.width, a.steps, cache, a.optimizer_step)
-                warm = run_child(row, layers, a.width, a.steps, cache, a.optimizer_step)
+                cold = run_child(row, layers, a.width, a.steps, cache, a.optimizer_step, a.device)
+                warm = run_child(row, layers, a.width, a.steps, cache, a.optimizer_step, a.device)
             if row == base_row:
                 base = {"cold": cold["first_s"], "warm": warm["first_s"]}
             r = {"row": row, "layers": layers, "cold_s": cold["first_s"], "warm_s": warm["first_s"],

@@ -146,10 +146,13 @@ def test_compile_cold_reports_ratios_and_the_goal_per_preset(capsys: pytest.Capt
              ("torch.amp bf16", 4): 20.0, ("bf16-mixed", 4): 26.0, ("bf16-pure", 4): 21.0}
     calls: list[str] = []
 
+    devices: list[str] = []
+
     def fake_child(row: str, layers: int, width: int, steps: int, cache: str,
-                   optimizer_step: bool = False) -> dict[str, Any]:
+                   optimizer_step: bool = False, device: str = "cpu") -> dict[str, Any]:
         assert not optimizer_step
         calls.append(cache)
+        devices.append(device)
         warm = calls.count(cache) == 2
         return {"first_s": first[(row, layers)] / (10.0 if warm else 1.0), "step_s": 0.01, "graphs": 1}
 
@@ -164,6 +167,10 @@ def test_compile_cold_reports_ratios_and_the_goal_per_preset(capsys: pytest.Capt
     assert module.main(["--presets", "bf16-mixed", "--layers", "2,4"]) == 0
     assert "goal bf16-mixed: cold and warm <= 1.25x torch.amp's at every depth: met (at most 1.20x cold, 1.20x warm)" in \
         capsys.readouterr().out
+    assert set(devices) == {"cpu"}
+    devices.clear()
+    assert module.main(["--presets", "bf16-mixed", "--layers", "2", "--device", "cuda"]) == 0
+    assert devices == ["cuda"] * 4 and "# cuda;" in capsys.readouterr().out  # every child, cold and warm, on the GPU
 
 
 def test_compile_cold_optimizer_step_rows_are_against_torch_compile_of_adamw_step(
@@ -174,7 +181,7 @@ def test_compile_cold_optimizer_step_rows_are_against_torch_compile_of_adamw_ste
     seen: list[tuple[str, bool]] = []
 
     def fake_child(row: str, layers: int, width: int, steps: int, cache: str,
-                   optimizer_step: bool = False) -> dict[str, Any]:
+                   optimizer_step: bool = False, device: str = "cpu") -> dict[str, Any]:
         seen.append((row, optimizer_step))
         return {"first_s": {"compile(AdamW.step)": 8.0, "kahan fused": 4.0, "sr-bf16 fused": 11.0}[row],
                 "step_s": 0.01, "graphs": 1}
