@@ -9,7 +9,8 @@ steps the optimizers of policies without masters with it (``bf16-mixed``) when `
 the update and the skip on ``found_inf`` then run in one kernel with no host sync (the gradients
 were unscaled and checked before, in ``prec.unscale_``).
 
-When (``fused=None``): never, on any device. A plain policy's optimizer keeps torch's own fused
+When (``fused=None``): only where :attr:`FusedShadow.prefer` is set (``MasterWeightOptimizer.prefer_fused``,
+which ``MixedPrecision`` leaves off), on any device. A plain policy's optimizer keeps torch's own fused
 kernel (it skips on the device too, is as fast and compiles nothing); the master step keeps the
 wrapped optimizer's step plus mixprec's foreach edit check and copy-back, which on a GPU is the
 faster of the two (GPT-2 124M on an H200: the compiled master step made ``bf16-master`` 1.47-1.79x
