@@ -551,7 +551,13 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         olds.update(s_old)
         for kind, value in new.items():
             if ctx.skip is not None:
-                value = _unless_skipped(ctx.skip, cast(Tensor, olds[kind]), value, skip_masks)
+                old = cast(Tensor, olds[kind])
+                if single and tile.views[kind][0] is not None:
+                    # ``old`` is the tensor's own storage (a one-segment tile gathers no copy): select
+                    # into it, with no copy back (a full pass per buffer saved).
+                    _select_into(ctx.skip, old, value, skip_masks)
+                    continue
+                value = _unless_skipped(ctx.skip, old, value, skip_masks)
             _scatter(tile, kind, value)
 
     @staticmethod
@@ -602,6 +608,25 @@ def _unless_skipped(skip: Tensor, old: Tensor, value: Tensor, masks: dict[torch.
     # In place: value is the step's own new buffer (a fresh tile-sized buffer costs page faults on a CPU).
     value.view(it).bitwise_xor_(ob).bitwise_and_(mask).bitwise_xor_(ob)
     return value
+
+
+def _select_into(skip: Tensor, old: Tensor, value: Tensor, masks: dict[torch.dtype, Tensor]) -> None:
+    """``old = where(skip, old, value)`` in place (``old`` flat and contiguous, ``value`` the step's own new buffer).
+
+    On a CPU as ``old ^= (value ^ old) & -(not skip)`` on the bit patterns (see :func:`_unless_skipped`),
+    elsewhere one ``where`` written into ``old``. Bit for bit :func:`_unless_skipped`'s result.
+    """
+    if value.data_ptr() == old.data_ptr():  # an update that returned its input: nothing to select
+        return
+    if value.device.type != "cpu":
+        torch.where(skip, old, value, out=old)
+        return
+    it = _SAME_SIZE_INT[value.dtype]
+    mask = masks.get(it)
+    if mask is None:
+        mask = masks[it] = torch.logical_not(skip).to(it).neg_()  # all ones when not skipped
+    ob = old.view(it)
+    ob.bitwise_xor_(value.view(it).bitwise_xor_(ob).bitwise_and_(mask))
 
 
 def _tile_segments(params: list[Tensor], limit: int) -> list[list[_Segment]]:
