@@ -264,3 +264,51 @@ def test_a_tile_kind_that_fails_to_compile_changes_nothing_before_the_fallback(f
         p.grad = gr.clone()
     ref_opt.step()
     assert_bit_identical(snapshot(opt), snapshot(ref_opt))
+
+
+def test_after_its_first_call_a_tile_step_calls_the_compiled_graph_without_dynamo(monkeypatch):
+    """Each configuration's first call compiles through dynamo; later calls pass the graph's inputs straight to
+    Inductor's compiled graph (no dynamo entry), equal bit for bit to steps that all go through dynamo."""
+    monkeypatch.setattr(_fused_step, "_SEGS", 4)
+
+    def make() -> tuple[list[torch.nn.Parameter], mo.AdamW]:
+        params = _params()
+        return params, mo.AdamW(params, lr=1e-2, weight_decay=0.1, compensation="kahan", chunk_numel=TILE, seed=5,
+                                fused=True)
+
+    params, opt = make()
+    _run(params, opt, True)  # compiles (or reuses) every tile kind
+    fns = list(opt._fused_fns.values())
+    assert len(fns) == 3 and all(isinstance(f, _fused_step._TileCall) and f.picks is not None for f in fns)
+
+    def no_dynamo(*args):
+        raise AssertionError("a tile step went through dynamo after its graph was known")
+
+    for f in fns:
+        monkeypatch.setattr(f, "dynamo_fn", no_dynamo)
+    frames = counters["frames"]["total"]
+    _run(params, opt, True)  # four more steps, none through dynamo
+    assert counters["frames"]["total"] == frames
+    direct = snapshot(opt)
+
+    # The reference: the same eight steps with every call through dynamo (no graph input ever matched).
+    cache = dict(_fused_step._FUSED_CACHE)
+    _fused_step._FUSED_CACHE.clear()
+    monkeypatch.setattr(_fused_step, "_input_picks", lambda args, inputs: None)
+    try:
+        params, opt = make()
+        _run(params, opt, True)
+        _run(params, opt, True)
+        assert all(f.picks is None for f in opt._fused_fns.values())
+    finally:
+        _fused_step._FUSED_CACHE.clear()
+        _fused_step._FUSED_CACHE.update(cache)  # later tests reuse the graphs compiled before
+    assert_bit_identical(direct, snapshot(opt))
+
+
+def test_input_picks_finds_each_graph_input_once_among_the_arguments():
+    a, b, c = torch.zeros(2), torch.zeros(3), torch.zeros(4)
+    args = (a, None, [b, c], 1.5)
+    assert _fused_step._input_picks(args, [c, a, b]) == [(2, 1), (0, -1), (2, 0)]
+    assert _fused_step._input_picks(args, [torch.zeros(2)]) is None  # not an argument
+    assert _fused_step._input_picks((a, [a]), [a]) is None  # ambiguous: passed twice

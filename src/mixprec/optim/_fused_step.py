@@ -634,7 +634,72 @@ class FusedStep(OptimizerParts):
                                                                      "size_asserts": False,
                                                                      "assert_indirect_indexing": False,
                                                                      **_eager_division_options()}
-        return cast(Callable[..., None], torch.compile(fn, dynamic=False, fullgraph=True, options=options))
+        return _TileCall(fn, options)
+
+
+class _TileCall:
+    """A compiled tile step that, once compiled, calls Inductor's graph directly, without dynamo's entry.
+
+    A call through ``torch.compile``'s wrapper costs host time on every tile: dynamo's frame
+    entry, its guards over the ~20 inputs, three wrappers and a config patch (about 35 of the 50 us
+    per call measured on a CPU; on an H200 tile calls cost 0.2-0.4 ms each). The tile step's inputs
+    are fixed by construction: every call of one configuration passes tensors of the same shapes,
+    strides, dtypes and devices (direct slices of ``T`` or ``_BIG * T`` elements, padded gathers,
+    table rows), which is what the guards check. So the first call goes through dynamo (with
+    Inductor as the backend, these options), and the backend records which argument each graph
+    input is (by identity with the call's arguments); later calls pass those tensors straight to
+    the compiled graph (Inductor's and AOTAutograd's wrappers still run: input mutations, alignment).
+
+    The dynamo path stays for: calls before the graph is known, calls with grad mode on or inside
+    an outer ``torch.compile`` trace, and every call once a second graph was compiled for this
+    code (a guard failed: the graph to use is then dynamo's choice) or when an input could not be
+    matched to exactly one argument.
+    """
+
+    __slots__ = ("_args", "_graphs", "dynamo_fn", "graph_fn", "options", "picks")
+
+    def __init__(self, fn: Callable[..., None], options: dict[str, Any]) -> None:
+        self.options = options
+        self._args: tuple[Any, ...] | None = None
+        self._graphs = 0
+        self.graph_fn: Callable[..., Any] | None = None
+        #: Per graph input: (argument position, index in a list argument or -1 for a tensor argument).
+        self.picks: list[tuple[int, int]] | None = None
+        self.dynamo_fn = torch.compile(fn, dynamic=False, fullgraph=True, backend=self._backend)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = cast(Callable[..., Any], compile_fx(gm, example_inputs, config_patches=self.options))
+        self._graphs += 1
+        picks = _input_picks(self._args, example_inputs) if self._graphs == 1 and self._args is not None else None
+        self.graph_fn, self.picks = (compiled, picks) if picks is not None else (None, None)
+        return compiled
+
+    def __call__(self, *args: Any) -> None:
+        picks = self.picks
+        if picks is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            cast(Callable[..., Any], self.graph_fn)(*[args[i] if j < 0 else args[i][j] for i, j in picks])
+            return
+        self._args = args
+        try:
+            self.dynamo_fn(*args)
+        finally:
+            self._args = None
+
+
+def _input_picks(args: tuple[Any, ...], inputs: list[Tensor]) -> list[tuple[int, int]] | None:
+    """Where each graph input is among ``args`` (tensors, or lists of tensors), by identity; ``None`` if not exactly once."""
+    flat = [(i, -1, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
+    flat += [(i, j, t) for i, a in enumerate(args) if isinstance(a, (list, tuple))
+             for j, t in enumerate(a) if isinstance(t, Tensor)]
+    picks: list[tuple[int, int]] = []
+    for x in inputs:
+        found = [(i, j) for i, j, t in flat if t is x]
+        if len(found) != 1:
+            return None
+        picks.append(found[0])
+    return picks
 
 
 def _scratch(args: tuple[Any, ...]) -> tuple[Any, ...]:
