@@ -627,7 +627,8 @@ class FusedStep(OptimizerParts):
                                 fused_tile.__closure__)
         # emulate_precision_casts: keep every rounding to the half dtype (Inductor elides a
         # half->FP32 round trip by default, which would make the Kahan remainder w - round(w) zero).
-        # size_asserts off: dynamo's guards already check every input's sizes and strides.
+        # size_asserts off: the layout fixes every input's size and stride per configuration (dynamo's
+        # guards check them at the first call; later calls skip dynamo, see _TileCall).
         # assert_indirect_indexing off: ``pid`` is built by the layout, always inside the tables; the
         # check is a vector compare per 16 elements on a CPU.
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True,
