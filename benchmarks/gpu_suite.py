@@ -27,13 +27,15 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
 7. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
    ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
 8. ``cuda-tests``: every CUDA-marked test (``pytest -m cuda``).
-9. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
+9. ``compensated-dynamo``: the fused Kahan row of 4. with every tile call through dynamo (the
+   behaviour before the direct calls of ``_fused_step._TileCall``): what those save on a GPU.
+10. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
    model, each row in a fresh process with an empty Inductor cache and then a warm one, against the
    torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 5. share one process and cache).
-10. ``compensated-t23``: the fused Kahan row of 4. with 2**23-element tiles instead of the default
+11. ``compensated-t23``: the fused Kahan row of 4. with 2**23-element tiles instead of the default
    2**21 (12 calls instead of 48, more packing), when the budget leaves time: whether the GPU
    default should grow again (2**19 -> 2**21 measured 28.7 -> 21.4 ms on an H200).
-11. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
+12. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
     ``--n-embd 2048`` for ``bf16-mixed``, ``fp8-rowwise`` and ``fp8-tensorwise``.
 
 Everything a step prints goes to this process's output as it comes; ``--out`` (default ``$OUT``)
@@ -114,6 +116,9 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
     ("remainder", 90, [sys.executable, "benchmarks/remainder_step_cost.py", "--device", "cuda", "--width", "768",
                        "--blocks", "12"]),
     ("cuda-tests", 90, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"]),
+    ("compensated-dynamo", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
+                                "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",
+                                "--tile-calls", "dynamo"]),
     ("compile-cold", 150, [sys.executable, "benchmarks/compile_cold.py", "--device", "cuda", "--layers", "4"]),
     ("compensated-t23", 75, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
                              "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",

@@ -319,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused-tile", type=int, default=0, metavar="N",
                     help="elements per tile of the fused step on this device (default: mixprec's, 2**16 on a CPU, "
                          "2**21 on a GPU); to compare tile sizes")
+    ap.add_argument("--tile-calls", choices=("direct", "dynamo"), default="direct",
+                    help="fused step: tile calls after the first straight to the compiled graph (default) or all "
+                         "through dynamo (the behaviour before; to measure what the direct calls save)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", action="store_true",
@@ -337,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.fused_tile < 1:
             ap.error(f"--fused-tile: a positive number of elements, got {args.fused_tile}")
         _fused_step._CPU_FUSED_TILE = _fused_step._GPU_FUSED_TILE = args.fused_tile
+    if args.tile_calls == "dynamo":
+        from mixprec.optim import _fused_step
+
+        _fused_step._DIRECT_CALLS = False
     device = torch.device(args.device)
     rows: dict[str, Callable[[], TorchLoop | MixprecLoop | OptimizerLoop]] = {}
     baseline: dict[str, str] = {}

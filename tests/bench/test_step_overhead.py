@@ -60,3 +60,31 @@ def test_profile_attributes_each_rows_step(capsys: pytest.CaptureFixture[str], l
     assert py and all(a["us"] >= b["us"] for a, b in itertools.pairwise(py)), py
     assert all(r["where"].endswith(")") and ":" in r["where"] for r in py), py  # file:line(function); builtins ~:0(...)
     assert any(k.startswith("aten::_foreach") for k in prof["top_kernels"]), prof["top_kernels"]
+
+
+def test_tile_calls_dynamo_sends_every_fused_tile_call_through_dynamo(capsys: pytest.CaptureFixture[str],
+                                                                       load_benchmark: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec.optim import _fused_step
+
+    module = load_benchmark("step_overhead")
+    monkeypatch.setattr(_fused_step, "_DIRECT_CALLS", True)  # restored after the test
+    monkeypatch.setattr(_fused_step, "_FUSED_CACHE", {})  # compile here (the backend below sees it)
+    known: list[bool] = []
+    real = _fused_step._TileCall._backend
+
+    def backend(self: Any, gm: Any, example_inputs: Any) -> Any:
+        compiled = real(self, gm, example_inputs)
+        known.append(self.picks is not None)
+
+        def direct(*args: Any) -> None:
+            raise AssertionError("a tile call went straight to the compiled graph under --tile-calls dynamo")
+
+        self.graph_fn = direct  # dynamo keeps calling `compiled`; the direct path would call this
+        return compiled
+
+    monkeypatch.setattr(_fused_step._TileCall, "_backend", backend)
+    assert module.main(["--only-compensated", "--rows", "pure-kahan-fused", "--params", "0.02", "--rounds", "1",
+                        "--reps", "1", "--device", "cpu", "--tile-calls", "dynamo"]) == 0
+    assert _fused_step._DIRECT_CALLS is False and "pure-kahan-fused" in capsys.readouterr().out
+    assert known and all(known)  # the direct path was possible, and not taken

@@ -286,9 +286,7 @@ def test_after_its_first_call_a_tile_step_calls_the_compiled_graph_without_dynam
 
     for f in fns:
         monkeypatch.setattr(f, "dynamo_fn", no_dynamo)
-    frames = counters["frames"]["total"]
-    _run(params, opt, True)  # four more steps, none through dynamo
-    assert counters["frames"]["total"] == frames
+    _run(params, opt, True)  # four more steps, none through dynamo (no_dynamo would raise)
     direct = snapshot(opt)
 
     # The reference: the same eight steps with every call through dynamo (no graph input ever matched).

@@ -81,6 +81,9 @@ _GPU_FUSED_TILE = 1 << 21
 #: Direct tiles also come ``_BIG`` times larger (a third graph at most): a large tensor then
 #: takes a quarter of the calls.
 _BIG = 4
+#: Whether tile calls after the first go straight to the compiled graph (:class:`_TileCall`); off:
+#: every call through dynamo, as before (``benchmarks/step_overhead.py --tile-calls dynamo`` compares).
+_DIRECT_CALLS = True
 _MIRROR = "mirror"  # the buffer kind of the mirrors in a tile's cached views
 _REM = "rem"  # the buffer kind of the int16 remainders (bf16-master-r16) in a tile's cached views
 
@@ -679,7 +682,7 @@ class _TileCall:
 
     def __call__(self, *args: Any) -> None:
         picks = self.picks
-        if picks is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if picks is not None and _DIRECT_CALLS and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             cast(Callable[..., Any], self.graph_fn)(*[args[i] if j < 0 else args[i][j] for i, j in picks])
             return
         self._args = args
