@@ -310,3 +310,36 @@ def test_input_picks_finds_each_graph_input_once_among_the_arguments():
     assert _fused_step._input_picks(args, [c, a, b]) == [(2, 1), (0, -1), (2, 0)]
     assert _fused_step._input_picks(args, [torch.zeros(2)]) is None  # not an argument
     assert _fused_step._input_picks((a, [a]), [a]) is None  # ambiguous: passed twice
+
+
+def test_a_compiled_graph_that_takes_its_inputs_otherwise_falls_back_to_dynamo_at_its_first_direct_call(monkeypatch):
+    """A calling-convention mismatch (another torch) surfaces as TypeError/IndexError before any kernel: the call
+    then goes through dynamo, direct calls stay off, and the steps equal a run that never tried them."""
+    monkeypatch.setattr(_fused_step, "_SEGS", 4)
+    monkeypatch.setattr(_fused_step, "_FUSED_CACHE", {})
+    real = _fused_step._TileCall._backend
+
+    def backend(self, gm, example_inputs):
+        compiled = real(self, gm, example_inputs)
+
+        def boxed_only(*args):
+            raise IndexError("list index out of range")  # what a graph taking one list raises on positional inputs
+
+        if self.graph_fn is not None:
+            self.graph_fn = boxed_only
+        return compiled
+
+    monkeypatch.setattr(_fused_step._TileCall, "_backend", backend)
+    params = _params()
+    opt = mo.AdamW(params, lr=1e-2, weight_decay=0.1, compensation="kahan", chunk_numel=TILE, seed=5, fused=True)
+    _run(params, opt, True)
+    _run(params, opt, True)
+    assert all(f.picks is None and f.graph_fn is None for f in opt._fused_fns.values())
+    got = snapshot(opt)
+    monkeypatch.setattr(_fused_step, "_DIRECT_CALLS", False)
+    monkeypatch.setattr(_fused_step, "_FUSED_CACHE", {})
+    params = _params()
+    opt = mo.AdamW(params, lr=1e-2, weight_decay=0.1, compensation="kahan", chunk_numel=TILE, seed=5, fused=True)
+    _run(params, opt, True)
+    _run(params, opt, True)
+    assert_bit_identical(got, snapshot(opt))

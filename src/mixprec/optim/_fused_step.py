@@ -657,15 +657,19 @@ class _TileCall:
     The dynamo path stays for: calls before the graph is known, calls with grad mode on or inside
     an outer ``torch.compile`` trace, and every call once a second graph was compiled for this
     code (a guard failed: the graph to use is then dynamo's choice) or when an input could not be
-    matched to exactly one argument.
+    matched to exactly one argument. The first direct call is checked: a ``TypeError`` or
+    ``IndexError`` from it (the compiled graph takes its inputs another way in this torch; raised
+    while unpacking them, before any kernel) turns the direct calls off and the call goes through
+    dynamo instead.
     """
 
-    __slots__ = ("_args", "_graphs", "dynamo_fn", "graph_fn", "options", "picks")
+    __slots__ = ("_args", "_graphs", "_verified", "dynamo_fn", "graph_fn", "options", "picks")
 
     def __init__(self, fn: Callable[..., None], options: dict[str, Any]) -> None:
         self.options = options
         self._args: tuple[Any, ...] | None = None
         self._graphs = 0
+        self._verified = False
         self.graph_fn: Callable[..., Any] | None = None
         #: Per graph input: (argument position, index in a list argument or -1 for a tensor argument).
         self.picks: list[tuple[int, int]] | None = None
@@ -683,8 +687,17 @@ class _TileCall:
     def __call__(self, *args: Any) -> None:
         picks = self.picks
         if picks is not None and _DIRECT_CALLS and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            cast(Callable[..., Any], self.graph_fn)(*[args[i] if j < 0 else args[i][j] for i, j in picks])
-            return
+            inputs = [args[i] if j < 0 else args[i][j] for i, j in picks]
+            if self._verified:
+                cast(Callable[..., Any], self.graph_fn)(*inputs)
+                return
+            try:
+                cast(Callable[..., Any], self.graph_fn)(*inputs)
+            except (TypeError, IndexError):
+                self.picks = self.graph_fn = None  # not this torch's calling convention: dynamo from now on
+            else:
+                self._verified = True
+                return
         self._args = args
         try:
             self.dynamo_fn(*args)
