@@ -601,10 +601,7 @@ def _unless_skipped(skip: Tensor, old: Tensor, value: Tensor, masks: dict[torch.
     """
     if value.device.type != "cpu":
         return torch.where(skip, old, value)
-    it = _SAME_SIZE_INT[value.dtype]
-    mask = masks.get(it)
-    if mask is None:
-        mask = masks[it] = torch.logical_not(skip).to(it).neg_()  # all ones when not skipped
+    it, mask = _keep_mask(skip, value.dtype, masks)
     ob = old.view(it)
     if value.data_ptr() == old.data_ptr():  # an update that returned its input: nothing to select
         return value
@@ -624,12 +621,18 @@ def _select_into(skip: Tensor, old: Tensor, value: Tensor, masks: dict[torch.dty
     if value.device.type != "cpu":
         torch.where(skip, old, value, out=old)
         return
-    it = _SAME_SIZE_INT[value.dtype]
-    mask = masks.get(it)
-    if mask is None:
-        mask = masks[it] = torch.logical_not(skip).to(it).neg_()  # all ones when not skipped
+    it, mask = _keep_mask(skip, value.dtype, masks)
     ob = old.view(it)
     ob.bitwise_xor_(value.view(it).bitwise_xor_(ob).bitwise_and_(mask))
+
+
+def _keep_mask(skip: Tensor, dtype: torch.dtype, masks: dict[torch.dtype, Tensor]) -> tuple[torch.dtype, Tensor]:
+    """The integer dtype of ``dtype``'s width and its 0-d mask: all ones when the step is not skipped (cached per step)."""
+    it = _SAME_SIZE_INT[dtype]
+    mask = masks.get(it)
+    if mask is None:
+        mask = masks[it] = torch.logical_not(skip).to(it).neg_()
+    return it, mask
 
 
 def _tile_segments(params: list[Tensor], limit: int) -> list[list[_Segment]]:
