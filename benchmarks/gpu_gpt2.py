@@ -199,7 +199,7 @@ def _profile_pair(preset: str, dt: str, options: dict, device: str, compile_back
         model = copy.deepcopy(wl.model).to(device)
         recipe = f"amp-{dt}" if kind == "amp" else preset
         return recipe_step(recipe, model, wl.optimizer_fn(model.parameters()), wl.loss_fn, device,
-                           compile_backend=compile_backend)[0]
+                           compile_backend=compile_backend, clip=wl.clip_grad_norm)[0]  # the timed loop's clipping
 
     def sync() -> None:
         if device == "cuda":

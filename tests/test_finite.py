@@ -118,6 +118,34 @@ def test_unscale_and_check_sparse_values():
     assert s.to_dense().tolist() == [1.0, 0.0, 2.0, 0.0]
 
 
+@pytest.mark.parametrize("inv", [None, 0.5])
+def test_check_only_off_the_cpu_reads_without_writing(inv):
+    """Off the CPU a check only (no factor) is a read-only norm; a factor keeps the fused kernel (shapes on 'meta')."""
+    ts = [torch.empty(5, device="meta"), torch.empty(3, 2, device="meta")]
+    inv_t = None if inv is None else torch.tensor(inv, device="meta")
+    with OpCounter() as c:
+        unscale_and_check_(ts, inv_t)
+    assert c.ops["_amp_foreach_non_finite_check_and_unscale_"] == (0 if inv is None else 1)
+    assert c.ops["_foreach_norm"] == (1 if inv is None else 0)
+    assert c.ops["_foreach_mul_"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_check_only_on_cuda_flags_inf_and_nan_and_writes_nothing(dtype):
+    for poison in (None, float("nan"), float("inf"), float("-inf")):
+        ts = [torch.randn(1000, device="cuda", dtype=dtype), torch.randn(7, 3, device="cuda", dtype=dtype)]
+        if poison is not None:
+            ts[1][2, 1] = poison
+        ref = [t.clone() for t in ts]
+        versions = [t._version for t in ts]
+        found = unscale_and_check_(ts, None)
+        assert found.item() == (0.0 if poison is None else 1.0)
+        assert [t._version for t in ts] == versions
+        for a, b in zip(ts, ref):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 @pytest.mark.cuda
 def test_multi_device_groups_fold_into_one_flag():
     cpu, gpu = torch.ones(3), torch.ones(3, device="cuda")

@@ -262,6 +262,82 @@ def test_clip_grad_norm_on_unscaled_gradients():
     torch.testing.assert_close(res["fp16-master"], res["fp32"], rtol=2e-2, atol=1e-4)
 
 
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _clip_step(preset, max_norm, plant=None, two_optimizers=False):
+    """One step with prec.clip_grad_norm_; returns the norm, the gradients the step saw, the step info, params before/after."""
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision(preset)
+    if two_optimizers:
+        opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[3].parameters(), lr=0.1)]
+    else:
+        opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    model, *opts = prec.prepare(model, *opts)
+    with prec.autocast():
+        loss = loss_fn(model, batch("mlp", 0))
+    prec.backward(loss)
+    holders = [t for o in opts for g in o.param_groups for t in g["params"]]
+    if plant is not None:
+        holders[0].grad.view(-1)[3] = plant
+    raw = [t.grad.clone() for t in holders]
+    before = [t.detach().clone() for t in holders]
+    with _OpCounter() as counter:
+        norm = prec.clip_grad_norm_(max_norm)
+        clipped = [t.grad.clone() for t in holders]
+        infos = [prec.step(o) for o in opts]
+    after = [t.detach().clone() for t in holders]
+    return norm, raw, clipped, infos, before, after, counter.ops
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "bf16-master"])
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipping and not
+@pytest.mark.parametrize("two_optimizers", [False, True])
+def test_clip_checks_in_its_multiply_bit_for_bit_torchs_clip(preset, max_norm, two_optimizers):
+    norm, raw, clipped, infos, before, after, ops = _clip_step(preset, max_norm, two_optimizers=two_optimizers)
+    ref = [g.clone() for g in raw]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref]
+    for p, g in zip(params, ref):
+        p.grad = g
+    ref_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    assert torch.equal(norm, ref_norm)
+    for got, p in zip(clipped, params):
+        assert torch.equal(got, p.grad)
+    assert (clipped[0] != raw[0]).any() == (max_norm < 1)
+    assert all(not bool(i.skipped) for i in infos) and any(not torch.equal(a, b) for a, b in zip(before, after))
+    # the check rode on the clip's multiply: one fused kernel per optimizer, no separate pass, no _foreach_mul_
+    assert ops.get("_amp_foreach_non_finite_check_and_unscale_", 0) == len(infos)
+    assert ops.get("_foreach_mul_", 0) == 0 and ops.get("_local_scalar_dense", 0) == 0
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])
+def test_clip_check_flags_inf_and_nan_and_the_step_is_skipped(preset, bad, max_norm):
+    norm, raw, clipped, infos, before, after, _ = _clip_step(preset, max_norm, plant=bad)
+    assert not torch.isfinite(norm)
+    assert all(bool(i.skipped) for i in infos) and float(infos[0].found_inf) == 1.0
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+
+
+def test_clip_under_a_loss_scale_unscales_first():
+    norm, raw, clipped, infos, before, after, ops = _clip_step("fp16-mixed", 1e3)
+    # fp16-mixed: gradients are scaled until unscale_; the norm is the unscaled one (as torch.amp's recipe)
+    assert ops.get("_foreach_mul_", 0) + ops.get("_amp_foreach_non_finite_check_and_unscale_", 0) >= 1
+    ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g / 2.0**16) for g in raw]))
+    torch.testing.assert_close(norm, ref, rtol=1e-6, atol=0)
+
+
 def test_fp32_checkpoint_loads_into_master_run_and_exports_back():
     torch.manual_seed(5)
     donor = make("mlp")

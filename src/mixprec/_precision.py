@@ -54,6 +54,9 @@ def scaler_for_policy(policy: Policy | str) -> LossScaler:
     return DynamicScaler()
 
 
+# torch < 2.6 has clip_grad_norm_ but not its halves: clipping then unscales first, as before.
+_NO_TOTAL_NORM = not (hasattr(torch.nn.utils, "get_total_norm") and hasattr(torch.nn.utils, "clip_grads_with_norm_"))
+
 class MixedPrecision(RunCheckpoint):
     """Train any model under a precision policy with one object.
 
@@ -481,14 +484,65 @@ class MixedPrecision(RunCheckpoint):
 
         Unscales first if needed. With inf/NaN gradients the norm is inf/NaN and the step will
         be skipped anyway. No host sync.
+
+        The norm and the clipped gradients are bit for bit torch's ``clip_grad_norm_``. Under a
+        policy without loss scaling (``bf16-mixed``, ``bf16-master``), when this step's FP32
+        gradients have not been checked yet, the inf/NaN check rides on the clipping multiply:
+        one ``torch._amp_foreach_non_finite_check_and_unscale_`` with the clip coefficient as
+        its factor (it flags the values it reads, before multiplying) replaces torch's
+        ``_foreach_mul_``, so clipping and checking read and write the gradients once, as
+        torch.amp's bf16 recipe's clipping alone does (a GPU step saves a pass over them).
         """
         self._require_prepared("clip_grad_norm_()")
         opts = [optimizer] if optimizer is not None else self.optimizers
         tensors: list[torch.Tensor] = []
+        deferred: list[tuple[OptimizerRecord, list[torch.Tensor]]] = []
         for opt in opts:
+            grads = self._check_at_clip(opt)
+            if grads is not None:  # checked below, in the clipping multiply
+                deferred.append((self._records[id(opt)], grads))
+                continue
             self.unscale_(opt)
             tensors += [t for t in optimizer_tensors(opt) if t.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(tensors, max_norm, norm_type=norm_type)
+        if not deferred:
+            return torch.nn.utils.clip_grad_norm_(tensors, max_norm, norm_type=norm_type)
+        # torch's clip_grad_norm_ in its two halves, the multiply of the deferred gradients fused with their check
+        own = [g for _, grads in deferred for g in grads]
+        total = torch.nn.utils.get_total_norm([*(typing_cast(torch.Tensor, t.grad) for t in tensors), *own], norm_type)
+        if tensors:
+            torch.nn.utils.clip_grads_with_norm_(tensors, max_norm, total)
+        coef = (max_norm / (total + 1e-6)).clamp_(max=1.0)  # torch's clip_coef_clamped, bit for bit
+        scaler = typing_cast(_ScalerBase, self.scaler)
+        for rec, grads in deferred:
+            rec.found_inf = scaler.unscale_grads_(grads, factor=coef)
+            rec.stage = "unscaled"
+        return total
+
+    def _check_at_clip(self, optimizer: Optimizer) -> list[torch.Tensor] | None:
+        """The gradients ``clip_grad_norm_`` may check in its multiply, or ``None`` to unscale first as usual.
+
+        Only when nothing could differ from unscale-then-clip: a no-op scaler (no scale to take
+        out first), gradients not yet checked this step, ``unscale_`` not extended by a subclass,
+        and plain FP32 tensors on one device (one fused kernel call; what torch multiplies them
+        by and what the kernel multiplies by round alike only in FP32).
+        """
+        rec = self._records.get(id(optimizer))
+        if (
+            rec is None or rec.optimizer is not optimizer or rec.stage == "unscaled" or _NO_TOTAL_NORM
+            or type(self.scaler) is not NoOpScaler or type(self).unscale_ is not MixedPrecision.unscale_
+        ):
+            return None
+        if rec.stage == "idle" and not self._has_grads(optimizer):
+            return None  # unscale_ raises its error
+        grads = self._grads(optimizer)
+        if not grads:
+            return None
+        g0 = grads[0]
+        device = g0.device
+        for g in grads:
+            if type(g) is not torch.Tensor or g.dtype != torch.float32 or g.device != device or g.is_sparse:
+                return None
+        return grads
 
     def step(self, optimizer: Optimizer, *, schedulers: Sequence[Any] = ()) -> StepInfo:
         """Unscale, check, and step ``optimizer`` unless a gradient is inf/NaN; update the loss scale.

@@ -563,12 +563,29 @@ class _ScalerBase:
         """
         return self.unscale_grads_(_collect_grads(grads_or_params))
 
-    def unscale_grads_(self, grads: list[Tensor]) -> Tensor:
-        """:meth:`unscale_` on gradients already collected (``MixedPrecision`` has them: no second pass)."""
+    def unscale_grads_(self, grads: list[Tensor], factor: Tensor | None = None) -> Tensor:
+        """:meth:`unscale_` on gradients already collected (``MixedPrecision`` has them: no second pass).
+
+        Args:
+            grads: The gradients, unscaled and checked in place.
+            factor: Only for a scaler that does not scale (:class:`NoOpScaler`): a 0-d float32
+                factor the gradients are multiplied by in the same pass as the check (the
+                clipping coefficient: ``MixedPrecision.clip_grad_norm_`` clips and checks in
+                one read and write of the gradients, where torch.amp's recipe clips in one).
+
+        Raises:
+            ValueError: ``factor`` given to a scaler that scales the loss.
+        """
         core = self._core
         if core.scale is None or not core.bound:
             core.ensure(grads[0].device if grads else None)
-        inv = None if self._kind == "noop" else core.inv_scale()
+        if factor is not None:
+            if self._kind != "noop":
+                raise ValueError(f"unscale_grads_(factor=...) is for a scaler that does not scale the loss; this one is "
+                                 f"{self._kind!r}: unscale first, then multiply.")
+            inv: Tensor | None = factor
+        else:
+            inv = None if self._kind == "noop" else core.inv_scale()
         found_inf = unscale_and_check_(grads, inv)
         if self.process_group is not None or _dist_initialized():  # the test inline: no call when single-process
             agree_found_inf_(found_inf, self.process_group)

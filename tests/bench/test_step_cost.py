@@ -132,6 +132,18 @@ def test_extra_ops_and_python_calls_over_torch_amp(preset: str) -> None:
     assert calls[4] - calls[2] <= 1.25 * (base_calls[4] - base_calls[2])
 
 
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])
+def test_clipping_carries_the_inf_nan_check(preset: str) -> None:
+    """Clipping on both sides: mixprec's extra ops shrink (the check rides on the clip's multiply), no host read."""
+    extra = {}
+    for clip in (None, 1.0):
+        base = measure_recipe(*make_recipe(_amp_for(preset), 2, fused=True, clip=clip))
+        ours = measure_recipe(*make_recipe(preset, 2, fused=True, clip=clip))
+        extra[clip] = ours.ops - base.ops
+        assert ours.host_reads == 0
+    assert extra[1.0] < extra[None], extra
+
+
 def test_edit_check_and_copy_back_are_foreach() -> None:
     """The master step's aten ops do not grow with the number of parameter tensors."""
     counts = {}

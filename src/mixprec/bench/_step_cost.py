@@ -123,7 +123,7 @@ def gpt_model(n_layer: int, width: int = 32, vocab: int = 64, block: int = 16) -
 def make_recipe(
     recipe: str, n_layer: int, *, fused: bool = False, foreach: bool | None = None, direct: bool = False,
     model: nn.Module | None = None, device: torch.device | str = "cpu", optimizer: str = "adamw",
-    fused_step: bool | None = None,
+    fused_step: bool | None = None, clip: float | None = None,
 ) -> tuple[Callable[[], None], tuple[Any, ...]]:
     """One training iteration, as a callable, for a preset or a torch.amp recipe; and its optimizers.
 
@@ -138,6 +138,7 @@ def make_recipe(
         device: where the model and batches live.
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (momentum 0.9).
         fused_step: ``MixedPrecision(fused=...)``: the compiled optimizer step on, off or where it pays off.
+        clip: clip the gradients to this norm every iteration (see :func:`recipe_step`).
 
     Returns:
         ``(iteration, optimizers)``: ``iteration()`` runs forward, backward, step and ``zero_grad``.
@@ -158,14 +159,14 @@ def make_recipe(
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
         return F.cross_entropy(m(batch[0]).float().flatten(0, 1), batch[1].flatten())
 
-    step, optimizers = recipe_step(recipe, net, opt, loss_fn, device, direct=direct, fused_step=fused_step)
+    step, optimizers = recipe_step(recipe, net, opt, loss_fn, device, direct=direct, fused_step=fused_step, clip=clip)
     return (lambda: step((x, y))), optimizers
 
 
 def recipe_step(
     recipe: str, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     device: torch.device | str, *, direct: bool = False, fused_step: bool | None = None,
-    compile_backend: str | None = None,
+    compile_backend: str | None = None, clip: float | None = None,
 ) -> tuple[Callable[[Any], None], tuple[Any, ...]]:
     """``step(batch)``: one training iteration of ``model`` under a preset or a torch.amp recipe (see :func:`make_recipe`).
 
@@ -174,6 +175,9 @@ def recipe_step(
         model, opt: FP32 model on ``device`` and its torch optimizer (a preset prepares both).
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         compile_backend: ``torch.compile`` the model (after ``prepare``) with this backend.
+        clip: clip the gradients to this norm before the step: torch.amp's recipe with
+            ``scaler.unscale_(opt)`` (FP16) and ``torch.nn.utils.clip_grad_norm_``, a preset with
+            ``prec.clip_grad_norm_`` (as ``mixprec compare`` clips).
 
     Returns:
         ``(step, optimizers)``.
@@ -191,9 +195,14 @@ def recipe_step(
                 loss = loss_fn(net, batch)
             if scaler is None:
                 loss.backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
             else:
                 scaler.scale(loss).backward()
+                if clip:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 scaler.step(opt)
                 scaler.update()
             opt.zero_grad(set_to_none=True)
@@ -208,6 +217,8 @@ def recipe_step(
         with prec.autocast():
             loss = loss_fn(compiled, batch)
         prec.backward(loss)
+        if clip:
+            prec.clip_grad_norm_(clip)
         if direct:
             popt.step()
         else:
