@@ -502,7 +502,9 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         c_old = None
         if kahan:
             c_old = _gather(tile, _COMP_KEY)
-            w = w + c_old.to(acc)
+            # In place on the fresh upcast (Kahan weights are half: .to made a copy): the same single
+            # rounding as w + c_old.to(acc), without a converted copy of the buffer (a pass saved).
+            w = w.add_(c_old) if w is not p_old else w + c_old.to(acc)
         s_old = {k: _gather(tile, k) for k in keys}
         s_acc = {k: v.to(acc) for k, v in s_old.items()}
         w_new, s_new = self._update(group, w, grad, s_acc, scalars, expand)
@@ -536,7 +538,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                 # The remainder w - p is exact in FP32; stochastic rounding stores it unbiased. Round-to-
                 # nearest would drop every update below half an ulp of the *buffer* (~2**-18 of the
                 # weight once the buffer is large), and SGD with shrinking updates stalls (tested).
-                new[_COMP_KEY] = stochastic_round(w_new - new[None].to(acc), pdt, bits=rand(_SLOT_COMP))
+                new[_COMP_KEY] = stochastic_round(w_new - new[None], pdt, bits=rand(_SLOT_COMP))  # promoted: exact
         else:
             new[None] = w_new.to(pdt)
         del w_new
