@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                         "far); the pairs left out are named")
     p.add_argument("--profile", action="store_true",
                    help="also profile a few steps of each pair: top CUDA kernels and CPU time, mixprec minus torch.amp")
+    p.add_argument("--f8-layers", default=None, metavar="WHICH",
+                   help="the linears the FP8 rows convert instead of all: auto (the measured plan, issue 27 item 4: never "
+                        "slower than bf16-mixed at 768 wide), globs joined by '+', all or none")
     p.add_argument("--tiny", action="store_true", help="a 1-layer, 32-wide model on the CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
 
@@ -147,6 +150,7 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
             result = run_compare(
                 "gpt", [preset], baseline=dt, steps=args.steps, warmup=args.warmup, device=device,
                 peak_tflops_override=args.peak_tflops, workload_options=options, compile=args.compile,
+                f8_layers=args.f8_layers,
             )
         except BenchError as e:
             print(f"gpu_gpt2: {preset}: error: {e}", file=sys.stderr, flush=True)

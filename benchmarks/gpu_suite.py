@@ -37,6 +37,9 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
    default should grow again (2**19 -> 2**21 measured 28.7 -> 21.4 ms on an H200).
 12. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
     ``--n-embd 2048`` for ``bf16-mixed``, ``fp8-rowwise`` and ``fp8-tensorwise``.
+13. ``fp8-auto`` (issue 27, item 4; needs torchao): the same rows at GPT-2's 768 width with
+    ``--f8-layers auto`` (the measured plan, with the shape gate on an FP8 GPU): never slower than
+    ``bf16-mixed`` is the goal.
 
 Everything a step prints goes to this process's output as it comes; ``--out`` (default ``$OUT``)
 also gets ``gpu_suite.txt`` (the whole log) and the JSON of the GPT-2 runs.
@@ -125,11 +128,15 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
                              "--fused-tile", str(1 << 23)]),
     ("fp8", 200, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,fp8-rowwise,fp8-tensorwise",
                   "--n-embd", "2048", "--steps", "15", "--warmup", "4", "--budget", "{budget}", "--out", "{out}/fp8"]),
+    ("fp8-auto", 150, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets",
+                       "bf16-mixed,fp8-rowwise,fp8-tensorwise", "--f8-layers", "auto", "--steps", "15", "--warmup", "4",
+                       "--budget", "{budget}", "--out", "{out}/fp8-auto"]),
 ]
 #: Checks that need an optional package, and how to bring it to a machine with no package index.
-NEEDS = {"fp8": ("torchao", "on a CPU machine: pip download --no-deps --only-binary=:all: --python-version 3.12 "
-                            "--platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0; carry .whl; there: pip install "
-                            "--no-index --no-deps --target /tmp/site .whl/*.whl and PYTHONPATH=/tmp/site")}
+_TORCHAO = ("torchao", "on a CPU machine: pip download --no-deps --only-binary=:all: --python-version 3.12 "
+                       "--platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0; carry .whl; there: pip install "
+                       "--no-index --no-deps --target /tmp/site .whl/*.whl and PYTHONPATH=/tmp/site")
+NEEDS = {"fp8": _TORCHAO, "fp8-auto": _TORCHAO}
 
 
 def main(argv: list[str] | None = None) -> int:

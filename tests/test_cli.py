@@ -42,6 +42,17 @@ def test_compare_gpt_smoke_with_json_and_plots(tmp_path: Path, capsys: pytest.Ca
         assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_f8_layers_reaches_the_fp8_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchao")
+    lm = [a if a != "n_embd=16" else "n_embd=32" for a in TINY_LM]  # linears FP8 takes (multiples of 16)
+    rc = main(["compare", *lm, *FAST, "-p", "bf16-mixed,fp8-rowwise", "--baseline", "none", "--f8-layers", "none",
+               "--json", "-"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert rows["fp8-rowwise"]["policy"].endswith("f8_layers=none") and "f8" not in rows["bf16-mixed"]["policy"]
+
+
 def test_compare_cnn_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["compare", "-w", "cnn", "-o", "width=4", "-o", "batch_size=16", *FAST, "-p", "fp32,bf16-master",
                "--baseline", "bf16"])

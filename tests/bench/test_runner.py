@@ -161,6 +161,50 @@ def test_rejected_preset_becomes_an_unavailable_row(monkeypatch: pytest.MonkeyPa
     assert bad.step_time_ms is None
 
 
+def _prepared_fp8_layers(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Spy on prepare: per policy string, the FP8 layers of the model it returned and its check_batch."""
+    import mixprec._precision as precision
+    from mixprec._fp8 import fp8_modules
+
+    seen: dict[str, Any] = {}
+    real = precision.MixedPrecision.prepare
+
+    def prepare(self: Any, model: Any, *opts: Any, **kw: Any) -> Any:
+        out = real(self, model, *opts, **kw)
+        seen[str(self.policy)] = ([n for n, _ in fp8_modules(out[0])], kw.get("check_batch"))
+        return out
+
+    monkeypatch.setattr(precision.MixedPrecision, "prepare", prepare)
+    return seen
+
+
+@pytest.mark.parametrize("which", ["none", "auto", "blocks.0.fc*"])
+def test_f8_layers_replaces_the_fp8_rows_layer_choice(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    pytest.importorskip("torchao")
+    seen = _prepared_fp8_layers(monkeypatch)
+    opts = dict(TINY, n_embd=32)  # linears whose sizes FP8 takes (multiples of 16)
+    r = run_compare("gpt", "bf16-mixed,fp8-rowwise", baseline="none", steps=2, warmup=1, device="cpu",
+                    workload_options=opts, f8_layers=which)
+    fp8, bf16 = r.row("fp8-rowwise"), r.row("bf16-mixed")
+    assert fp8.status == bf16.status == "ok"
+    assert fp8.policy.endswith(f"f8=rowwise,f8_layers={which}") and f"f8_layers={which}" in fp8.label
+    assert "f8" not in bf16.policy and r.settings["f8_layers"] == which
+    layers, check_batch = seen[fp8.policy]
+    if which == "none":
+        assert layers == []
+    elif which == "auto":  # measured at prepare, on the first batch
+        assert check_batch is not None
+    else:
+        assert layers == ["blocks.0.fc", "blocks.0.fc_proj"]
+    assert seen[bf16.policy] == ([], None)
+
+
+def test_f8_layers_that_do_not_parse_are_a_bench_error() -> None:
+    with pytest.raises(BenchError, match="f8_layers='bad,value'"):
+        run_compare("gpt", "fp8-rowwise", baseline="none", steps=2, warmup=1, device="cpu", workload_options=TINY,
+                    f8_layers="bad,value")
+
+
 def test_rows_that_fail_mid_run_do_not_stop_the_others() -> None:
     w = load_workload("gpt", **TINY)
     inner = w.loss_fn

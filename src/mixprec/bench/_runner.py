@@ -375,9 +375,24 @@ class _Run:
             self.model.train(was_training)
 
 
+def _with_f8_layers(pol: Policy, f8_layers: str | None) -> Policy:
+    """``pol`` with its FP8 layer choice replaced (FP8 policies only; ``pol`` itself otherwise or for ``None``).
+
+    Raises:
+        BenchError: ``f8_layers`` is not a valid ``f8_layers=`` value.
+    """
+    if f8_layers is None or pol.fp8 == "none":
+        return pol
+    text = str(pol).replace(f"f8_layers={'+'.join(pol.fp8_layers) or 'none'}", f"f8_layers={f8_layers}")
+    try:
+        return Policy.parse(text)
+    except ValueError as e:
+        raise BenchError(f"f8_layers={f8_layers!r}: {e}") from None
+
+
 class _MixprecRun(_Run):
-    def __init__(self, preset: str, model: nn.Module, workload: Workload, device: torch.device, emulate: bool, seed: int,
-                 row: RowResult, compile_backend: str | None = None) -> None:
+    def __init__(self, preset: str | Policy, model: nn.Module, workload: Workload, device: torch.device, emulate: bool,
+                 seed: int, row: RowResult, compile_backend: str | None = None, first_batch: Any = None) -> None:
         super().__init__(row, workload, device, emulate, seed)
         from .._precision import MixedPrecision
 
@@ -392,7 +407,10 @@ class _MixprecRun(_Run):
             if emulate:  # the FP16-on-CPU speed warning does not apply to the emulation
                 warnings.filterwarnings("ignore", message="fp16 on CPU", category=UserWarning)
             warnings.filterwarnings("ignore", message="bf16 on CPU", category=UserWarning)
-            self.model, self.opt = self.prec.prepare(model, opt)
+            if self.prec.policy.fp8_layers == ("auto",):  # the plan is measured on a batch, with the workload's loss
+                self.model, self.opt = self.prec.prepare(model, opt, check_batch=first_batch, loss_fn=workload.loss_fn)
+            else:
+                self.model, self.opt = self.prec.prepare(model, opt)
         if compile_backend is not None:  # prepare first, then compile: the order the README recommends
             self.model = cast(nn.Module, torch.compile(self.model, backend=compile_backend))
             self.compiled = True
@@ -569,6 +587,7 @@ def run_compare(
     progress: ProgressFn | None = None,
     workload_options: dict[str, Any] | None = None,
     compile: str | None = None,
+    f8_layers: str | None = None,
 ) -> CompareResult:
     """Train ``workload`` under each preset (and the torch-amp baseline) side by side.
 
@@ -606,6 +625,12 @@ def run_compare(
             second run of a script also loads them from disk: ``benchmarks/compile_cold.py``
             measures both in fresh processes).
 
+        f8_layers: Which linears the FP8 rows (``fp8-tensorwise``, ``fp8-rowwise``) convert,
+            instead of their ``f8_layers=all``: ``"auto"`` (the measured plan,
+            :func:`mixprec.numerics.fp8_plan`, run at ``prepare`` on the first batch with the
+            workload's loss), globs joined by ``+``, ``"all"`` or ``"none"``. The row keeps its
+            preset's name, its label says ``f8_layers=...`` and its ``policy`` is the full string.
+            Other rows are unaffected.
     Returns:
         A :class:`CompareResult`.
 
@@ -653,10 +678,12 @@ def run_compare(
     runs: list[_Run] = []
     rows: list[RowResult] = []
     for name in names:
-        pol = PRESETS[name]
+        pol = _with_f8_layers(PRESETS[name], f8_layers)
         is_fp16 = torch.float16 in (pol.compute_dtype, pol.param_dtype)
         emu_row = emulate and is_fp16
         label = name + (" (fp16 emulated)" if emu_row else " (native CPU fp16)" if is_fp16 and dev.type == "cpu" else "")
+        if pol is not PRESETS[name]:
+            label += f" f8_layers={'+'.join(pol.fp8_layers) or 'none'}"
         label += fp8_row_label(pol, dev)  # mixprec._fp8: " (FP8 emulated)" where no FP8 GEMM exists (CPU, pre-Hopper)
         row = RowResult(
             name=name, label=label, kind="preset", policy=str(pol), compute_dtype=_dtype_short(pol.compute_dtype),
@@ -669,7 +696,8 @@ def run_compare(
             row.init_weights_sha256 = _hash_tensors(model.state_dict())
             if compile is not None and emu_row:
                 raise ValueError(_EMU_COMPILE)
-            runs.append(_MixprecRun(name, model, w_eval, dev, emu_row, seed, row, compile))
+            runs.append(_MixprecRun(name if pol is PRESETS[name] else pol, model, w_eval, dev, emu_row, seed, row, compile,
+                                    first_batch=batches[0]))
         except BenchError:
             raise
         except Exception as e:  # MixedPrecision rejected the preset here (or is not built yet)
@@ -736,7 +764,7 @@ def run_compare(
         "presets": names, "baseline": ",".join(_dtype_short(d) for d in amp_dtypes) or None, "steps": steps,
         "warmup": warmup, "timed_steps": steps - warmup, "memory_step": warmup - 1, "device": str(dev),
         "fp16_cpu": fp16_cpu if dev.type == "cpu" else None, "seed": seed, "interleaved": True,
-        "peak_tflops_override": peak_tflops_override, "compile": compile,
+        "peak_tflops_override": peak_tflops_override, "compile": compile, "f8_layers": f8_layers,
     }
     return CompareResult(environment=env, workload=workload_info, settings=settings, rows=rows, notes=notes)
 

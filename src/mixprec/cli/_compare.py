@@ -87,6 +87,9 @@ def add_compare(subparsers: Any) -> None:
                         "aot_eager compiles fastest); step times exclude compilation, shown as 'compile s' (cold: a fresh Inductor "
                         "cache), 'warm s' (one step after torch._dynamo.reset(), caches warm), with 'recompiles' (timed steps "
                         "that compiled again)")
+    p.add_argument("--f8-layers", default=None, metavar="WHICH",
+                   help="the linears the FP8 rows convert instead of all: auto (the plan measured at prepare on the first "
+                        "batch), globs joined by '+', all or none")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
     p.add_argument("--out", metavar="DIR", default=None, help="write PNG plots and compare.json into DIR")
@@ -167,7 +170,7 @@ def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
         common: dict[str, Any] = dict(
             baseline=args.baseline, steps=args.steps, warmup=args.warmup, device=device,
             fp16_cpu="native" if args.native_fp16 else "emulate", peak_tflops_override=args.peak_tflops,
-            progress=progress, workload_options=options, compile=args.compile,
+            progress=progress, workload_options=options, compile=args.compile, f8_layers=args.f8_layers,
         )
         seeds: SeedsResult | None = None
         try:
