@@ -143,9 +143,11 @@ def test_a_channels_last_weight_larger_than_a_tile_is_staged_and_steps_as_a_cont
             assert params[0].is_contiguous(memory_format=torch.channels_last)  # written back in place
             # its stand-ins: the weight, the Kahan buffer if it follows the weight's layout (states are contiguous)
             staged = [t for t in [params[0], *opt.state[params[0]].values()] if t.dim() and not t.is_contiguous()]
-            assert opt.memory_bytes()["staging"] == sum(t.numel() * t.element_size() for t in staged) > 0
-        else:
-            assert opt.memory_bytes()["staging"] == 0
+            pad = opt._plan_cache[0][1][0].fused.home_pad  # and the padding of the packed tile's state buffers
+            assert opt.memory_bytes()["staging"] == sum(t.numel() * t.element_size() for t in staged) + pad > pad
+        else:  # nothing staged; the fused step's packed tile holds its states in a (64,) buffer per kind
+            pad = opt._plan_cache[0][1][0].fused.home_pad if fused else 0
+            assert opt.memory_bytes()["staging"] == pad and (pad > 0) is fused
         runs[name] = [(k, v.contiguous()) for k, v in snapshot(opt)]
     assert_bit_identical(runs["fused"], runs["fused-contiguous"])
     if _eager_sqrt_is_exact():
@@ -343,3 +345,55 @@ def test_a_compiled_graph_that_takes_its_inputs_otherwise_falls_back_to_dynamo_a
     _run(params, opt, True)
     _run(params, opt, True)
     assert_bit_identical(got, snapshot(opt))
+
+
+@pytest.mark.parametrize(("compensation", "state_dtype"), [("kahan", torch.float32), ("stochastic", torch.bfloat16)])
+def test_packed_tiles_of_whole_tensors_hold_their_states_and_a_checkpoint_resumes_bit_for_bit(compensation, state_dtype,
+                                                                                             monkeypatch):
+    """A packed tile of whole tensors keeps their states (and Kahan buffers) in one buffer per kind, stepped in place:
+    the state tensors are the same objects, sharing that buffer; a ``state_dict`` saved mid-run and loaded into a
+    fresh optimizer (which homes the loaded tensors again) resumes bit for bit; and the tiles that still gather
+    (remainders of sliced tensors) step alike."""
+    import io
+
+    monkeypatch.setattr(_fused_step, "_SEGS", 4)
+    monkeypatch.setattr(_fused_step, "_CPU_FUSED_TILE", TILE)
+
+    def make() -> tuple[list[torch.nn.Parameter], mo.AdamW]:
+        params = _params()
+        return params, mo.AdamW(params, lr=1e-2, weight_decay=0.1, compensation=compensation, state_dtype=state_dtype,
+                                seed=5, fused=True)
+
+    def steps(params: list[torch.nn.Parameter], opt: mo.AdamW, first: int, n: int) -> None:
+        for step in range(first, first + n):
+            g = torch.Generator().manual_seed(10 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            opt.step(found_inf=torch.tensor(float(step == SKIP_STEP)))
+
+    params, opt = make()
+    steps(params, opt, 0, 2)
+    layout = opt._plan_cache[0][1][0].fused
+    homed = [(t, kind, buf) for t, homes in enumerate(layout.homes) for kind, buf in homes.items()]
+    kinds = {kind for _, kind, _ in homed}
+    assert kinds == ({"kahan_comp"} if compensation == "kahan" else set()) | {"exp_avg", "exp_avg_sq"}
+    gathered = [t for t, d in enumerate(layout.direct) if not d and not layout.homes[t]]
+    assert gathered  # the remainders of the sliced tensors: a tile that still gathers its states
+    for t, kind, buf in homed:
+        for s in layout.tiles[t].segs:
+            st = opt.state[params[s.param]][kind]
+            assert st.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved = [p.detach().clone() for p in params]
+    steps(params, opt, 2, 2)
+    resumed_params, resumed = make()
+    with torch.no_grad():
+        for p, v in zip(resumed_params, saved):
+            p.copy_(v)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf))
+    steps(resumed_params, resumed, 2, 2)
+    assert_bit_identical(snapshot(opt), snapshot(resumed))
+    again = resumed._plan_cache[0][1][0].fused
+    assert {k for h in again.homes for k in h} == kinds  # the loaded tensors were homed in turn

@@ -229,7 +229,8 @@ class StateIO(OptimizerParts):
             ``compensation`` (``kahan_comp``), ``states`` (moments and other per-element
             buffers), ``scalars`` (0-d step counters), ``staging`` (the fused step's contiguous
             stand-ins for non-contiguous tensors larger than a tile, e.g. ``channels_last``
-            weights; 0 otherwise) and ``total`` (all but ``numel``).
+            weights, and the padding of the buffers that hold a packed tile's states; 0 for the
+            eager step) and ``total`` (all but ``numel``).
             ``(params + grads + compensation + states) / numel`` is the bytes-per-parameter
             figure: 14 for Kahan with FP32 states on BF16 AdamW, 10 with BF16 states, 8 for
             stochastic rounding with BF16 states, 16 for FP32 parameters with FP32 states.
@@ -253,6 +254,7 @@ class StateIO(OptimizerParts):
         for _, plans in self._plan_cache.values():
             for plan in plans:
                 out["staging"] += sum(_nbytes(t) for t in getattr(plan.fused, "stage_bufs", ()))
+                out["staging"] += getattr(plan.fused, "home_pad", 0)  # the padding of packed tiles' state buffers
         out["total"] = sum(v for k, v in out.items() if k != "numel")
         return out
 
