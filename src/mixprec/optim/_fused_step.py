@@ -867,8 +867,11 @@ def _eager_division_options() -> dict[str, bool]:
 
 def _layout_ptrs(b: _Bucket, keys: tuple[str, ...]) -> list[int]:
     """The data pointers a fused layout is valid for: every parameter, compensation buffer, state, mirror and remainder."""
-    return [t.data_ptr() for t in chain(b.params, b.comps, *(b.states[k] for k in keys),
-                                        (m for m in b.mirrors if m is not None), (r for r in b.rems if r is not None))]
+    return list(map(_DATA_PTR, chain(b.params, b.comps, *(b.states[k] for k in keys),
+                                     (m for m in b.mirrors if m is not None), (r for r in b.rems if r is not None))))
+
+
+_DATA_PTR = Tensor.data_ptr
 
 
 def _homable(x: Tensor, st: Any, kind: str | None) -> bool:

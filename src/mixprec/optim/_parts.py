@@ -12,6 +12,7 @@ The optimizer is written in parts, one concept a module (``_base.py`` says how a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from itertools import accumulate, chain
 from typing import Any, Literal, NamedTuple, cast
@@ -44,6 +45,16 @@ DEFAULT_CHUNK_NUMEL = 1 << 24
 _DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
 _COMP_KEY = "kahan_comp"
 _STEP_KEY = "step"
+_GRAD = operator.attrgetter("grad")
+_ITEM: dict[str, Callable[[Any], Any]] = {}
+
+
+def _item(key: str) -> Callable[[Any], Any]:
+    """``operator.itemgetter(key)``, one per key."""
+    got = _ITEM.get(key)
+    if got is None:
+        got = _ITEM[key] = operator.itemgetter(key)
+    return got
 
 
 
@@ -270,19 +281,33 @@ class OptimizerParts(Optimizer):
         ``streams`` (``id(param) -> position``): the parameters' random stream ids; ``None`` when
         the step draws no random bits (``ids`` is then empty).
         """
-        state = self.state
-        sts = [state[p] for p in params]
+        # Once per step and bucket, O(parameters): C-level map()s, and no _local() where no tensor is a DTensor
+        # (host time per parameter is what a GPU step of many small tensors is made of).
+        sts = list(map(self.state.__getitem__, params))
         keys = self._state_keys(group)
+        ids = list(map(id, params))
+        if not any(map(_is_dtensor, params)):
+            return _Bucket(
+                params,
+                list(map(_GRAD, params)),
+                list(map(_item(_COMP_KEY), sts)) if self._uses_kahan(params[0]) else [],
+                {k: list(map(_item(k), sts)) for k in keys},
+                list(map(_item(_STEP_KEY), sts)),
+                list(map(streams.__getitem__, ids)) if streams is not None else [],
+                list(map(self._offset, params)),
+                list(map(self.mirrors.get, ids)),
+                list(map(self.remainders.get, ids)),
+            )
         return _Bucket(
             [_local(p) for p in params],
             [_local(cast(Tensor, p.grad)) for p in params],
             [_local(s[_COMP_KEY]) for s in sts] if self._uses_kahan(params[0]) else [],
             {k: [_local(s[k]) for s in sts] for k in keys},
             [s[_STEP_KEY] for s in sts],
-            [streams[id(p)] for p in params] if streams is not None else [],
-            [self._offset(p) for p in params],
-            [self.mirrors.get(id(p)) for p in params],
-            [self.remainders.get(id(p)) for p in params],
+            list(map(streams.__getitem__, ids)) if streams is not None else [],
+            list(map(self._offset, params)),
+            list(map(self.mirrors.get, ids)),
+            list(map(self.remainders.get, ids)),
         )
 
     def _offset(self, p: Tensor) -> int:
