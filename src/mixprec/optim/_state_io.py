@@ -72,7 +72,9 @@ class StateIO(OptimizerParts):
         The random bits of stochastic rounding are a function of the seed, the step counters and
         the element positions, so these entries resume a run bit for bit, stochastic rounding
         included (version 1 also held per-device generator states). Tensors are the live state
-        (as in torch); save or copy it.
+        (as in torch); save or copy it. After a fused step the states of small parameters share
+        storage (one buffer per packed tile, :meth:`FusedStep._home_states`): ``torch.save`` writes
+        each buffer once; for a format that refuses shared tensors (safetensors), save clones.
         """
         sd = super().state_dict()
         sd["mixprec"] = {
