@@ -462,6 +462,20 @@ def test_unscale_takes_params_or_grads():
     assert a.grad.tolist() == [2.0, 2.0] and g.tolist() == [2.0] * 3 and b.grad is None
 
 
+@pytest.mark.parametrize("scaler", [NoOpScaler(), StaticScaler(8.0), DynamicScaler(init_scale=8.0)], ids=type)
+def test_unscale_grads_with_a_factor_is_for_the_noop_scaler_only(scaler):
+    """The clip coefficient as the check's factor: multiplies and flags in one call under a no-op scaler; a scaler
+    that scales the loss refuses it (its gradients must be unscaled first) and leaves them untouched."""
+    g = [torch.tensor([2.0, float("inf")]), torch.tensor([4.0])]
+    if isinstance(scaler, NoOpScaler):
+        assert scaler.unscale_grads_(g, factor=torch.tensor(0.5)).item() == 1.0
+        assert g[0][0].item() == 1.0 and g[1].tolist() == [2.0]
+        return
+    with pytest.raises(ValueError, match="unscale first, then multiply"):
+        scaler.unscale_grads_(g, factor=torch.tensor(0.5))
+    assert g[1].tolist() == [4.0]
+
+
 def test_device_binding_is_lazy(device):
     s = DynamicScaler()
     assert s.loss_scale.device.type == "cpu"  # read before use: CPU, not bound

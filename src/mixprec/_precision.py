@@ -57,6 +57,7 @@ def scaler_for_policy(policy: Policy | str) -> LossScaler:
 # torch < 2.6 has clip_grad_norm_ but not its halves: clipping then unscales first, as before.
 _NO_TOTAL_NORM = not (hasattr(torch.nn.utils, "get_total_norm") and hasattr(torch.nn.utils, "clip_grads_with_norm_"))
 
+
 class MixedPrecision(RunCheckpoint):
     """Train any model under a precision policy with one object.
 
