@@ -584,8 +584,9 @@ class FusedStep(OptimizerParts):
         tensors into it one after the other and re-point each (``Tensor.set_``: the same tensor
         object, in ``self.state`` as before) at its slice. The compiled tile step then reads and
         writes that buffer in place: no ``cat`` before it, no ``split`` + ``_foreach_copy_`` after
-        it, for that kind (host work per packed tile that grew with its segments: ~180 us for 16
-        segments against ~30 us for a direct tile, on a CPU). Values, ``state_dict`` keys and the
+        it, for that kind (host work per packed tile that grew with its segments: on a CPU 212-236
+        us for 16 segments before, 109-131 us after, against 28-31 us for a direct tile;
+        ``benchmarks/tile_host_cost.py``). Values, ``state_dict`` keys and the
         step's results are unchanged; the state tensors of small parameters then share storage
         (``torch.save`` writes each buffer once). Parameters and their gradients are the user's:
         they are still gathered. Redone whenever the layout is rebuilt (a ``load_state_dict``
@@ -599,8 +600,9 @@ class FusedStep(OptimizerParts):
                 continue
             for kind, tensors in kinds:
                 ts = tile.tensors[kind]
-                if not all(s.start == 0 and s.stop == x.numel() and _homable(x, state.get(plan.params[s.param]), kind)
-                           for s, x in zip(tile.segs, ts)):
+                if len({x.dtype for x in ts}) != 1 or not all(
+                        s.start == 0 and s.stop == x.numel() and _homable(x, state.get(plan.params[s.param]), kind)
+                        for s, x in zip(tile.segs, ts)):
                     continue
                 buf = torch.zeros(tile_numel, dtype=ts[0].dtype, device=ts[0].device)
                 a = 0
