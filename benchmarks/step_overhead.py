@@ -99,6 +99,18 @@ def make_model(n_million: float, device: torch.device) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(12)]).to(device)
 
 
+def tile_summary(opt: torch.optim.Optimizer) -> str:
+    """The fused step's tiles per step: calls, direct ones, packed ones and how many of those hold their states."""
+    layouts = [plan.fused for _, plans in getattr(opt, "_plan_cache", {}).values() for plan in plans
+               if getattr(plan, "fused", None) is not None]
+    if not layouts:
+        return "no fused tiles"
+    direct = sum(1 for lay in layouts for d in lay.direct if d)
+    packed = sum(1 for lay in layouts for d in lay.direct if not d)
+    homed = sum(1 for lay in layouts for t, d in enumerate(lay.direct) if not d and lay.homes[t])
+    return f"{direct + packed} tile calls per step ({direct} direct, {packed} packed, {homed} of them holding their states)"
+
+
 def cheap_loss(model: nn.Module) -> torch.Tensor:
     """A loss whose gradient reaches every parameter at the cost of one elementwise pass."""
     return sum(p.float().sum() * 1e-3 for p in model.parameters())  # type: ignore[return-value]
@@ -382,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(loop, OptimizerLoop) and getattr(loop.opt, "fused", False):
             compile_s[name] = float(getattr(loop.opt, "compile_seconds", 0.0))
             print(f"# {name}: first steps {time.perf_counter() - t0:.1f} s, compile_seconds "
-                  f"{compile_s[name]:.1f} s", flush=True)
+                  f"{compile_s[name]:.1f} s; {tile_summary(loop.opt)}", flush=True)
     per_round: dict[str, list[float]] = {name: [] for name in loops}
     names = list(loops)
     for r in range(args.rounds):
