@@ -579,7 +579,7 @@ class FusedStep(OptimizerParts):
                      comps_in: list[Tensor], states_in: dict[str, list[Tensor]]) -> None:
         """Move the compensation buffers and states of each packed tile of whole tensors into one buffer per kind.
 
-        Algorithm: for a packed tile whose segments are all whole tensors, and a buffer kind whose
+        Algorithm: for a packed tile at least 3/4 full whose segments are all whole tensors, and a buffer kind whose
         tensors are this optimizer's own plain state tensors, allocate one ``(T,)`` buffer, copy the
         tensors into it one after the other and re-point each (``Tensor.set_``: the same tensor
         object, in ``self.state`` as before) at its slice. The compiled tile step then reads and
@@ -596,7 +596,9 @@ class FusedStep(OptimizerParts):
         state = self.state
         kinds = ([(_COMP_KEY, comps_in)] if b.comps else []) + [(k, states_in[k]) for k in keys]
         for t, tile in enumerate(layout.tiles):
-            if layout.direct[t] or layout.rem_tiles[t]:
+            # At least 3/4 full: the buffers' padding is memory for as long as the layout lives (a gathered
+            # tile's is only for its step), so it stays under a third of the states the tile holds.
+            if layout.direct[t] or layout.rem_tiles[t] or tile.total * 4 < tile_numel * 3:
                 continue
             for kind, tensors in kinds:
                 ts = tile.tensors[kind]
