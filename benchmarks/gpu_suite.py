@@ -22,22 +22,25 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
    (``bf16-pure``'s Kahan and stochastic-rounding steps, eager and fused, on GPT-2 124M's tensors,
    against torch's fused AdamW, with the fused step's first-step compile seconds; issue 27, item 3),
    with ``--profile``: per row the kernels' time against the step's and the top Python functions.
-5. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
-6. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
-7. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
+5. ``tile-host``: ``tile_host_cost.py --device cuda``: host time per direct and per packed tile of
+   the fused step (4, 16, 64 tensors per packed tile), what 4.'s time is made of.
+6. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
+7. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
+8. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
    ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
-8. ``cuda-tests``: every CUDA-marked test (``pytest -m cuda``).
-9. ``compensated-dynamo``: the fused Kahan row of 4. with every tile call through dynamo (the
+9. ``cuda-tests``: every CUDA-marked test (``pytest -m cuda``).
+10. ``compensated-dynamo``: the fused Kahan row of 4. with every tile call through dynamo (the
    behaviour before the direct calls of ``_fused_step._TileCall``): what those save on a GPU.
-10. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
+11. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
    model, each row in a fresh process with an empty Inductor cache and then a warm one, against the
-   torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 5. share one process and cache).
-11. ``compensated-t23``: the fused Kahan row of 4. with 2**23-element tiles instead of the default
-   2**21 (12 calls instead of 48, more packing), when the budget leaves time: whether the GPU
+   torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 6. share one process and cache).
+12. ``compensated-t23``: the fused Kahan row of 4. with 2**23-element tiles instead of the default
+   2**21 (13 calls instead of 51, counted on a CPU: 12 packed, 11 of them holding their states), when
+   the budget leaves time: whether the GPU
    default should grow again (2**19 -> 2**21 measured 28.7 -> 21.4 ms on an H200).
-12. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
+13. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
     ``--n-embd 2048`` for ``bf16-mixed``, ``fp8-rowwise`` and ``fp8-tensorwise``.
-13. ``fp8-auto`` (issue 27, item 4; needs torchao): the same rows at GPT-2's 768 width with
+14. ``fp8-auto`` (issue 27, item 4; needs torchao): the same rows at GPT-2's 768 width with
     ``--f8-layers auto`` (the measured plan, with the shape gate on an FP8 GPU): never slower than
     ``bf16-mixed`` is the goal.
 
@@ -112,6 +115,7 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
     ("compensated", 90, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
                          "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows",
                          "pure-kahan-eager,pure-kahan-fused,pure-sr-bf16-fused", "--profile"]),
+    ("tile-host", 60, [sys.executable, "benchmarks/tile_host_cost.py", "--device", "cuda", "--segments", "4,16,64"]),
     ("gpt2-compiled", 180, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,bf16-master",
                             "--budget", "{budget}", "--out", "{out}/compiled"]),
     ("step", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--fused", "--rounds", "5",
