@@ -425,8 +425,12 @@ def _device_ctx(device: torch.device, grad_scale: Tensor | float | None, found_i
 _chunk_cat: Callable[..., Tensor] | None = getattr(torch, "_chunk_cat", None)
 
 
+_split_copy: Callable[..., Any] | None = getattr(torch, "split_with_sizes_copy", None)
+
+
 def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
-    """Write a flat tile value back into its tensors (``split`` + one ``_foreach_copy_``)."""
+    """Write a flat tile value back into its tensors (one ``split_with_sizes_copy``; ``split`` + ``_foreach_copy_``
+    when a whole tensor is not contiguous)."""
     views = tile.views[kind]
     if len(views) == 1:
         v = views[0]
@@ -436,8 +440,11 @@ def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
             t = tile.tensors[kind][0]
             t.copy_(value.view(t.shape))
         return
+    if tile.contiguous and _split_copy is not None:  # one op, no list of pieces (split + _foreach_copy_: ~1.5x on a CPU)
+        _split_copy(value, tile.sizes, 0, out=cast(list[Tensor], views))
+        return
     pieces = value.split(tile.sizes)
-    if tile.contiguous:
+    if tile.contiguous:  # pragma: no cover - torch without split_with_sizes_copy
         torch._foreach_copy_(cast(list[Tensor], views), list(pieces))
         return
     ts = tile.tensors[kind]
