@@ -469,7 +469,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         them are views, no kernel), none per tensor: ``torch.cat`` of
         the cached views gathers each buffer kind, ``torch._chunk_cat`` the gradients,
         ``index_select`` by a per-element segment index expands per-parameter scalars and keys,
-        ``split`` + ``torch._foreach_copy_`` into the cached views scatters. Only whole
+        ``torch.split_with_sizes_copy`` into the cached views scatters. Only whole
         non-contiguous tensors (and 0-d gradients) get a per-tensor copy or view.
         """
         segs = tile.segs

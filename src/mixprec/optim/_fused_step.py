@@ -10,7 +10,7 @@ Algorithm (issue 27: compile a fixed number of graphs, not one per parameter sha
    the rest (small tensors, the remainders of large ones, non-contiguous tensors) is packed into
    tiles of at most ``T`` elements and ``_SEGS`` segments (whole tensors first, never split),
    gathered each step by ``torch.cat`` (padded with zeros to ``T``) and scattered back by
-   ``split`` + ``torch._foreach_copy_``, except the states and compensation buffers of a tile of
+   ``torch.split_with_sizes_copy``, except the states and compensation buffers of a tile of
    whole tensors, which live in the tile's own buffers (:meth:`FusedStep._home_states`).
 2. One compiled function steps one tile. Its inputs have fixed shapes: the tile's buffers, a
    ``(T,)`` int32 segment index ``pid`` and per-segment tables of ``_SEGS`` entries (the
@@ -446,7 +446,7 @@ class FusedStep(OptimizerParts):
     @staticmethod
     def _scatter_tile(tile: _Tile, args: tuple[Any, ...], keys: tuple[str, ...], mirrored: bool,
                       homes: dict[str | None, Tensor]) -> None:
-        """Write a packed tile's stepped buffers back into its tensors (``split`` + ``_foreach_copy_`` each;
+        """Write a packed tile's stepped buffers back into its tensors (one ``split_with_sizes_copy`` each;
         nothing for the kinds that live in the tile's own buffers, ``homes``)."""
         n = tile.total
         if args[0] is not None:  # (not in a remainder tile: its parameters are placeholders)
@@ -583,7 +583,7 @@ class FusedStep(OptimizerParts):
         tensors are this optimizer's own plain state tensors, allocate one ``(T,)`` buffer, copy the
         tensors into it one after the other and re-point each (``Tensor.set_``: the same tensor
         object, in ``self.state`` as before) at its slice. The compiled tile step then reads and
-        writes that buffer in place: no ``cat`` before it, no ``split`` + ``_foreach_copy_`` after
+        writes that buffer in place: no ``cat`` before it, no ``split_with_sizes_copy`` after
         it, for that kind (host work per packed tile that grew with its segments: on a CPU 212-236
         us for 16 segments before, 109-131 us after, against 28-31 us for a direct tile;
         ``benchmarks/tile_host_cost.py``). Values, ``state_dict`` keys and the
