@@ -499,9 +499,9 @@ class MixedPrecision(RunCheckpoint):
         tensors: list[torch.Tensor] = []
         deferred: list[tuple[OptimizerRecord, list[torch.Tensor]]] = []
         for opt in opts:
-            grads = self._check_at_clip(opt)
-            if grads is not None:  # checked below, in the clipping multiply
-                deferred.append((self._records[id(opt)], grads))
+            at_clip = self._check_at_clip(opt)
+            if at_clip is not None:  # checked below, in the clipping multiply
+                deferred.append(at_clip)
                 continue
             self.unscale_(opt)
             tensors += [t for t in optimizer_tensors(opt) if t.grad is not None]
@@ -519,8 +519,8 @@ class MixedPrecision(RunCheckpoint):
             rec.stage = "unscaled"
         return total
 
-    def _check_at_clip(self, optimizer: Optimizer) -> list[torch.Tensor] | None:
-        """The gradients ``clip_grad_norm_`` may check in its multiply, or ``None`` to unscale first as usual.
+    def _check_at_clip(self, optimizer: Optimizer) -> tuple[OptimizerRecord, list[torch.Tensor]] | None:
+        """The record and gradients ``clip_grad_norm_`` may check in its multiply, or ``None`` to unscale first as usual.
 
         Only when nothing could differ from unscale-then-clip: a no-op scaler (no scale to take
         out first), gradients not yet checked this step, ``unscale_`` not extended by a subclass,
@@ -543,7 +543,7 @@ class MixedPrecision(RunCheckpoint):
         for g in grads:
             if type(g) is not torch.Tensor or g.dtype != torch.float32 or g.device != device or g.is_sparse:
                 return None
-        return grads
+        return rec, grads
 
     def step(self, optimizer: Optimizer, *, schedulers: Sequence[Any] = ()) -> StepInfo:
         """Unscale, check, and step ``optimizer`` unless a gradient is inf/NaN; update the loss scale.

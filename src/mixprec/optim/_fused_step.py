@@ -138,7 +138,7 @@ class _FusedLayout:
         self.rem_tiles: list[bool] = []
         #: Non-contiguous tensors of parameters larger than a tile (``channels_last`` weights, their
         #: states) and their contiguous stand-ins, which the tiles slice: copied in before the tiles,
-        #: back after (see :func:`_staged`).
+        #: back after (see :class:`_Stager`).
         self.stage_origs: list[Tensor] = []
         self.stage_bufs: list[Tensor] = []
         #: Per tile, the buffer kinds (compensation, states) whose tensors live in one ``(T,)`` buffer

@@ -46,15 +46,6 @@ _DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
 _COMP_KEY = "kahan_comp"
 _STEP_KEY = "step"
 _GRAD = operator.attrgetter("grad")
-_ITEM: dict[str, Callable[[Any], Any]] = {}
-
-
-def _item(key: str) -> Callable[[Any], Any]:
-    """``operator.itemgetter(key)``, one per key."""
-    got = _ITEM.get(key)
-    if got is None:
-        got = _ITEM[key] = operator.itemgetter(key)
-    return got
 
 
 
@@ -285,25 +276,20 @@ class OptimizerParts(Optimizer):
         # (host time per parameter is what a GPU step of many small tensors is made of).
         sts = list(map(self.state.__getitem__, params))
         keys = self._state_keys(group)
+        kahan = self._uses_kahan(params[0])
+        if any(map(_is_dtensor, params)):
+            locals_ = [_local(p) for p in params]
+            grads = [_local(cast(Tensor, p.grad)) for p in params]
+            comps = [_local(s[_COMP_KEY]) for s in sts] if kahan else []
+            states = {k: [_local(s[k]) for s in sts] for k in keys}
+        else:
+            locals_, grads = params, list(map(_GRAD, params))
+            comps = list(map(operator.itemgetter(_COMP_KEY), sts)) if kahan else []
+            states = {k: list(map(operator.itemgetter(k), sts)) for k in keys}
         ids = list(map(id, params))
-        if not any(map(_is_dtensor, params)):
-            return _Bucket(
-                params,
-                list(map(_GRAD, params)),
-                list(map(_item(_COMP_KEY), sts)) if self._uses_kahan(params[0]) else [],
-                {k: list(map(_item(k), sts)) for k in keys},
-                list(map(_item(_STEP_KEY), sts)),
-                list(map(streams.__getitem__, ids)) if streams is not None else [],
-                list(map(self._offset, params)),
-                list(map(self.mirrors.get, ids)),
-                list(map(self.remainders.get, ids)),
-            )
         return _Bucket(
-            [_local(p) for p in params],
-            [_local(cast(Tensor, p.grad)) for p in params],
-            [_local(s[_COMP_KEY]) for s in sts] if self._uses_kahan(params[0]) else [],
-            {k: [_local(s[k]) for s in sts] for k in keys},
-            [s[_STEP_KEY] for s in sts],
+            locals_, grads, comps, states,
+            list(map(operator.itemgetter(_STEP_KEY), sts)),
             list(map(streams.__getitem__, ids)) if streams is not None else [],
             list(map(self._offset, params)),
             list(map(self.mirrors.get, ids)),
