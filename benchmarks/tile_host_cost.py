@@ -3,6 +3,7 @@
 
     python benchmarks/tile_host_cost.py                  # 48 tiles of 4096 elements, packed 4 and 16 tensors per tile
     python benchmarks/tile_host_cost.py --segments 4,16,64 --device cuda
+    python benchmarks/tile_host_cost.py --device cuda --copies both   # packed rows with each gather/scatter route
 
 The tiles are small (``--tile`` elements), so the arithmetic is negligible and what is left is
 the host path of a tile: the call of the compiled graph, and for a packed tile the gather of its
@@ -29,14 +30,24 @@ except ImportError:  # a checkout without `pip install -e .`
 import torch
 
 
-def measure(n_tensors: int, numel: int, tile: int, device: torch.device, steps: int) -> tuple[int, int, float]:
-    """``(tiles, packed tiles, median step seconds)`` of a fused Kahan AdamW step over ``n_tensors`` of ``numel`` elements."""
+def measure(n_tensors: int, numel: int, tile: int, device: torch.device, steps: int,
+            one_op: bool | None = None) -> tuple[int, int, float]:
+    """``(tiles, packed tiles, median step seconds)`` of a fused Kahan AdamW step over ``n_tensors`` of ``numel`` elements.
+
+    ``one_op``: gather and scatter packed tiles with ``_chunk_cat`` / ``split_with_sizes_copy``
+    (True) or ``cat`` / ``split`` + ``_foreach_copy_`` (False); None: the device's default
+    (``mixprec.optim._parts._ONE_OP_COPY_DEVICES``).
+    """
     import mixprec.optim as mo
-    from mixprec.optim import _fused_step
+    from mixprec.optim import _fused_step, _parts
 
     attr = "_CPU_FUSED_TILE" if device.type == "cpu" else "_GPU_FUSED_TILE"
     old = getattr(_fused_step, attr)
+    old_devices = _parts._ONE_OP_COPY_DEVICES
     setattr(_fused_step, attr, tile)
+    if one_op is not None:
+        devices = old_devices | {device.type} if one_op else old_devices - {device.type}
+        _parts._ONE_OP_COPY_DEVICES = _fused_step._ONE_OP_COPY_DEVICES = frozenset(devices)
     try:
         g = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(numel, generator=g).to(device, torch.bfloat16)) for _ in range(n_tensors)]
@@ -60,6 +71,7 @@ def measure(n_tensors: int, numel: int, tile: int, device: torch.device, steps: 
         return len(layout.tiles), sum(1 for d in layout.direct if not d), times[len(times) // 2]
     finally:
         setattr(_fused_step, attr, old)
+        _parts._ONE_OP_COPY_DEVICES = _fused_step._ONE_OP_COPY_DEVICES = old_devices
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,17 +81,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segments", default="4,16", help="tensors per packed tile, one row each (default 4,16)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per row (default 30)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--copies", choices=("auto", "one-op", "views", "both"), default="auto",
+                    help="a packed tile's gather and scatter: the device's default (auto), _chunk_cat + "
+                         "split_with_sizes_copy (one-op), cat + split + _foreach_copy_ (views), or each packed row "
+                         "both ways (both)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(1)
     print(f"tile_host_cost: torch {torch.__version__}, {device}, 1 thread; {args.tiles} tiles of {args.tile} elements, "
           "fused Kahan AdamW (BF16 weights, FP32 states), median step")
-    print(f"{'row':12s} {'tiles':>5s} {'packed':>6s} {'step ms':>8s} {'us/tile':>8s}")
-    rows = [("direct", args.tiles, args.tile)] + [
-        (f"packed{n}", args.tiles * n, args.tile // n) for n in (int(s) for s in args.segments.split(","))]
-    for name, n_tensors, numel in rows:
-        tiles, packed, sec = measure(n_tensors, numel, args.tile, device, args.steps)
-        print(f"{name:12s} {tiles:5d} {packed:6d} {sec * 1e3:8.2f} {sec * 1e6 / tiles:8.0f}", flush=True)
+    print(f"{'row':16s} {'tiles':>5s} {'packed':>6s} {'step ms':>8s} {'us/tile':>8s}")
+    routes: list[tuple[str, bool | None]] = {"auto": [("", None)], "one-op": [("/one-op", True)],
+                                             "views": [("/views", False)],
+                                             "both": [("/one-op", True), ("/views", False)]}[args.copies]
+    rows = [("direct", args.tiles, args.tile, None)] + [
+        (f"packed{n}{suffix}", args.tiles * n, args.tile // n, one_op)
+        for n in (int(s) for s in args.segments.split(",")) for suffix, one_op in routes]
+    for name, n_tensors, numel, one_op in rows:
+        tiles, packed, sec = measure(n_tensors, numel, args.tile, device, args.steps, one_op)
+        print(f"{name:16s} {tiles:5d} {packed:6d} {sec * 1e3:8.2f} {sec * 1e6 / tiles:8.0f}", flush=True)
     return 0
 
 

@@ -63,7 +63,8 @@ class AdamW(LowPrecisionOptimizer):
         chunk_numel: Elements per tile of the eager multi-tensor step (default 2**24; a CPU
             uses at most 2**17). The step's temporaries are about 40-48 bytes per tile element
             (~0.7 GiB by default on a GPU); smaller tiles use less memory and more host time.
-            It also caps the fused step's tile (2**16 elements on a CPU, 2**21 elsewhere).
+            It also caps the fused step's tile (2**16 elements on a CPU, 2**23 elsewhere, 2**21 for
+            a bucket of at most 2**22 elements).
         fused: ``True``: each (group, device, dtype) bucket steps through one ``torch.compile``d
             tile step, equal to the eager step bit for bit (first-step compile time in
             ``compile_seconds``, cached process-wide per configuration, not per parameter shape);

@@ -3,15 +3,18 @@
 Algorithm (issue 27: compile a fixed number of graphs, not one per parameter shape):
 
 1. Each (device, dtype) bucket is laid out once into *tiles* (``T`` elements,
-   :meth:`FusedStep._fused_tile_numel`: 2**16 on a CPU, 2**21 elsewhere, at most ``chunk_numel``):
+   :meth:`FusedStep._fused_tile_numel`: 2**16 on a CPU, 2**23 elsewhere (2**21 in a bucket of at most
+   2**22 elements), at most ``chunk_numel``):
    every full slice of ``_BIG * T``, then of ``T``, elements of a contiguous parameter is a
    *direct* tile (its 1-D views of the parameter, states, compensation buffer and mirror are the
    kernel's inputs, written in place);
    the rest (small tensors, the remainders of large ones, non-contiguous tensors) is packed into
    tiles of at most ``T`` elements and ``_SEGS`` segments (whole tensors first, never split),
-   gathered each step by ``torch.cat`` (padded with zeros to ``T``) and scattered back by
-   ``torch.split_with_sizes_copy``, except the states and compensation buffers of a tile of
-   whole tensors, which live in the tile's own buffers (:meth:`FusedStep._home_states`).
+   gathered each step by ``torch.cat`` (padded with zeros to ``T``; gradients by ``_chunk_cat`` on
+   a CPU) and scattered back by ``torch.split_with_sizes_copy`` on a CPU, ``split`` +
+   ``_foreach_copy_`` elsewhere (``_parts._ONE_OP_COPY_DEVICES``), except the states and
+   compensation buffers of a tile of whole tensors, which live in the tile's own buffers
+   (:meth:`FusedStep._home_states`).
 2. One compiled function steps one tile. Its inputs have fixed shapes: the tile's buffers, a
    ``(T,)`` int32 segment index ``pid`` and per-segment tables of ``_SEGS`` entries (the
    per-parameter scalars, random keys, global index bases, mirror flags), read in the kernel as
@@ -46,6 +49,7 @@ from ._parts import (
     _COMP_KEY,
     _DYNAMIC_GROUP_KEYS,
     _HALF,
+    _ONE_OP_COPY_DEVICES,
     _SLOT_COMP,
     _SLOT_PARAM,
     _STREAMS_PER_PARAM,
@@ -77,9 +81,15 @@ _SEGS = 128
 #: the wrapper, a packed tile's gather and scatter). Measured on an H200 (torch 2.11, GPT-2 124M's
 #: 148 tensors, `benchmarks/gpu_suite.py`): the Kahan step took 28.7 ms at 2**19 (112 calls, 20
 #: of them packed) and 21.4 ms at 2**21 (48 calls, 18 packed), against 2.3 ms for torch's fused
-#: AdamW: host-bound either way (docs/optim.md), fewer calls faster.
+#: AdamW; after packed tiles held their states, 15.0 ms at 2**21 (51 calls) and 8.3 ms at 2**23
+#: (13 calls): host-bound either way (docs/optim.md), fewer calls faster. A bucket of at most
+#: ``_GPU_SMALL_BUCKET`` elements takes tiles of ``_GPU_SMALL_TILE`` (at most): a small model's one
+#: packed tile is then not mostly padding (compute and the memory of its held states). Two tile
+#: sizes, so two sets of graphs at most per configuration, whatever the models' sizes.
 _CPU_FUSED_TILE = 1 << 16
-_GPU_FUSED_TILE = 1 << 21
+_GPU_FUSED_TILE = 1 << 23
+_GPU_SMALL_TILE = 1 << 21
+_GPU_SMALL_BUCKET = 1 << 22
 #: Direct tiles also come ``_BIG`` times larger (a third graph at most): a large tensor then
 #: takes a quarter of the calls.
 _BIG = 4
@@ -275,9 +285,16 @@ class FusedStep(OptimizerParts):
             return False
         return bool(has_triton())
 
-    def _fused_tile_numel(self, device: torch.device) -> int:
-        """Elements per compiled tile (see ``_CPU_FUSED_TILE``), at most ``chunk_numel``."""
-        return min(self.chunk_numel, _CPU_FUSED_TILE if device.type == "cpu" else _GPU_FUSED_TILE)
+    def _fused_tile_numel(self, device: torch.device, bucket_numel: int) -> int:
+        """Elements per compiled tile of a bucket of ``bucket_numel`` elements (see ``_CPU_FUSED_TILE``), at most
+        ``chunk_numel``."""
+        if device.type == "cpu":
+            tile = _CPU_FUSED_TILE
+        elif bucket_numel <= _GPU_SMALL_BUCKET:
+            tile = min(_GPU_FUSED_TILE, _GPU_SMALL_TILE)
+        else:
+            tile = _GPU_FUSED_TILE
+        return min(self.chunk_numel, tile)
 
     def _step_bucket_fused(self, gi: int, group: dict[str, Any], plan: _Plan, keys: tuple[str, ...],
                            ctx: _DeviceCtx) -> bool:
@@ -430,7 +447,7 @@ class FusedStep(OptimizerParts):
         else:
             pad = layout.tile_numel - tile.total
             in_rem = layout.rem_tiles[t]
-            grad = _gather_grads(b, tile, pad)
+            grad = _gather_grads(b, tile, pad, layout)
             p = None if in_rem else _gather_padded(layout, tile, None, pad)
             homes = layout.homes[t]
             comp = None
@@ -478,7 +495,7 @@ class FusedStep(OptimizerParts):
         and mirror. A string: why the bucket cannot be tiled (see :func:`_fused_segments`).
         """
         device = plan.device
-        tile_numel = self._fused_tile_numel(device)
+        tile_numel = self._fused_tile_numel(device, sum(map(_NUMEL, b.params)))
         mirror_ids = (*map(id, b.mirrors), *map(id, b.rems))
         sig = (self.seed, keys, tile_numel, tuple(b.ids), tuple(b.offsets), mirror_ids, self.compensation)
         ptrs = _layout_ptrs(b, keys)
@@ -876,6 +893,7 @@ def _layout_ptrs(b: _Bucket, keys: tuple[str, ...]) -> list[int]:
 
 
 _DATA_PTR = Tensor.data_ptr
+_NUMEL = Tensor.numel
 
 
 def _homable(x: Tensor, st: Any, kind: str | None) -> bool:
@@ -898,11 +916,21 @@ def _gather_padded(layout: _FusedLayout, tile: _Tile, kind: str | None, pad: int
     return torch.cat(parts)
 
 
-def _gather_grads(b: _Bucket, tile: _Tile, pad: int) -> Tensor:
-    """A packed tile's gradient elements in the gradients' dtype, zero-padded (one ``_chunk_cat`` when all are whole)."""
+def _gather_grads(b: _Bucket, tile: _Tile, pad: int, layout: _FusedLayout) -> Tensor:
+    """A packed tile's gradient elements in the gradients' dtype, zero-padded: one ``_chunk_cat`` on a CPU, one
+    ``cat`` of flat views elsewhere (``_parts._ONE_OP_COPY_DEVICES``)."""
     segs = tile.segs
     gs = [b.grads[s.param] for s in segs]
     g0 = gs[0]
+    if g0.device.type not in _ONE_OP_COPY_DEVICES:
+        parts = [g.reshape(-1) if s.start == 0 and s.stop == g.numel() else g.reshape(-1)[s.start:s.stop]
+                 for g, s in zip(gs, segs)]
+        if pad:
+            zeros = layout.pads.get(g0.dtype)
+            if zeros is None:
+                zeros = layout.pads[g0.dtype] = torch.zeros(layout.tile_numel, dtype=g0.dtype, device=g0.device)
+            parts.append(zeros[:pad])
+        return torch.cat(parts)
     out = torch.empty(tile.total + pad, dtype=g0.dtype, device=g0.device)
     if pad:
         out[tile.total:].zero_()

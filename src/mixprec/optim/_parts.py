@@ -413,10 +413,19 @@ _chunk_cat: Callable[..., Tensor] | None = getattr(torch, "_chunk_cat", None)
 
 _split_copy: Callable[..., Any] | None = getattr(torch, "split_with_sizes_copy", None)
 
+#: Whether the one-op gather and scatter (``_chunk_cat``, ``split_with_sizes_copy``) are the cheap
+#: route on a device type. On a CPU they are (``split`` + ``_foreach_copy_`` took ~1.5x the host
+#: time). On CUDA both copy their table of pointers to the device through pinned memory on every
+#: call: an H200 (torch 2.11, GPT-2's fused Kahan step, cProfile) spent 79 us of host time per
+#: ``_chunk_cat`` and 65 us per ``split_with_sizes_copy`` against 28 us per ``torch.cat`` of a
+#: similar list, whose pointers travel as kernel arguments, as ``_foreach_copy_``'s do. Elsewhere:
+#: ``cat`` of flat views and ``split`` + ``_foreach_copy_``; the values are the same either way.
+_ONE_OP_COPY_DEVICES = frozenset({"cpu"})
+
 
 def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
-    """Write a flat tile value back into its tensors (one ``split_with_sizes_copy``; ``split`` + ``_foreach_copy_``
-    when a whole tensor is not contiguous)."""
+    """Write a flat tile value back into its tensors (one ``split_with_sizes_copy`` on a CPU; ``split`` +
+    ``_foreach_copy_`` elsewhere, see ``_ONE_OP_COPY_DEVICES``, and when a whole tensor is not contiguous)."""
     views = tile.views[kind]
     if len(views) == 1:
         v = views[0]
@@ -426,11 +435,11 @@ def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
             t = tile.tensors[kind][0]
             t.copy_(value.view(t.shape))
         return
-    if tile.contiguous and _split_copy is not None:  # one op, no list of pieces (split + _foreach_copy_: ~1.5x on a CPU)
-        _split_copy(value, tile.sizes, 0, out=cast(list[Tensor], views))
+    if tile.contiguous and _split_copy is not None and value.device.type in _ONE_OP_COPY_DEVICES:
+        _split_copy(value, tile.sizes, 0, out=cast(list[Tensor], views))  # one op, no list of pieces
         return
     pieces = value.split(tile.sizes)
-    if tile.contiguous:  # pragma: no cover - torch without split_with_sizes_copy
+    if tile.contiguous:  # no host-to-device table (CUDA), or a torch without split_with_sizes_copy
         torch._foreach_copy_(cast(list[Tensor], views), list(pieces))
         return
     ts = tile.tensors[kind]
