@@ -908,12 +908,16 @@ def _gather_padded(layout: _FusedLayout, tile: _Tile, kind: str | None, pad: int
     views = tile.views[kind]
     parts = [v if v is not None else t.reshape(-1) for v, t in zip(views, tile.tensors[kind])]
     if pad:
-        ref = parts[0]
-        zeros = layout.pads.get(ref.dtype)
-        if zeros is None:
-            zeros = layout.pads[ref.dtype] = torch.zeros(layout.tile_numel, dtype=ref.dtype, device=ref.device)
-        parts.append(zeros[:pad])
+        parts.append(_zeros(layout, parts[0], pad))
     return torch.cat(parts)
+
+
+def _zeros(layout: _FusedLayout, ref: Tensor, pad: int) -> Tensor:
+    """``pad`` zeros of ``ref``'s dtype: a slice of the layout's one zero tile per dtype (never written)."""
+    zeros = layout.pads.get(ref.dtype)
+    if zeros is None:
+        zeros = layout.pads[ref.dtype] = torch.zeros(layout.tile_numel, dtype=ref.dtype, device=ref.device)
+    return zeros[:pad]
 
 
 def _gather_grads(b: _Bucket, tile: _Tile, pad: int, layout: _FusedLayout) -> Tensor:
@@ -926,10 +930,7 @@ def _gather_grads(b: _Bucket, tile: _Tile, pad: int, layout: _FusedLayout) -> Te
         parts = [g.reshape(-1) if s.start == 0 and s.stop == g.numel() else g.reshape(-1)[s.start:s.stop]
                  for g, s in zip(gs, segs)]
         if pad:
-            zeros = layout.pads.get(g0.dtype)
-            if zeros is None:
-                zeros = layout.pads[g0.dtype] = torch.zeros(layout.tile_numel, dtype=g0.dtype, device=g0.device)
-            parts.append(zeros[:pad])
+            parts.append(_zeros(layout, g0, pad))
         return torch.cat(parts)
     out = torch.empty(tile.total + pad, dtype=g0.dtype, device=g0.device)
     if pad:
