@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import sys
 import time
@@ -149,11 +150,12 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
         dt = _baseline_for(preset)
         t0 = time.perf_counter()
         try:
-            result = run_compare(
-                "gpt", [preset], baseline=dt, steps=args.steps, warmup=args.warmup, device=device,
-                peak_tflops_override=args.peak_tflops, workload_options=options, compile=args.compile,
-                f8_layers=args.f8_layers,
-            )
+            with _CacheBypasses() as bypasses:
+                result = run_compare(
+                    "gpt", [preset], baseline=dt, steps=args.steps, warmup=args.warmup, device=device,
+                    peak_tflops_override=args.peak_tflops, workload_options=options, compile=args.compile,
+                    f8_layers=args.f8_layers,
+                )
         except BenchError as e:
             print(f"gpu_gpt2: {preset}: error: {e}", file=sys.stderr, flush=True)
             failed = True
@@ -163,8 +165,10 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
         print_report(result)
         line = _pair_line(result, preset, dt)
         print(f"{line or preset + ': no ratio (a row failed, see the table)'}  [{seconds:.0f} s]", flush=True)
+        for why, n in bypasses.reasons.items():  # why a warm compile still took long (FP8: 24 s against 1.6 s)
+            print(f"gpu_gpt2: {preset} pair: {why} (x{n})", flush=True)
         pair = {"preset": preset, "baseline": f"torch-amp-{dt}", "seconds": seconds, "line": line,
-                "rows": result.to_dict()["rows"]}
+                "rows": result.to_dict()["rows"], "cache_bypasses": bypasses.reasons}
         if args.profile:
             pair["profile"] = _profile_pair(preset, dt, options, device, args.compile)
         summary["pairs"].append(pair)
@@ -181,6 +185,43 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
         print(f"gpu_gpt2: wrote {out}/gpu_gpt2.json")
     print(f"gpu_gpt2: {len(summary['pairs'])} of {len(presets)} pairs in {time.perf_counter() - t_start:.0f} s", flush=True)
     return 1 if failed else 0
+
+
+class _CacheBypasses(logging.Handler):
+    """Collects why Inductor's FX graph cache or AOTAutograd's cache was bypassed while a pair ran.
+
+    A bypassed cache compiles again after ``torch._dynamo.reset()``: the 'warm s' column. On an H200
+    the FP8 rows' warm compile took 24 s against 1.6 s for torch.amp's (2026-11-27); torch logs the
+    reason (at INFO) and nowhere else. ``reasons``: message (first 160 characters) -> count.
+    """
+
+    LOGGERS = ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: dict[str, int] = {}
+        self._levels: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = " ".join(record.getMessage().split())
+        if "bypass" in msg.lower():
+            key = msg[:160]
+            self.reasons[key] = self.reasons.get(key, 0) + 1
+
+    def __enter__(self) -> _CacheBypasses:
+        for name in self.LOGGERS:
+            log = logging.getLogger(name)
+            self._levels.append(log.level)
+            if not log.isEnabledFor(logging.INFO):
+                log.setLevel(logging.INFO)
+            log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, level in zip(self.LOGGERS, self._levels):
+            log = logging.getLogger(name)
+            log.removeHandler(self)
+            log.setLevel(level)
 
 
 def _profile_pair(preset: str, dt: str, options: dict, device: str, compile_backend: str | None,

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,3 +78,17 @@ def test_tiny_cpu_run_compiled(tmp_path: Path) -> None:
         assert d["settings"]["compile"] == "aot_eager"
         assert all(r["status"] == "ok" and r["compiled"] == "aot_eager" and r["compile_seconds"] is not None
                    and r["warm_compile_seconds"] is not None for r in d["rows"])
+
+
+def test_cache_bypass_reasons_are_collected_per_pair_and_the_loggers_restored(load_benchmark: Any) -> None:
+    import logging
+
+    module = load_benchmark("gpu_gpt2")
+    aot = logging.getLogger(module._CacheBypasses.LOGGERS[0])
+    level = aot.level
+    with module._CacheBypasses() as seen:
+        aot.info("Bypassing autograd cache due to: %s", "Unsupported call_function target X")
+        aot.info("Bypassing autograd cache due to: %s", "Unsupported call_function target X")
+        logging.getLogger(module._CacheBypasses.LOGGERS[1]).info("FX graph cache hit")  # not a bypass
+    assert seen.reasons == {"Bypassing autograd cache due to: Unsupported call_function target X": 2}
+    assert aot.level == level and seen not in aot.handlers
