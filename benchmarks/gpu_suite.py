@@ -25,8 +25,8 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
    with ``--profile``: per row the kernels' time against the step's and the top Python functions.
 5. ``tile-host``: ``tile_host_cost.py --device cuda --copies both``: host time per direct and per
    packed tile of the fused step (4, 16, 64 tensors per packed tile), each packed row with both
-   gather/scatter routes (``_chunk_cat`` + ``split_with_sizes_copy``, and ``cat`` + ``split`` +
-   ``_foreach_copy_``, the GPU default since stop 37): what 4.'s time is made of.
+   gather/scatter routes (``_chunk_cat``/``cat`` + ``split_with_sizes_copy``, a CPU's; and
+   ``_foreach_copy_`` through two shared buffers, the GPU default since stop 37): what 4.'s time is made of.
 6. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
 7. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
 8. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:

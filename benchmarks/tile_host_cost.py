@@ -34,9 +34,9 @@ def measure(n_tensors: int, numel: int, tile: int, device: torch.device, steps: 
             one_op: bool | None = None) -> tuple[int, int, float]:
     """``(tiles, packed tiles, median step seconds)`` of a fused Kahan AdamW step over ``n_tensors`` of ``numel`` elements.
 
-    ``one_op``: gather and scatter packed tiles with ``_chunk_cat`` / ``split_with_sizes_copy``
-    (True) or ``cat`` / ``split`` + ``_foreach_copy_`` (False); None: the device's default
-    (``mixprec.optim._parts._ONE_OP_COPY_DEVICES``).
+    ``one_op``: gather and scatter packed tiles with ``_chunk_cat``/``cat`` and ``split_with_sizes_copy``
+    (True) or with ``_foreach_copy_`` through the bucket's two shared buffers (False,
+    ``_fused_step._Copies``); None: the device's default (``mixprec.optim._parts._ONE_OP_COPY_DEVICES``).
     """
     import mixprec.optim as mo
     from mixprec.optim import _fused_step, _parts
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segments", default="4,16", help="tensors per packed tile, one row each (default 4,16)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per row (default 30)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--copies", choices=("auto", "one-op", "views", "both"), default="auto",
-                    help="a packed tile's gather and scatter: the device's default (auto), _chunk_cat + "
-                         "split_with_sizes_copy (one-op), cat + split + _foreach_copy_ (views), or each packed row "
-                         "both ways (both)")
+    ap.add_argument("--copies", choices=("auto", "one-op", "foreach", "both"), default="auto",
+                    help="a packed tile's gather and scatter: the device's default (auto), _chunk_cat/cat + "
+                         "split_with_sizes_copy (one-op, a CPU's), _foreach_copy_ through two shared buffers "
+                         "(foreach, a GPU's), or each packed row both ways (both)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(1)
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
           "fused Kahan AdamW (BF16 weights, FP32 states), median step")
     print(f"{'row':16s} {'tiles':>5s} {'packed':>6s} {'step ms':>8s} {'us/tile':>8s}")
     routes: list[tuple[str, bool | None]] = {"auto": [("", None)], "one-op": [("/one-op", True)],
-                                             "views": [("/views", False)],
-                                             "both": [("/one-op", True), ("/views", False)]}[args.copies]
+                                             "foreach": [("/foreach", False)],
+                                             "both": [("/one-op", True), ("/foreach", False)]}[args.copies]
     rows = [("direct", args.tiles, args.tile, None)] + [
         (f"packed{n}{suffix}", args.tiles * n, args.tile // n, one_op)
         for n in (int(s) for s in args.segments.split(",")) for suffix, one_op in routes]

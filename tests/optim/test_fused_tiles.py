@@ -353,17 +353,20 @@ def test_a_compiled_graph_that_takes_its_inputs_otherwise_falls_back_to_dynamo_a
     assert_bit_identical(got, snapshot(opt))
 
 
+@pytest.mark.parametrize("one_op", [True, False], ids=["cpu-copies", "gpu-copies"])
 @pytest.mark.parametrize(("compensation", "state_dtype"), [("kahan", torch.float32), ("stochastic", torch.bfloat16)])
 def test_packed_tiles_of_whole_tensors_hold_their_states_and_a_checkpoint_resumes_bit_for_bit(compensation, state_dtype,
-                                                                                             monkeypatch):
+                                                                                             one_op, monkeypatch):
     """A packed tile of whole tensors keeps their states (and Kahan buffers) in one buffer per kind, stepped in place:
     the state tensors are the same objects, sharing that buffer; a ``state_dict`` saved mid-run and loaded into a
     fresh optimizer (which homes the loaded tensors again) resumes bit for bit; and the tiles that still gather
-    (remainders of sliced tensors) step alike."""
+    (remainders of sliced tensors) step alike. With the GPU's copies (packed tiles' parameters and gradients
+    through two shared buffers) too; the held buffers' padding stays zero either way."""
     import io
 
     monkeypatch.setattr(_fused_step, "_SEGS", 4)
     monkeypatch.setattr(_fused_step, "_CPU_FUSED_TILE", TILE)
+    monkeypatch.setattr(_fused_step, "_ONE_OP_COPY_DEVICES", frozenset({"cpu"} if one_op else ()))
 
     def make() -> tuple[list[torch.nn.Parameter], mo.AdamW]:
         params = _params()
@@ -407,6 +410,11 @@ def test_packed_tiles_of_whole_tensors_hold_their_states_and_a_checkpoint_resume
     assert_bit_identical(snapshot(opt), snapshot(resumed))
     again = resumed._plan_cache[0][1][0].fused
     assert {k for h in again.homes for k in h} == kinds  # the loaded tensors were homed in turn
+    assert bool(again.copy_bufs) is not one_op and sum(c is not None for c in again.copies) == (0 if one_op else sum(
+        1 for d, r in zip(again.direct, again.rem_tiles) if not d and not r))
+    for t, homes in enumerate(again.homes):  # padding in, zeros out: nothing of another tile leaks into it
+        for kind, buf in homes.items():
+            assert not buf[again.tiles[t].total:].any(), (t, kind)
 
 
 def test_the_gpu_tile_grows_with_the_bucket_in_two_sizes_and_chunk_numel_caps_it():
@@ -419,3 +427,30 @@ def test_the_gpu_tile_grows_with_the_bucket_in_two_sizes_and_chunk_numel_caps_it
     assert opt._fused_tile_numel(cuda, (1 << 22) + 1) == opt._fused_tile_numel(cuda, 124_000_000) == 1 << 23
     assert opt._fused_tile_numel(torch.device("cpu"), 124_000_000) == 1 << 16
     assert mo.AdamW([p], fused=False, chunk_numel=1 << 20)._fused_tile_numel(cuda, 124_000_000) == 1 << 20
+
+
+def test_copies_move_a_packed_tiles_tensors_through_the_shared_buffers_and_zero_what_another_tile_left():
+    """The GPU's route for a packed tile (``_fused_step._Copies``): whole tensors (one transposed, one 0-d) and part
+    of a larger one land in logical order in the parameter and gradient buffers, the padding after them is zeroed
+    (a fuller tile stepped before left values there), and the parameters go back from the buffer."""
+    from mixprec.optim._parts import _Segment, _Tile
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, 5, generator=g).t(), torch.randn((), generator=g), torch.randn(40, generator=g)]
+    grads = [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in params]
+    segs = [_Segment(0, 0, 15), _Segment(1, 0, 1), _Segment(2, 8, 30)]  # the last: elements 8..29 of a 40-element one
+    tile = _Tile(segs, [0, 15, 16], torch.device("cpu"))
+    tile.bind(None, params)
+    pbuf, gbuf = torch.full((64,), 7.0), torch.full((64,), 7.0, dtype=torch.bfloat16)  # another tile's leftovers
+    copies = _fused_step._Copies(tile, pbuf, gbuf)
+    copies.gather(grads)
+    want_p = torch.cat([params[0].reshape(-1), params[1].reshape(1), params[2][8:30]])
+    want_g = torch.cat([grads[0].reshape(-1), grads[1].reshape(1), grads[2][8:30]])
+    assert torch.equal(pbuf[:38], want_p) and torch.equal(gbuf[:38], want_g)
+    assert not pbuf[38:].any() and not gbuf[38:].any()
+    pbuf.mul_(2.0)  # "the step"
+    before = [p.clone() for p in params]
+    copies.scatter()
+    assert torch.equal(params[0], before[0] * 2) and torch.equal(params[1], before[1] * 2)
+    assert torch.equal(params[2][8:30], before[2][8:30] * 2)
+    assert torch.equal(params[2][:8], before[2][:8]) and torch.equal(params[2][30:], before[2][30:])  # not its part

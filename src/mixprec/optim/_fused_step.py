@@ -10,11 +10,12 @@ Algorithm (issue 27: compile a fixed number of graphs, not one per parameter sha
    kernel's inputs, written in place);
    the rest (small tensors, the remainders of large ones, non-contiguous tensors) is packed into
    tiles of at most ``T`` elements and ``_SEGS`` segments (whole tensors first, never split),
-   gathered each step by ``torch.cat`` (padded with zeros to ``T``; gradients by ``_chunk_cat`` on
-   a CPU) and scattered back by ``torch.split_with_sizes_copy`` on a CPU, ``split`` +
-   ``_foreach_copy_`` elsewhere (``_parts._ONE_OP_COPY_DEVICES``), except the states and
-   compensation buffers of a tile of whole tensors, which live in the tile's own buffers
-   (:meth:`FusedStep._home_states`).
+   gathered each step by ``torch.cat`` (padded with zeros to ``T``; gradients by ``_chunk_cat``)
+   and scattered back by ``torch.split_with_sizes_copy``, except: the states and compensation
+   buffers of a tile of whole tensors live in the tile's own buffers
+   (:meth:`FusedStep._home_states`); and off the CPU (``_parts._ONE_OP_COPY_DEVICES``) parameters
+   and gradients move by ``_foreach_copy_`` through two ``(T,)`` buffers the bucket's packed tiles
+   share (:class:`_Copies`), other kinds by ``cat`` and ``split`` + ``_foreach_copy_``.
 2. One compiled function steps one tile. Its inputs have fixed shapes: the tile's buffers, a
    ``(T,)`` int32 segment index ``pid`` and per-segment tables of ``_SEGS`` entries (the
    per-parameter scalars, random keys, global index bases, mirror flags), read in the kernel as
@@ -114,9 +115,9 @@ class _FusedLayout:
     a packed tile; ``None`` for a direct one).
     """
 
-    __slots__ = ("bases", "direct", "direct_args", "flags", "home_pad", "homes", "ka0", "kb0", "key_rows", "keys_buf",
-                 "mirror_dtype", "pads", "pids", "ptrs", "rem_tiles", "seg_param", "sig", "slots", "stage_bufs",
-                 "stage_origs", "table_keys", "table_rows", "tables_buf", "tile_numel", "tiles")
+    __slots__ = ("bases", "copies", "copy_bufs", "direct", "direct_args", "flags", "home_pad", "homes", "ka0", "kb0",
+                 "key_rows", "keys_buf", "mirror_dtype", "pads", "pids", "ptrs", "rem_tiles", "seg_param", "sig", "slots",
+                 "stage_bufs", "stage_origs", "table_keys", "table_rows", "tables_buf", "tile_numel", "tiles")
 
     def __init__(self, sig: tuple[Any, ...], ptrs: list[int], tile_numel: int) -> None:
         self.sig = sig
@@ -155,6 +156,55 @@ class _FusedLayout:
         #: of the tile (:meth:`FusedStep._home_states`): stepped in place, neither gathered nor scattered.
         self.homes: list[dict[str | None, Tensor]] = []
         self.home_pad = 0  # bytes of those buffers that no tensor holds (the tile's padding)
+        #: Off the CPU (``_parts._ONE_OP_COPY_DEVICES``): per tile, the cached copies that move a packed
+        #: tile's parameters and gradients through the bucket's two ``(T,)`` buffers ``copy_bufs``
+        #: (parameter, gradient), shared by its tiles in turn (:class:`_Copies`); None: gathered by ``cat``.
+        self.copies: list[_Copies | None] = []
+        self.copy_bufs: list[Tensor] = []
+
+
+class _Copies:
+    """How one packed tile's parameters and gradients reach the bucket's shared ``(T,)`` buffers, built once.
+
+    On CUDA, a ``cat`` needs a 1-D view of every gradient each step and the ``split`` after it one
+    of every parameter: an aten op each, host time that grows with the tile's tensors. Here the
+    destination slices are cached views of the two buffers, shaped like the tensors, so a step
+    copies with one ``_foreach_copy_`` per direction and zeroes the tile's padding with one
+    ``_foreach_zero_`` (a previous, fuller tile of the bucket left values there): per tile a fixed
+    number of ops (``grad_src`` makes a view only for a segment that is part of a tensor).
+    ``params``/``param_dst``: the tile's parameters (the tensors, or the 1-D slice of a partial
+    segment) and their slices of the parameter buffer; ``grad_dst``: the gradient buffer's
+    slices; ``whole[j]``: segment ``j`` is a whole tensor; ``pads``: the buffers' padding views.
+    """
+
+    __slots__ = ("grad_dst", "pads", "param_dst", "params", "segs", "whole")
+
+    def __init__(self, tile: _Tile, pbuf: Tensor, gbuf: Tensor) -> None:
+        self.segs = tile.segs
+        self.whole = [s.start == 0 and s.stop == t.numel() for s, t in zip(tile.segs, tile.tensors[None])]
+        self.params: list[Tensor] = []
+        self.param_dst: list[Tensor] = []
+        self.grad_dst: list[Tensor] = []
+        a = 0
+        for t, v, n, whole in zip(tile.tensors[None], tile.views[None], tile.sizes, self.whole):
+            self.params.append(t if whole else cast(Tensor, v))
+            self.param_dst.append(pbuf[a:a + n].view(t.shape) if whole else pbuf[a:a + n])
+            self.grad_dst.append(gbuf[a:a + n].view(t.shape) if whole else gbuf[a:a + n])
+            a += n
+        self.pads = [pbuf[a:], gbuf[a:]] if a < pbuf.numel() else []
+
+    def gather(self, grads: list[Tensor]) -> None:
+        """Copy this step's gradients and the parameters into the shared buffers (zero padding after them)."""
+        srcs = [g if w else g.reshape(-1)[s.start:s.stop] for g, w, s in
+                zip([grads[s.param] for s in self.segs], self.whole, self.segs)]
+        torch._foreach_copy_(self.grad_dst, srcs)
+        torch._foreach_copy_(self.param_dst, self.params)
+        if self.pads:
+            torch._foreach_zero_(self.pads)
+
+    def scatter(self) -> None:
+        """Write the stepped parameters back from the parameter buffer."""
+        torch._foreach_copy_(self.params, self.param_dst)
 
 
 def _fused_segments(params: list[Tensor], mirrors: list[Tensor | None], tile: int, segs: int,
@@ -388,7 +438,8 @@ class FusedStep(OptimizerParts):
             args = self._tile_args(b, layout, t, tile, keys, lr_t, ctx, flat_grads)
             fns[(direct, layout.rem_tiles[t])](*args)
             if not direct:
-                self._scatter_tile(tile, args, keys, layout.mirror_dtype is not None, layout.homes[t])
+                copies = layout.copies[t] if layout.copy_bufs and args[0] is layout.copy_bufs[0] else None
+                self._scatter_tile(tile, args, keys, layout.mirror_dtype is not None, layout.homes[t], copies)
         if layout.stage_bufs:
             torch._foreach_copy_(layout.stage_origs, layout.stage_bufs)
         self._count_steps(b, ctx)
@@ -447,8 +498,13 @@ class FusedStep(OptimizerParts):
         else:
             pad = layout.tile_numel - tile.total
             in_rem = layout.rem_tiles[t]
-            grad = _gather_grads(b, tile, pad, layout)
-            p = None if in_rem else _gather_padded(layout, tile, None, pad)
+            copies = layout.copies[t]
+            if copies is not None and not torch.compiler.is_compiling():
+                copies.gather(b.grads)
+                p, grad = layout.copy_bufs
+            else:
+                grad = _gather_grads(b, tile, pad, layout)
+                p = None if in_rem else _gather_padded(layout, tile, None, pad)
             homes = layout.homes[t]
             comp = None
             if b.comps:
@@ -462,11 +518,14 @@ class FusedStep(OptimizerParts):
 
     @staticmethod
     def _scatter_tile(tile: _Tile, args: tuple[Any, ...], keys: tuple[str, ...], mirrored: bool,
-                      homes: dict[str | None, Tensor]) -> None:
+                      homes: dict[str | None, Tensor], copies: _Copies | None = None) -> None:
         """Write a packed tile's stepped buffers back into its tensors (one ``split_with_sizes_copy`` each;
-        nothing for the kinds that live in the tile's own buffers, ``homes``)."""
+        nothing for the kinds that live in the tile's own buffers, ``homes``; the parameters by ``copies``
+        when they were gathered into the shared buffer, which ``args[0]`` then is)."""
         n = tile.total
-        if args[0] is not None:  # (not in a remainder tile: its parameters are placeholders)
+        if copies is not None:
+            copies.scatter()
+        elif args[0] is not None:  # (not in a remainder tile: its parameters are placeholders)
             _scatter(tile, None, args[0][:n])
         if args[2] is not None and _COMP_KEY not in homes:
             _scatter(tile, _COMP_KEY, args[2][:n])
@@ -580,9 +639,12 @@ class FusedStep(OptimizerParts):
         layout.key_rows = [(None if kbuf is None else kbuf[0, t], None if kbuf is None else kbuf[1, t],
                             None if ba is None else ba[t], None if fl is None else fl[t]) for t in range(n_tiles)]
         layout.homes = [{} for _ in layout.tiles]
+        layout.copies = [None] * len(layout.tiles)
         if not torch.compiler.is_compiling():  # (under an outer trace the tiles gather, as before)
             self._home_states(plan, b, layout, keys, comps_in, states_in)
             layout.ptrs = _layout_ptrs(b, keys)  # the homed states moved
+            if device.type not in _ONE_OP_COPY_DEVICES:
+                _build_copies(layout, b)
         for tile, direct, in_rem in zip(layout.tiles, layout.direct, layout.rem_tiles):
             v = tile.views
             layout.direct_args.append(None if not direct else (
@@ -894,6 +956,23 @@ def _layout_ptrs(b: _Bucket, keys: tuple[str, ...]) -> list[int]:
 
 _DATA_PTR = Tensor.data_ptr
 _NUMEL = Tensor.numel
+
+
+def _build_copies(layout: _FusedLayout, b: _Bucket) -> None:
+    """Give each packed tile of parameters (not a remainder tile) its :class:`_Copies` through two shared buffers."""
+    packed = [t for t, (d, r) in enumerate(zip(layout.direct, layout.rem_tiles)) if not d and not r]
+    if not packed:
+        return
+    p0, g0 = layout.tiles[packed[0]].tensors[None][0], b.grads[0]
+    pbuf = torch.zeros(layout.tile_numel, dtype=p0.dtype, device=p0.device)
+    gbuf = torch.zeros(layout.tile_numel, dtype=g0.dtype, device=g0.device)
+    layout.copy_bufs = [pbuf, gbuf]
+    for t in packed:
+        tile = layout.tiles[t]
+        # (a part of a tensor is always of a contiguous one, whose 1-D view exists: checked, not assumed)
+        if all(v is not None or (s.start == 0 and s.stop == x.numel())
+               for v, s, x in zip(tile.views[None], tile.segs, tile.tensors[None])):
+            layout.copies[t] = _Copies(tile, pbuf, gbuf)
 
 
 def _homable(x: Tensor, st: Any, kind: str | None) -> bool:

@@ -419,7 +419,9 @@ _split_copy: Callable[..., Any] | None = getattr(torch, "split_with_sizes_copy",
 #: call: an H200 (torch 2.11, GPT-2's fused Kahan step, cProfile) spent 79 us of host time per
 #: ``_chunk_cat`` and 65 us per ``split_with_sizes_copy`` against 28 us per ``torch.cat`` of a
 #: similar list, whose pointers travel as kernel arguments, as ``_foreach_copy_``'s do. Elsewhere:
-#: ``cat`` of flat views and ``split`` + ``_foreach_copy_``; the values are the same either way.
+#: a fused packed tile's parameters and gradients move by ``_foreach_copy_`` through two shared
+#: buffers (``_fused_step._Copies``), other gathers by ``cat`` of flat views and scatters by
+#: ``split`` + ``_foreach_copy_``; the values are the same either way.
 _ONE_OP_COPY_DEVICES = frozenset({"cpu"})
 
 

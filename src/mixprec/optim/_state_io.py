@@ -256,6 +256,7 @@ class StateIO(OptimizerParts):
         for _, plans in self._plan_cache.values():
             for plan in plans:
                 out["staging"] += sum(_nbytes(t) for t in getattr(plan.fused, "stage_bufs", ()))
+                out["staging"] += sum(_nbytes(t) for t in getattr(plan.fused, "copy_bufs", ()))  # (off the CPU)
                 out["staging"] += getattr(plan.fused, "home_pad", 0)  # the padding of packed tiles' state buffers
         out["total"] = sum(v for k, v in out.items() if k != "numel")
         return out
