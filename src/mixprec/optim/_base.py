@@ -80,6 +80,7 @@ element's global position (``Shard(0)``), so a sharded run equals the unsharded 
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -95,6 +96,7 @@ from .._remainder import join_edited, placeholder, split_into_
 from ._fused_step import FusedStep
 from ._parts import (
     _COMP_KEY,
+    _GRAD,
     _HALF,
     _PARAM_DTYPES,
     _SLOT_COMP,
@@ -124,6 +126,9 @@ from ._rounding import (
     with_edits,
 )
 from ._state_io import StateIO
+
+#: What a plan's cache checks of each gradient (one C-level call per gradient).
+_GRAD_META = operator.attrgetter("dtype", "device", "layout")
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "Compensation", "LowPrecisionOptimizer"]
 
@@ -343,7 +348,8 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             RuntimeError: a sparse gradient.
         """
         params = [p for p in group["params"] if p.grad is not None]
-        sig = (tuple(map(id, params)), tuple((g.dtype, g.device, g.layout) for g in (p.grad for p in params)))
+        # C-level maps: this runs every step, and Python per parameter is what a GPU step of many tensors costs.
+        sig = (tuple(map(id, params)), tuple(map(_GRAD_META, map(_GRAD, params))))
         cached = self._plan_cache.get(gi)
         if cached is not None and cached[0] == sig:
             return cached[1]
@@ -363,8 +369,10 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         if self._uses_kahan(params[0]):  # a bucket holds one parameter dtype
             need.add(_COMP_KEY)
         state = self.state
-        for p in params:
-            st = state.get(p)
+        sts = list(map(state.get, params))  # (C-level: every step)
+        if None not in sts and all(map(need.issubset, cast(list[dict[str, Any]], sts))):
+            return
+        for p, st in zip(params, sts):
             if st is None or not st.keys() >= need:
                 self._init_state(p, group)
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._dist import _PLAIN as _PLAIN_TYPES
 from .._dist import dtensor_like
 from .._dist import is_dtensor as _is_dtensor
 from .._dist import local_tensor as _local
@@ -46,6 +47,12 @@ _DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
 _COMP_KEY = "kahan_comp"
 _STEP_KEY = "step"
 _GRAD = operator.attrgetter("grad")
+
+
+def _offsets(parts: Any, params: list[Tensor], ids: list[int]) -> list[int]:
+    """Each parameter's global flat offset: the cached ones by one C-level ``map``, else :meth:`_offset` per tensor."""
+    offs = list(map(parts._offsets.get, ids))
+    return offs if None not in offs else list(map(parts._offset, params))
 
 
 
@@ -277,7 +284,7 @@ class OptimizerParts(Optimizer):
         sts = list(map(self.state.__getitem__, params))
         keys = self._state_keys(group)
         kahan = self._uses_kahan(params[0])
-        if any(map(_is_dtensor, params)):
+        if not _PLAIN_TYPES.issuperset(map(type, params)) and any(map(_is_dtensor, params)):
             locals_ = [_local(p) for p in params]
             grads = [_local(cast(Tensor, p.grad)) for p in params]
             comps = [_local(s[_COMP_KEY]) for s in sts] if kahan else []
@@ -291,12 +298,12 @@ class OptimizerParts(Optimizer):
             locals_, grads, comps, states,
             list(map(operator.itemgetter(_STEP_KEY), sts)),
             list(map(streams.__getitem__, ids)) if streams is not None else [],
-            list(map(self._offset, params)),
+            _offsets(self, params, ids),
             list(map(self.mirrors.get, ids)),
             list(map(self.remainders.get, ids)),
         )
 
-    def _offset(self, p: Tensor) -> int:
+    def _offset(self, p: Tensor) -> int:  # (per step through _offsets: a dict lookup per parameter, C-level)
         """The global flat position of ``p``'s first local element (cached; see :meth:`_set_global_offsets`)."""
         off = self._offsets.get(id(p))
         if off is None:
