@@ -328,12 +328,12 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                 ctx = ctxs.get(device)
                 if ctx is None:
                     ctx = ctxs[device] = _device_ctx(device, grad_scale, found_inf)
-                self._ensure_states(plan.params, group, keys)
-                if self.fused_enabled(device) and self._step_bucket_fused(gi, group, plan, keys, ctx):
+                sts = self._ensure_states(plan.params, group, keys)
+                if self.fused_enabled(device) and self._step_bucket_fused(gi, group, plan, keys, ctx, sts):
                     continue
                 if streams is None:
                     streams = self._streams()
-                self._step_bucket(group, plan, self._bucket(group, plan.params, streams), keys, ctx)
+                self._step_bucket(group, plan, self._bucket(group, plan.params, streams, sts), keys, ctx)
         return loss
 
     def _plans(self, gi: int, group: Mapping[str, Any]) -> list[_Plan]:
@@ -363,18 +363,25 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         self._plan_cache[gi] = (sig, plans)
         return plans
 
-    def _ensure_states(self, params: list[Tensor], group: Mapping[str, Any], keys: tuple[str, ...]) -> None:
-        """Create the missing state entries of ``params`` (a dict lookup per parameter when all exist)."""
+    def _ensure_states(self, params: list[Tensor], group: Mapping[str, Any],
+                       keys: tuple[str, ...]) -> list[dict[str, Any]]:
+        """Create the missing state entries of ``params`` (a dict lookup per parameter when all exist).
+
+        Returns:
+            The parameters' state dicts, in order (the bucket reuses them: a tensor-keyed lookup
+            is a Python-level ``Tensor.__hash__`` call per parameter and step).
+        """
         need = {_STEP_KEY, *keys}
         if self._uses_kahan(params[0]):  # a bucket holds one parameter dtype
             need.add(_COMP_KEY)
         state = self.state
         sts = list(map(state.get, params))  # (C-level: every step)
         if None not in sts and all(map(need.issubset, cast(list[dict[str, Any]], sts))):
-            return
+            return cast(list[dict[str, Any]], sts)
         for p, st in zip(params, sts):
             if st is None or not st.keys() >= need:
                 self._init_state(p, group)
+        return list(map(state.__getitem__, params))
 
     def _step_bucket(self, group: dict[str, Any], plan: _Plan, b: _Bucket, keys: tuple[str, ...],
                      ctx: _DeviceCtx) -> None:

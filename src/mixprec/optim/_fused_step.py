@@ -347,7 +347,7 @@ class FusedStep(OptimizerParts):
         return min(self.chunk_numel, tile)
 
     def _step_bucket_fused(self, gi: int, group: dict[str, Any], plan: _Plan, keys: tuple[str, ...],
-                           ctx: _DeviceCtx) -> bool:
+                           ctx: _DeviceCtx, sts: list[dict[str, Any]] | None = None) -> bool:
         """Step one bucket tile by tile with the compiled tile step (built on first use, shared process-wide).
 
         Returns ``False`` (the caller steps eagerly) when compiling failed under ``fused=None``,
@@ -373,7 +373,7 @@ class FusedStep(OptimizerParts):
         # Random bits only where something is stochastically rounded (half parameters with Kahan or
         # stochastic compensation, half states): FP32 steps skip the key kernels.
         bits = (p0.dtype in _HALF and self.compensation != "none") or self._state_dtype_for(p0) in _HALF
-        b = self._bucket(group, params, self._streams() if bits else None)
+        b = self._bucket(group, params, self._streams() if bits else None, sts)
         layout = self._fused_layout(plan, b, keys)
         if isinstance(layout, str):
             self._warn_eager_bucket(layout)

@@ -273,15 +273,18 @@ class OptimizerParts(Optimizer):
         """``id(param) -> position`` over all groups: the parameter's part of its random stream ids."""
         return {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
 
-    def _bucket(self, group: Mapping[str, Any], params: list[Tensor], streams: Mapping[int, int] | None) -> _Bucket:
+    def _bucket(self, group: Mapping[str, Any], params: list[Tensor], streams: Mapping[int, int] | None,
+                sts: list[dict[str, Any]] | None = None) -> _Bucket:
         """The local tensors of a bucket (a ``DTensor``'s shard; the tensor itself otherwise).
 
         ``streams`` (``id(param) -> position``): the parameters' random stream ids; ``None`` when
-        the step draws no random bits (``ids`` is then empty).
+        the step draws no random bits (``ids`` is then empty). ``sts``: the parameters' state
+        dicts when the caller has them (looked up here otherwise).
         """
         # Once per step and bucket, O(parameters): C-level map()s, and no _local() where no tensor is a DTensor
         # (host time per parameter is what a GPU step of many small tensors is made of).
-        sts = list(map(self.state.__getitem__, params))
+        if sts is None:
+            sts = list(map(self.state.__getitem__, params))
         keys = self._state_keys(group)
         kahan = self._uses_kahan(params[0])
         if not _PLAIN_TYPES.issuperset(map(type, params)) and any(map(_is_dtensor, params)):
