@@ -171,7 +171,7 @@ class _Copies:
     destination slices are cached views of the two buffers, shaped like the tensors, so a step
     copies with one ``_foreach_copy_`` per direction and zeroes the tile's padding with one
     ``_foreach_zero_`` (a previous, fuller tile of the bucket left values there): per tile a fixed
-    number of ops (``grad_src`` makes a view only for a segment that is part of a tensor).
+    number of ops (:meth:`gather` makes a view only for a segment that is part of a tensor).
     ``params``/``param_dst``: the tile's parameters (the tensors, or the 1-D slice of a partial
     segment) and their slices of the parameter buffer; ``grad_dst``: the gradient buffer's
     slices; ``whole[j]``: segment ``j`` is a whole tensor; ``pads``: the buffers' padding views.
