@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--jobs: at least 1, got {args.jobs}")
     files = [Path(f) for f in args.files] or cuda_test_files()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    # Each process's Inductor would start a compile pool as wide as the machine: share the cores instead.
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, min(args.jobs, len(files))))))
     print(f"cuda_tests: {len(files)} files, {args.jobs} at a time, {args.timeout:.0f} s", flush=True)
     t0 = time.perf_counter()
     waiting = list(files)
