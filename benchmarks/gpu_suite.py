@@ -41,7 +41,8 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
 12. ``compensated-t21``: the fused Kahan row of 4. with the 2**21-element tiles of before (51
    calls instead of 13 on GPT-2's tensors): measured 15.0 ms against 8.3 ms at the 2**23 default
    on an H200 (two runs of 2026-11-27, torch's fused AdamW 2.8 and 2.5 ms beside them); kept to
-   see whether the gap holds.
+   see whether the gap holds. ``compensated-t24``: the same with 2**24-element tiles (fewer, larger
+   packed tiles; more padding): whether the GPU default should grow once more.
 13. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
     ``--n-embd 2048`` for ``fp8-tensorwise`` and ``fp8-rowwise`` with ``--f8-layers auto``, each
     beside torch-amp bf16 (``bf16-mixed`` compiled measured 0.989x of it there; ``fp8-rowwise``
@@ -140,6 +141,9 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
     ("compensated-t21", 75, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
                              "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",
                              "--fused-tile", str(1 << 21)]),
+    ("compensated-t24", 75, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
+                             "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",
+                             "--fused-tile", str(1 << 24)]),
     # No bf16-mixed pair: compiled it is torch.amp's step (0.989x at 2048 wide, 1.002x at 768 on an H200), and one
     # compiled pair at 2048 takes ~120-200 s; each FP8 row is compared with the torch-amp bf16 row beside it.
     # The plan (measured numerics + torchao's shape gate): rowwise with every linear was 1.096x torch.amp at 2048.
