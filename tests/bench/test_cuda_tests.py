@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+#: Two files with CUDA-marked tests that are quick to collect (every test skipped without CUDA).
+FILES = [str(ROOT / "tests/test_ema.py"), str(ROOT / "tests/test_scaler.py")]
 
 
 def test_it_finds_the_files_with_cuda_marked_tests_and_only_those(load_benchmark: Any) -> None:
@@ -20,7 +22,7 @@ def test_it_finds_the_files_with_cuda_marked_tests_and_only_those(load_benchmark
 def test_each_file_reports_when_it_finishes_and_a_cpu_run_passes(capsys: pytest.CaptureFixture[str],
                                                                   load_benchmark: Any) -> None:
     module = load_benchmark("cuda_tests")
-    files = [str(ROOT / "tests/test_ema.py"), str(ROOT / "tests/test_scaler.py")]
+    files = FILES
     assert module.main([*files, "--jobs", "2", "--timeout", "120"]) == 0
     out = capsys.readouterr().out
     for f in files:  # without CUDA each file's CUDA tests are skipped: a pass, with pytest's summary line
@@ -31,7 +33,7 @@ def test_each_file_reports_when_it_finishes_and_a_cpu_run_passes(capsys: pytest.
 def test_a_file_past_the_time_limit_is_killed_and_the_run_fails(capsys: pytest.CaptureFixture[str],
                                                                 load_benchmark: Any) -> None:
     module = load_benchmark("cuda_tests")
-    files = [str(ROOT / "tests/test_ema.py"), str(ROOT / "tests/test_scaler.py")]
+    files = FILES
     assert module.main([*files, "--jobs", "1", "--timeout", "0"]) == 1
     out = capsys.readouterr().out
     assert f"KILLED {files[0]}" in out and f"NOT RUN {files[1]}" in out and "0 of 2 files passed" in out

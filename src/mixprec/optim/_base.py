@@ -63,8 +63,9 @@ AdamW with FP32 parameters 8.6 ms, BF16 + Kahan + FP32 states 13.9 ms (16.8 ms w
 (17.8 ms with ``found_inf``). The unfused elementwise chain (~250 bytes of memory traffic per
 element) is the cost. After the tiled layout, on an H200 (torch 2.11, 2026-11-27, GPT-2 124M's
 148 tensors, ``found_inf`` given, ``benchmarks/gpu_suite.py``): BF16 + Kahan + FP32 states 29.8
-ms against 2.26 ms for torch's fused AdamW, about twice the H100 figure above: not attributed yet
-(the suite's ``compensated`` check now profiles it). CPU measurements: ``docs/optim.md``.
+and 31.1 ms against 2.26-2.77 ms for torch's fused AdamW, about twice the H100 figure above; the
+suite's profile put 26.5 ms of it in 780 kernels per step (device-bound: the unfused chain).
+CPU measurements: ``docs/optim.md``.
 
 The fused step (``fused=True``; default on CUDA/XPU with Triton; ``_fused_step.py``): the same
 ``_update`` arithmetic and commit, compiled once per configuration (dtypes, compensation,

@@ -195,8 +195,7 @@ class _Copies:
 
     def gather(self, grads: list[Tensor]) -> None:
         """Copy this step's gradients and the parameters into the shared buffers (zero padding after them)."""
-        srcs = [g if w else g.reshape(-1)[s.start:s.stop] for g, w, s in
-                zip([grads[s.param] for s in self.segs], self.whole, self.segs)]
+        srcs = [grads[s.param] if w else grads[s.param].reshape(-1)[s.start:s.stop] for w, s in zip(self.whole, self.segs)]
         torch._foreach_copy_(self.grad_dst, srcs)
         torch._foreach_copy_(self.param_dst, self.params)
         if self.pads:

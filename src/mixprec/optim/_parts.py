@@ -49,11 +49,6 @@ _STEP_KEY = "step"
 _GRAD = operator.attrgetter("grad")
 
 
-def _offsets(parts: Any, params: list[Tensor], ids: list[int]) -> list[int]:
-    """Each parameter's global flat offset: the cached ones by one C-level ``map``, else :meth:`_offset` per tensor."""
-    offs = list(map(parts._offsets.get, ids))
-    return offs if None not in offs else list(map(parts._offset, params))
-
 
 
 class _Segment(NamedTuple):
@@ -301,12 +296,17 @@ class OptimizerParts(Optimizer):
             locals_, grads, comps, states,
             list(map(operator.itemgetter(_STEP_KEY), sts)),
             list(map(streams.__getitem__, ids)) if streams is not None else [],
-            _offsets(self, params, ids),
+            self._offsets_of(params, ids),
             list(map(self.mirrors.get, ids)),
             list(map(self.remainders.get, ids)),
         )
 
-    def _offset(self, p: Tensor) -> int:  # (per step through _offsets: a dict lookup per parameter, C-level)
+    def _offsets_of(self, params: list[Tensor], ids: list[int]) -> list[int]:
+        """Each parameter's global flat offset: the cached ones by one C-level ``map``, else :meth:`_offset` per tensor."""
+        offs = list(map(self._offsets.get, ids))
+        return cast(list[int], offs) if None not in offs else list(map(self._offset, params))
+
+    def _offset(self, p: Tensor) -> int:
         """The global flat position of ``p``'s first local element (cached; see :meth:`_set_global_offsets`)."""
         off = self._offsets.get(id(p))
         if off is None:

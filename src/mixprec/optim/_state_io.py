@@ -231,8 +231,9 @@ class StateIO(OptimizerParts):
             ``compensation`` (``kahan_comp``), ``states`` (moments and other per-element
             buffers), ``scalars`` (0-d step counters), ``staging`` (the fused step's contiguous
             stand-ins for non-contiguous tensors larger than a tile, e.g. ``channels_last``
-            weights, and the padding of the buffers that hold a packed tile's states; 0 for the
-            eager step) and ``total`` (all but ``numel``).
+            weights, the padding of the buffers that hold a packed tile's states and, off the CPU,
+            the two buffers packed tiles' parameters and gradients pass through; 0 for the eager
+            step) and ``total`` (all but ``numel``).
             ``(params + grads + compensation + states) / numel`` is the bytes-per-parameter
             figure: 14 for Kahan with FP32 states on BF16 AdamW, 10 with BF16 states, 8 for
             stochastic rounding with BF16 states, 16 for FP32 parameters with FP32 states.
