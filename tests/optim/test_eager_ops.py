@@ -113,10 +113,28 @@ def _sr_where(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.
     diff = x - n32
     a = n32.abs()
     step = torch.where(a < tiny, sub, a * (0.6 * 2.0**-mant))
-    other = (n32 + torch.where(diff >= 0, step, -step)).to(dtype)
+    other = n32 + torch.where(diff >= 0, step, -step)
+    if dtype == torch.bfloat16:
+        other = torch.copysign(other, x)
+    other = other.to(dtype)
     span = (other.float() - n32).abs()
-    u = (bits >> 8).to(torch.float32) * 2.0**-24
-    return torch.where(u * span < diff.abs(), other, near)
+    if dtype == torch.bfloat16:
+        u = (bits >> 16).to(torch.float32) * 2.0**-16
+        take = torch.where(a <= x.abs(), (1.0 - u) * span <= diff.abs(), u * span < diff.abs())
+    else:
+        take = (bits >> 8).to(torch.float32) * 2.0**-24 * span < diff.abs()
+    return torch.where(take, other, near)
+
+
+def _sr_bf16_int64(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """BF16's rule in int64 on the bit pattern, written from its definition: add the upper 16 random bits
+    to the magnitude's pattern and cut the lower 16, except from the largest finite value's bucket up."""
+    pattern = x.view(torch.int32).to(torch.int64)
+    sign, mag = pattern & (1 << 31), pattern & 0x7FFFFFFF
+    cut = ((mag + (bits >> 16)) >> 16) << 16
+    out32 = torch.where(mag < 0x7F7F0000, (sign | cut), pattern)
+    out32 = ((out32 ^ (1 << 31)) - (1 << 31)).to(torch.int32)  # back to the signed 32-bit pattern
+    return out32.view(torch.float32).to(torch.bfloat16)  # exact where cut, to nearest from the top bucket up
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -131,12 +149,35 @@ def test_eager_stochastic_rounding_equals_the_where_form_bit_for_bit(dtype):
     xs = [specials.repeat(200), torch.randn(n, generator=g), torch.randn(n, generator=g) * tiny * 4,
           torch.randn(n, generator=g) * sub * 8, (torch.rand(n, generator=g) * 2 - 1) * fmax * 1.01,
           torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int32).view(torch.float32)]  # any pattern
+    # Every upper half of the FP32 pattern (every BF16 value, sign, binade edge, subnormal, inf, NaN) with
+    # the lower halves that decide a rounding: exact, just above, just below and at the tie, just above it.
+    upper = torch.arange(-2**15, 2**15, dtype=torch.int32).mul_(2**16)
+    xs += [(upper + low).view(torch.float32) for low in (0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF)]
     for x in xs:
         bits = torch.randint(0, 2**32, x.shape, generator=g, dtype=torch.int64)
         want = _sr_where(x, dtype, bits).view(torch.int16)
+        if dtype == torch.bfloat16:
+            assert torch.equal(_sr_bf16_int64(x, bits).view(torch.int16), want)
         assert torch.equal(_sr_counter_eager(x, dtype, bits).view(torch.int16), want)
         assert torch.equal(_sr_counter_eager(x, dtype, to_int32_lanes(bits)).view(torch.int16), want)
         assert torch.equal(stochastic_round(x, dtype, bits=bits).view(torch.int16), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_stochastic_rounding_equals_the_eager_bit_form_on_every_upper_pattern(dtype):
+    """The traced (float) form, as Inductor compiles it into the fused step, against the eager (bit) form."""
+    upper = torch.arange(-2**15, 2**15, dtype=torch.int32).mul_(2**16)
+    g = torch.Generator().manual_seed(2)
+    x = torch.cat([(upper + low).view(torch.float32) for low in (0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF)]
+                  + [torch.randint(-2**31, 2**31 - 1, (2**16,), generator=g, dtype=torch.int32).view(torch.float32)])
+    bits = to_int32_lanes(torch.randint(0, 2**32, x.shape, generator=g, dtype=torch.int64))
+    torch._dynamo.reset()
+    from mixprec.optim._fused_step import _eager_division_options
+
+    # The fused step's options: without emulate_precision_casts Inductor elides the half round trips.
+    options = {"emulate_precision_casts": True, **_eager_division_options()}
+    compiled = torch.compile(lambda v, b: stochastic_round(v, dtype, bits=b), fullgraph=True, options=options)
+    assert torch.equal(compiled(x, bits).view(torch.int16), stochastic_round(x, dtype, bits=bits).view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

@@ -176,7 +176,9 @@ def stochastic_round(
             torch's default generator for that device.
         bits: Instead of a generator: 32 random bits per element (int64 in [0, 2**32) of
             ``x``'s shape, e.g. from :func:`counter_bits`, or their int32 form from
-            :func:`counter_bits32`); the result is then a pure function of ``x`` and ``bits``.
+            :func:`counter_bits32`); the result is then a pure function of ``x`` and ``bits``,
+            the same eager, compiled and on every device (the rule per format:
+            :func:`_sr_counter`; BF16 adds the upper 16 bits below the cut, as ``generator`` does).
 
     Returns:
         A new tensor of ``dtype`` and ``x``'s shape. Values already representable are returned
@@ -239,23 +241,32 @@ _FORMATS = {torch.bfloat16: (7, 2.0**-126, 2.0**-133), torch.float16: (10, 2.0**
 
 
 def _sr_counter(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
-    """Stochastic rounding with given random bits, in floating-point arithmetic only.
+    """Stochastic rounding with given random bits: the rule per format, in floating-point arithmetic inside a trace.
 
-    ``near = round(x)``; the neighbour on ``x``'s side is found without bit casts (Inductor
-    lowers a bit cast to a scalar loop, several times slower than the rest of a fused step on
-    CPU) and with one conversion: for a normal ``near`` with ``m`` mantissa bits,
-    ``round(near ± |near| * 0.6 * 2**-m)`` is the next value in that direction (the offset is
-    0.6 to 1.2 ulps, so round-to-nearest lands on the neighbour in every binade, also at a
-    power of two where the spacing below is half); below the smallest normal the spacing is
-    fixed. ``x`` takes the neighbour when ``u * |other - near| < |x - near|``, with ``u`` the
-    upper 24 of the 32 bits over 2**24: the product is exact (the spacing is a power of two), so
-    the probability is exactly ``|x - near| / spacing`` to 24 bits, without a division. inf and
-    NaN are kept (the comparison is False there); values beyond the largest finite value round
-    to nearest.
+    The rule (what every path computes, bit for bit):
 
-    Outside ``torch.compile`` the same result comes from :func:`_sr_counter_eager`, whose
-    selects are bit operations: ATen's CPU ``where`` with a tensor condition is a scalar loop
-    (measured ~3 ns per element, 5-25x an add).
+    * BF16 (``x`` finite and below the largest finite BF16 value's bucket): the FP32 bit pattern
+      plus ``n``, the upper 16 of the 32 random bits, truncated to its upper 16 bits; the
+      magnitude moves away from zero with probability exactly ``low16 / 2**16`` (the distance to
+      the neighbour towards zero, in units of the BF16 spacing), as with a generator
+      (:func:`_sr_bf16`). inf, NaN and values from the largest finite value up round to
+      nearest. Outside ``torch.compile`` it is computed so (:func:`_sr_counter_eager`: about 8
+      integer operations).
+    * FP16 (not a truncation of FP32): ``near = round(x)`` and ``other``, the neighbour on
+      ``x``'s side; ``x`` takes ``other`` when ``u * |other - near| < |x - near|``, with ``u``
+      the upper 24 of the 32 bits over 2**24 (the product is exact, the spacing being a power
+      of two, so the probability is ``|x - near| / spacing`` to 24 bits without a division).
+      inf and NaN are kept (the comparison is False there); values beyond the largest finite
+      value round to nearest.
+
+    Inside a trace both are written without bit casts (Inductor lowers a bit cast to a
+    per-element loop on CPU, measured 1.45x the float form's time on a 2**16 tile). The
+    neighbour: for a normal ``near`` with ``m`` mantissa bits, ``round(near ± |near| * 0.6 *
+    2**-m)`` is the next value in that direction (0.6 to 1.2 ulps, so round-to-nearest lands on
+    the neighbour in every binade, also at a power of two where the spacing below is half);
+    below the smallest normal the spacing is fixed. BF16's rule in those terms: when ``near`` is
+    the neighbour towards zero (``|near| <= |x|``), take ``other`` when ``(1 - n / 2**16) *
+    spacing <= |x - near|``, else when ``n / 2**16 * spacing < |x - near|`` (both products exact).
     """
     if not torch.compiler.is_compiling():
         return _sr_counter_eager(x, dtype, bits)
@@ -265,10 +276,27 @@ def _sr_counter(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
     diff = x - n32  # exact: |diff| <= half an ulp of the target dtype
     a = n32.abs()
     step = torch.where(a < tiny, sub, a * (0.6 * 2.0**-mant))
-    other = (n32 + torch.where(diff >= 0, step, -step)).to(dtype)
+    other = n32 + torch.where(diff >= 0, step, -step)
+    if dtype == torch.bfloat16:  # x's sign on a zero neighbour (-sub + sub is +0.0), as the bit form keeps it
+        other = torch.copysign(other, x)
+    other = other.to(dtype)
     span = (other.float() - n32).abs()
-    u = _uniform24(bits)
-    return torch.where(u * span < diff.abs(), other, near)
+    dist = diff.abs()
+    if dtype == torch.bfloat16:
+        u = _uniform16(bits)
+        # NaN and inf fail every comparison below and keep ``near``.
+        take = torch.where(a <= x.abs(), (1.0 - u) * span <= dist, u * span < dist)
+    else:
+        take = _uniform24(bits) * span < dist
+    return torch.where(take, other, near)
+
+
+def _uniform16(bits: Tensor) -> Tensor:
+    """The upper 16 of 32 random bits over 2**16: exact in FP32, in [0, 1) (int64 or int32 lanes)."""
+    hi = bits >> 16
+    if bits.dtype == torch.int32:  # counter_bits32: the shift was arithmetic, keep the 16 bits
+        hi = hi.bitwise_and_(0xFFFF)
+    return hi.to(torch.float32).mul_(2.0**-16)
 
 
 def _uniform24(bits: Tensor) -> Tensor:
@@ -279,8 +307,31 @@ def _uniform24(bits: Tensor) -> Tensor:
     return hi.to(torch.float32).mul_(2.0**-24)
 
 
+#: The FP32 bit pattern of BF16's largest finite value: from its bucket up, BF16 rounding is to nearest.
+_BF16_TOP = 0x7F7F0000
+
+
+def _sr_bf16_bits_eager(x: Tensor, bits: Tensor) -> Tensor:
+    """:func:`_sr_counter`'s BF16 rule in integer operations on the FP32 bit pattern (exact on every device).
+
+    ``keep`` is ``0xFFFF`` below the top bucket and 0 from it up (inf and NaN included): there
+    the noise is masked out and nothing truncated, so the final conversion rounds to nearest,
+    and a NaN's payload can never carry into the sign or turn it into an infinity.
+    """
+    pattern = x.view(torch.int32)
+    keep = pattern.bitwise_and(_const(0x7FFFFFFF, pattern)).sub_(_const(_BF16_TOP, pattern))
+    keep.bitwise_right_shift_(_const(31, keep)).bitwise_and_(_const(0xFFFF, keep))  # 0xFFFF or 0
+    noise = torch.bitwise_right_shift(bits, _const(16, bits))  # upper 16 bits (and sign copies in int32 lanes)
+    if noise.dtype != torch.int32:
+        noise = noise.to(torch.int32)  # below 2**16 in int64 lanes: exact
+    out = noise.bitwise_and_(keep).add_(pattern).bitwise_and_(keep.bitwise_not_())  # no overflow: below the top
+    return out.view(torch.float32).to(torch.bfloat16)  # exact where truncated
+
+
 def _sr_counter_eager(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
-    """:func:`_sr_counter`, bit for bit, with its three ``where`` replaced by faster eager kernels.
+    """:func:`_sr_counter`, bit for bit, in faster eager kernels.
+
+    BF16 by :func:`_sr_bf16_bits_eager`. FP16 with the three ``where`` of the traced form replaced:
 
     * ``where(|near| < tiny, sub, |near| * c)`` becomes ``max(|near| * c, sub)``: they differ only
       for ``tiny <= |near| < tiny / 0.6``, where both offsets (0.6 to 1 times ``sub``, the spacing
@@ -289,6 +340,8 @@ def _sr_counter_eager(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
       (``x - n`` with ``x == n`` is +0.0) and a NaN ``diff`` (``x`` inf or NaN) keeps ``near``.
     * The final select is ``near ^ ((near ^ other) & -take)`` on the bit patterns.
     """
+    if dtype == torch.bfloat16:
+        return _sr_bf16_bits_eager(x, bits)
     mant, _, sub = _FORMATS[dtype]
     # In place where the buffer is ours: on a CPU every fresh tile-sized buffer costs page faults.
     near = x.to(dtype)
