@@ -164,6 +164,18 @@ def test_eager_stochastic_rounding_equals_the_where_form_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lanes", [torch.int64, torch.int32])
+def test_stochastic_rounding_broadcasts_its_bits(dtype, lanes):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 33, generator=g)
+    row = torch.randint(0, 2**32, (33,), generator=g, dtype=torch.int64)
+    bits = row if lanes == torch.int64 else to_int32_lanes(row)
+    got = stochastic_round(x, dtype, bits=bits)
+    assert torch.equal(got.view(torch.int16), stochastic_round(x, dtype, bits=bits.expand(64, 33)).view(torch.int16))
+    assert torch.equal(got.view(torch.int16), _sr_where(x, dtype, row.expand(64, 33)).view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_stochastic_rounding_equals_the_eager_bit_form_on_every_upper_pattern(dtype):
     """The traced (float) form, as Inductor compiles it into the fused step, against the eager (bit) form."""
     upper = torch.arange(-2**15, 2**15, dtype=torch.int32).mul_(2**16)

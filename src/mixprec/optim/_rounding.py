@@ -324,6 +324,10 @@ def _sr_bf16_bits_eager(x: Tensor, bits: Tensor) -> Tensor:
     noise = torch.bitwise_right_shift(bits, _const(16, bits))  # upper 16 bits (and sign copies in int32 lanes)
     if noise.dtype != torch.int32:
         noise = noise.to(torch.int32)  # below 2**16 in int64 lanes: exact
+    if noise.shape != pattern.shape:  # bits that broadcast, as the float form allows
+        noise = noise.expand(pattern.shape).clone()
+    # Two fresh tile-sized buffers, not three: on a CPU a third crossed glibc's trim threshold on a
+    # 2**17 tile (every call then faulted in fresh pages: 57 -> 645 us measured).
     out = noise.bitwise_and_(keep).add_(pattern).bitwise_and_(keep.bitwise_not_())  # no overflow: below the top
     return out.view(torch.float32).to(torch.bfloat16)  # exact where truncated
 
