@@ -90,31 +90,40 @@ def counter_bits(ka: Tensor, kb: Tensor, index: Tensor) -> Tensor:
 _CONSTS: dict[tuple[int | float, torch.dtype, torch.device], Tensor] = {}
 
 
-def _const(value: int | float, like: Tensor) -> Tensor | int | float:
-    """A cached 0-d tensor of ``value`` in ``like``'s dtype and device, never written (``value`` itself under a trace).
+def _consts(like: Tensor, *values: int | float) -> tuple[Any, ...]:
+    """Cached 0-d tensors of ``values`` in ``like``'s dtype and device, never written (the values themselves under a trace).
 
-    An eager operand for ``like``'s own dtype (int32 or FP32 here: the op's dtype and rounding are
+    Eager operands for ``like``'s own dtype (int32 or FP32 here: the op's dtype and rounding are
     those of a Python scalar): a Python scalar becomes a fresh wrapped tensor on every call, which
     on a CPU costs ~1.5 us of a ~5 us bit operation on a tile. Inside a ``torch.compile`` trace
-    (an outer compile of an eager step) the scalar is what the graph wants.
+    (an outer compile of an eager step) the scalars are what the graph wants. One trace check for
+    all of them (it is two Python calls; the eager step asks for ~10 constants per tile).
     """
-    if torch.compiler.is_compiling():
-        return value
-    key = (value, like.dtype, like.device)
-    c = _CONSTS.get(key)
-    if c is None:
-        c = _CONSTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
-    return c
+    return values if torch.compiler.is_compiling() else _cached(like, *values)
 
 
-def _round32_(x: Tensor, tmp: Tensor) -> Tensor:
+def _cached(like: Tensor, *values: int | float) -> tuple[Tensor, ...]:
+    """:func:`_consts` without the trace check, for code that a trace never reaches (:func:`_sr_counter_eager`)."""
+    dtype, device = like.dtype, like.device
+    out = []
+    for value in values:
+        key = (value, dtype, device)
+        c = _CONSTS.get(key)
+        if c is None:
+            c = _CONSTS[key] = torch.tensor(value, dtype=dtype, device=device)
+        out.append(c)
+    return tuple(out)
+
+
+def _round32_(x: Tensor, tmp: Tensor, consts: tuple[Any, ...]) -> Tensor:
     """:func:`_round32` in place on int32 lanes holding 32-bit values (two's complement); ``tmp``: scratch of ``x``'s shape.
 
     ``>>`` on int32 is arithmetic, so the mask restores the logical shift; int32 multiplication
-    wraps modulo 2**32, which is the reference's ``& 0xFFFFFFFF``.
+    wraps modulo 2**32, which is the reference's ``& 0xFFFFFFFF``. ``consts``: ``_consts(x, 16,
+    0xFFFF, _MUL)``.
     """
-    return x.bitwise_xor_(torch.bitwise_right_shift(x, _const(16, x), out=tmp).bitwise_and_(_const(0xFFFF, x))).mul_(
-        _const(_MUL, x))
+    s16, low16, mul = consts
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, s16, out=tmp).bitwise_and_(low16)).mul_(mul)
 
 
 def to_int32_lanes(x: Tensor) -> Tensor:
@@ -138,10 +147,11 @@ def counter_bits32(ka: Tensor, kb: Tensor, index: Tensor) -> Tensor:
     """
     x = index ^ ka
     tmp = torch.empty_like(x)  # one scratch buffer for the four shifts
-    x = _round32_(x, tmp)
-    x = _round32_(x.bitwise_xor_(kb), tmp)
-    x = _round32_(x, tmp)
-    return x.bitwise_xor_(torch.bitwise_right_shift(x, _const(16, x), out=tmp).bitwise_and_(_const(0xFFFF, x)))
+    c = _consts(x, 16, 0xFFFF, _MUL)
+    x = _round32_(x, tmp, c)
+    x = _round32_(x.bitwise_xor_(kb), tmp, c)
+    x = _round32_(x, tmp, c)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, c[0], out=tmp).bitwise_and_(c[1]))
 
 
 def counter_bits_for(seed: int, step: int | Tensor, stream: int, numel: int, *, offset: int = 0,
@@ -319,9 +329,11 @@ def _sr_bf16_bits_eager(x: Tensor, bits: Tensor) -> Tensor:
     and a NaN's payload can never carry into the sign or turn it into an infinity.
     """
     pattern = x.view(torch.int32)
-    keep = pattern.bitwise_and(_const(0x7FFFFFFF, pattern)).sub_(_const(_BF16_TOP, pattern))
-    keep.bitwise_right_shift_(_const(31, keep)).bitwise_and_(_const(0xFFFF, keep))  # 0xFFFF or 0
-    noise = torch.bitwise_right_shift(bits, _const(16, bits))  # upper 16 bits (and sign copies in int32 lanes)
+    magnitude, top, s31, low16 = _cached(pattern, 0x7FFFFFFF, _BF16_TOP, 31, 0xFFFF)
+    keep = pattern.bitwise_and(magnitude).sub_(top)
+    keep.bitwise_right_shift_(s31).bitwise_and_(low16)  # 0xFFFF or 0
+    (s16,) = _cached(bits, 16)
+    noise = torch.bitwise_right_shift(bits, s16)  # upper 16 bits (and sign copies in int32 lanes)
     if noise.dtype != torch.int32:
         noise = noise.to(torch.int32)  # below 2**16 in int64 lanes: exact
     if noise.shape != pattern.shape:  # bits that broadcast, as the float form allows
@@ -351,13 +363,15 @@ def _sr_counter_eager(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
     near = x.to(dtype)
     n32 = near.float()
     diff = x - n32  # exact: |diff| <= half an ulp of the target dtype
-    t = n32.abs().mul_(_const(0.6 * 2.0**-mant, n32)).clamp_min_(sub)
+    offset, scale24 = _cached(n32, 0.6 * 2.0**-mant, 2.0**-24)
+    s8, low24 = _cached(bits, 8, 0xFFFFFF)
+    t = n32.abs().mul_(offset).clamp_min_(sub)
     other = torch.copysign(t, diff, out=t).add_(n32).to(dtype)
     span = t.copy_(other).sub_(n32).abs_()  # |other - near|, exact
-    hi = torch.bitwise_right_shift(bits, _const(8, bits))  # (`bits >> 8` takes a 5x slower broadcast path on a CPU)
+    hi = torch.bitwise_right_shift(bits, s8)  # (`bits >> 8` takes a 5x slower broadcast path on a CPU)
     if bits.dtype == torch.int32:  # counter_bits32: the shift was arithmetic, keep the 24 bits
-        hi.bitwise_and_(_const(0xFFFFFF, hi))
-    take = n32.copy_(hi).mul_(_const(2.0**-24, n32)).mul_(span) < diff.abs_()  # u * span < |x - near|, u in [0, 1)
+        hi.bitwise_and_(low24)
+    take = n32.copy_(hi).mul_(scale24).mul_(span) < diff.abs_()  # u * span < |x - near|, u in [0, 1)
     del hi, t, n32, diff
     nb = near.view(torch.int16)
     out = other.view(torch.int16)
