@@ -260,8 +260,8 @@ def _sr_counter(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
       magnitude moves away from zero with probability exactly ``low16 / 2**16`` (the distance to
       the neighbour towards zero, in units of the BF16 spacing), as with a generator
       (:func:`_sr_bf16`). inf, NaN and values from the largest finite value up round to
-      nearest. Outside ``torch.compile`` it is computed so (:func:`_sr_counter_eager`: about 8
-      integer operations).
+      nearest. Outside ``torch.compile`` it is computed so (:func:`_sr_counter_eager`: 9 integer
+      operations and a conversion).
     * FP16 (not a truncation of FP32): ``near = round(x)`` and ``other``, the neighbour on
       ``x``'s side; ``x`` takes ``other`` when ``u * |other - near| < |x - near|``, with ``u``
       the upper 24 of the 32 bits over 2**24 (the product is exact, the spacing being a power
