@@ -8,6 +8,8 @@ One command, one process::
     python benchmarks/gpu_gpt2.py --compile          # every row torch.compile'd (inductor), baselines too
     python benchmarks/gpu_gpt2.py --budget 120       # start no row that would end after 120 s
     python benchmarks/gpu_gpt2.py --profile          # per row: top CUDA kernels and CPU time, mixprec minus torch.amp
+    python benchmarks/gpu_gpt2.py --presets bf16-master,fp16-master --weight-edits versions
+                                                     # the master presets without the value-based edit check
 
 The model is GPT-2 small's shape (12 layers, 12 heads, 768 wide, context 1024, vocabulary
 50304, tied embeddings: 124.5M parameters) in plain torch.nn with
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--f8-layers", default=None, metavar="WHICH",
                    help="the linears the FP8 rows convert instead of all: auto (the measured plan, issue 27 item 4: never "
                         "slower than bf16-mixed at 768 wide), globs joined by '+', all or none")
+    p.add_argument("--weight-edits", choices=["values", "versions"], default=None,
+                   help="MixedPrecision(weight_edits=...) for the master presets: 'versions' drops the value-based edit "
+                        "check of the half weights (~38 bytes of traffic per parameter and step), to measure its cost")
     p.add_argument("--tiny", action="store_true", help="a 1-layer, 32-wide model on the CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
 
@@ -133,7 +138,8 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
     print(f"gpu_gpt2: {device_name} | torch {torch.__version__} | presets {','.join(presets)} | each beside its "
           f"torch-amp baseline | {args.steps} steps ({args.warmup} warm-up), batch "
           f"{options['batch_size']}x{options['block_size']}" + (f" | compiled ({args.compile})" if args.compile else "")
-          + (f" | budget {args.budget:.0f} s" if args.budget else ""), flush=True)
+          + (f" | budget {args.budget:.0f} s" if args.budget else "")
+          + (f" | weight_edits={args.weight_edits}" if args.weight_edits else ""), flush=True)
     out = Path(args.out) if args.out else None
     summary: dict = {"schema": "mixprec.gpu_gpt2/1", "device": device_name, "torch": torch.__version__,
                      "settings": {k: v for k, v in vars(args).items() if k != "out"}, "pairs": [], "left_out": []}
@@ -154,7 +160,7 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
                 result = run_compare(
                     "gpt", [preset], baseline=dt, steps=args.steps, warmup=args.warmup, device=device,
                     peak_tflops_override=args.peak_tflops, workload_options=options, compile=args.compile,
-                    f8_layers=args.f8_layers,
+                    f8_layers=args.f8_layers, weight_edits=args.weight_edits,
                 )
         except BenchError as e:
             print(f"gpu_gpt2: {preset}: error: {e}", file=sys.stderr, flush=True)
@@ -164,13 +170,16 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
         slowest = max(slowest, seconds)
         print_report(result)
         line = _pair_line(result, preset, dt)
+        if line and args.weight_edits and any("weight_edits=" in r.label for r in result.rows if r.name == preset):
+            line += f", weight_edits={args.weight_edits}"
         print(f"{line or preset + ': no ratio (a row failed, see the table)'}  [{seconds:.0f} s]", flush=True)
         for why, n in bypasses.reasons.items():  # why a warm compile still took long (FP8: 24 s against 1.6 s)
             print(f"gpu_gpt2: {preset} pair: {why} (x{n})", flush=True)
-        pair = {"preset": preset, "baseline": f"torch-amp-{dt}", "seconds": seconds, "line": line,
+        pair = {"preset": preset, "baseline": f"torch-amp-{dt}", "weight_edits": args.weight_edits or "values",
+                "seconds": seconds, "line": line,
                 "rows": result.to_dict()["rows"], "cache_bypasses": bypasses.reasons}
         if args.profile:
-            pair["profile"] = _profile_pair(preset, dt, options, device, args.compile)
+            pair["profile"] = _profile_pair(preset, dt, options, device, args.compile, weight_edits=args.weight_edits)
         summary["pairs"].append(pair)
         if out is not None:
             write_json(result, out / f"compare-{preset}.json")
@@ -225,7 +234,7 @@ class _CacheBypasses(logging.Handler):
 
 
 def _profile_pair(preset: str, dt: str, options: dict, device: str, compile_backend: str | None,
-                  steps: int = 5, top: int = 8) -> dict:
+                  steps: int = 5, top: int = 8, weight_edits: str | None = None) -> dict:
     """Profile ``steps`` steps of ``preset`` and of its torch.amp recipe; print where the time differs.
 
     Per row: the host time per step (``perf_counter`` around the loop without synchronising, so it
@@ -246,7 +255,8 @@ def _profile_pair(preset: str, dt: str, options: dict, device: str, compile_back
         model = copy.deepcopy(wl.model).to(device)
         recipe = f"amp-{dt}" if kind == "amp" else preset
         return recipe_step(recipe, model, wl.optimizer_fn(model.parameters()), wl.loss_fn, device,
-                           compile_backend=compile_backend, clip=wl.clip_grad_norm)[0]  # the timed loop's clipping
+                           compile_backend=compile_backend, clip=wl.clip_grad_norm,  # the timed loop's clipping
+                           weight_edits=weight_edits or "values")[0]
 
     def sync() -> None:
         if device == "cuda":

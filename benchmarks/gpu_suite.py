@@ -18,7 +18,7 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
 2. ``capture``: ``tests/test_gpu_step.py`` (no sync in 20 steps; forward + backward + step
    captured in a CUDA graph, replays equal eager steps, a planted overflow included).
 3. ``gpt2-eager``: ``gpu_gpt2.py`` (GPT-2 124M, each preset beside its torch.amp recipe; not the
-   eager FP8 rows, 4.5-6.4x torch.amp's step: FP8 is measured compiled, 13. and 14.).
+   eager FP8 rows, 4.5-6.4x torch.amp's step: FP8 is measured compiled, 14. and 15.).
 4. ``compensated``: ``step_overhead.py --device cuda --only-compensated --fused --shapes gpt2``
    (``bf16-pure``'s Kahan and stochastic-rounding steps, eager and fused, on GPT-2 124M's tensors,
    against torch's fused AdamW, with the fused step's first-step compile seconds; issue 27, item 3),
@@ -27,27 +27,32 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
    packed tile of the fused step (4, 16, 64 tensors per packed tile), each packed row with both
    gather/scatter routes (``_chunk_cat``/``cat`` + ``split_with_sizes_copy``, a CPU's; and
    ``_foreach_copy_`` through two shared buffers, the GPU default since stop 37): what 4.'s time is made of.
-6. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
-7. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
-8. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
+6. ``master-profile`` and ``master-versions`` (issue 26, item 4): ``gpu_gpt2.py --profile`` for
+   ``bf16-master`` (the kernels of the value-based edit check of the half weights, ~38 bytes of
+   traffic per parameter and step, attributed against torch.amp's), then ``bf16-master`` and
+   ``fp16-master`` with ``--weight-edits versions`` (no check): whether the check is the
+   1.043-1.051x the eager master rows measured on an H200 (the goal is 1.03x).
+7. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
+8. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
+9. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
    ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
-9. ``cuda-tests``: every CUDA-marked test, ``benchmarks/cuda_tests.py``: one pytest process per
+10. ``cuda-tests``: every CUDA-marked test, ``benchmarks/cuda_tests.py``: one pytest process per
    test file, the files in parallel (compiles are host work), each file's result as it finishes.
-10. ``compensated-dynamo``: the fused Kahan row of 4. with every tile call through dynamo (the
+11. ``compensated-dynamo``: the fused Kahan row of 4. with every tile call through dynamo (the
    behaviour before the direct calls of ``_fused_step._TileCall``): what those save on a GPU.
-11. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
+12. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
    model, each row in a fresh process with an empty Inductor cache and then a warm one, against the
-   torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 6. share one process and cache).
-12. ``compensated-t21``: the fused Kahan row of 4. with the 2**21-element tiles of before (51
+   torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 7. share one process and cache).
+13. ``compensated-t21``: the fused Kahan row of 4. with the 2**21-element tiles of before (51
    calls instead of 13 on GPT-2's tensors): measured 15.0 ms against 8.3 ms at the 2**23 default
    on an H200 (two runs of 2026-11-27, torch's fused AdamW 2.8 and 2.5 ms beside them); kept to
    see whether the gap holds. ``compensated-t24``: the same with 2**24-element tiles (fewer, larger
    packed tiles; more padding): whether the GPU default should grow once more.
-13. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
+14. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
     ``--n-embd 2048`` for ``fp8-tensorwise`` and ``fp8-rowwise`` with ``--f8-layers auto``, each
     beside torch-amp bf16 (``bf16-mixed`` compiled measured 0.989x of it there; ``fp8-rowwise``
     with every linear 1.096x).
-14. ``fp8-auto`` (issue 27, item 4; needs torchao): the same rows at GPT-2's 768 width with
+15. ``fp8-auto`` (issue 27, item 4; needs torchao): the same rows at GPT-2's 768 width with
     ``--f8-layers auto`` (the measured plan, with the shape gate on an FP8 GPU): never slower than
     ``bf16-mixed`` is the goal.
 
@@ -127,6 +132,12 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
                          "pure-kahan-eager,pure-kahan-fused,pure-sr-bf16-fused", "--profile"]),
     ("tile-host", 60, [sys.executable, "benchmarks/tile_host_cost.py", "--device", "cuda", "--segments", "4,16,64",
                        "--copies", "both"]),
+    # The master presets' value-based edit check (~38 bytes per parameter and step: ~1.2 ms on GPT-2 at H200
+    # bandwidth, about the 1.043-1.051x measured): its kernels attributed, then the step without it.
+    ("master-profile", 120, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master", "--profile",
+                             "--steps", "30", "--budget", "{budget}", "--out", "{out}/master-profile"]),
+    ("master-versions", 100, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master,fp16-master",
+                              "--weight-edits", "versions", "--budget", "{budget}", "--out", "{out}/master-versions"]),
     ("gpt2-compiled", 180, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,bf16-master",
                             "--budget", "{budget}", "--out", "{out}/compiled"]),
     ("step", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--fused", "--rounds", "5",

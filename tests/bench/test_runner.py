@@ -205,6 +205,29 @@ def test_f8_layers_that_do_not_parse_are_a_bench_error() -> None:
                     f8_layers="bad,value")
 
 
+def test_weight_edits_reaches_the_master_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec import _precision as precision
+
+    seen: dict[str, str] = {}
+    real = precision.MixedPrecision.prepare
+
+    def prepare(self: Any, *args: Any, **kw: Any) -> Any:
+        seen[str(self.policy)] = self.weight_edits
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(precision.MixedPrecision, "prepare", prepare)
+    r = run_compare("gpt", "bf16-mixed,bf16-master", baseline="none", steps=2, warmup=1, device="cpu",
+                    workload_options=TINY, weight_edits="versions")
+    master, mixed = r.row("bf16-master"), r.row("bf16-mixed")
+    assert master.status == mixed.status == "ok"
+    assert seen[master.policy] == "versions" and "weight_edits=versions" in master.label
+    assert "weight_edits" not in mixed.label  # a preset without masters does not read it
+    assert r.settings["weight_edits"] == "versions"
+    with pytest.raises(BenchError, match="weight_edits='both'"):
+        run_compare("gpt", "bf16-master", baseline="none", steps=2, warmup=1, device="cpu", workload_options=TINY,
+                    weight_edits="both")
+
+
 def test_rows_that_fail_mid_run_do_not_stop_the_others() -> None:
     w = load_workload("gpt", **TINY)
     inner = w.loss_fn

@@ -392,11 +392,12 @@ def _with_f8_layers(pol: Policy, f8_layers: str | None) -> Policy:
 
 class _MixprecRun(_Run):
     def __init__(self, preset: str | Policy, model: nn.Module, workload: Workload, device: torch.device, emulate: bool,
-                 seed: int, row: RowResult, compile_backend: str | None = None, first_batch: Any = None) -> None:
+                 seed: int, row: RowResult, compile_backend: str | None = None, first_batch: Any = None,
+                 weight_edits: str = "values") -> None:
         super().__init__(row, workload, device, emulate, seed)
         from .._precision import MixedPrecision
 
-        self.prec = MixedPrecision(preset)
+        self.prec = MixedPrecision(preset, weight_edits=weight_edits)  # type: ignore[arg-type]  # checked in run_compare
         model = model.to(device)
         opt = workload.optimizer_fn(model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
@@ -588,6 +589,7 @@ def run_compare(
     workload_options: dict[str, Any] | None = None,
     compile: str | None = None,
     f8_layers: str | None = None,
+    weight_edits: str | None = None,
 ) -> CompareResult:
     """Train ``workload`` under each preset (and the torch-amp baseline) side by side.
 
@@ -631,6 +633,10 @@ def run_compare(
             workload's loss), globs joined by ``+``, ``"all"`` or ``"none"``. The row keeps its
             preset's name, its label says ``f8_layers=...`` and its ``policy`` is the full string.
             Other rows are unaffected.
+        weight_edits: ``MixedPrecision(weight_edits=...)`` for every mixprec row (``"values"``,
+            the default, or ``"versions"``; only master-weight presets read it): what the
+            value-based edit check of the half weights costs a master preset's step. A row that
+            differs from the default says ``weight_edits=...`` in its label.
     Returns:
         A :class:`CompareResult`.
 
@@ -641,6 +647,13 @@ def run_compare(
     if fp16_cpu not in ("emulate", "native"):
         raise BenchError(f"fp16_cpu={fp16_cpu!r}; use 'emulate' or 'native'")
     check_compile_backend(compile)
+    if weight_edits is not None:
+        from .._master import check_weight_edits
+
+        try:
+            check_weight_edits(weight_edits)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
     names = parse_presets(presets, dev)
     steps = steps if steps is not None else (300 if dev.type == "cuda" else 200)
     if steps < 2:
@@ -685,6 +698,8 @@ def run_compare(
         if pol is not PRESETS[name]:
             label += f" f8_layers={'+'.join(pol.fp8_layers) or 'none'}"
         label += fp8_row_label(pol, dev)  # mixprec._fp8: " (FP8 emulated)" where no FP8 GEMM exists (CPU, pre-Hopper)
+        if weight_edits not in (None, "values") and pol.master_dtype is not None:
+            label += f" weight_edits={weight_edits}"
         row = RowResult(
             name=name, label=label, kind="preset", policy=str(pol), compute_dtype=_dtype_short(pol.compute_dtype),
             param_dtype=_dtype_short(pol.param_dtype), emulated_fp16=emu_row,
@@ -697,7 +712,7 @@ def run_compare(
             if compile is not None and emu_row:
                 raise ValueError(_EMU_COMPILE)
             runs.append(_MixprecRun(name if pol is PRESETS[name] else pol, model, w_eval, dev, emu_row, seed, row, compile,
-                                    first_batch=batches[0]))
+                                    first_batch=batches[0], weight_edits=weight_edits or "values"))
         except BenchError:
             raise
         except Exception as e:  # MixedPrecision rejected the preset here (or is not built yet)
@@ -765,6 +780,7 @@ def run_compare(
         "warmup": warmup, "timed_steps": steps - warmup, "memory_step": warmup - 1, "device": str(dev),
         "fp16_cpu": fp16_cpu if dev.type == "cpu" else None, "seed": seed, "interleaved": True,
         "peak_tflops_override": peak_tflops_override, "compile": compile, "f8_layers": f8_layers,
+        "weight_edits": weight_edits or "values",
     }
     return CompareResult(environment=env, workload=workload_info, settings=settings, rows=rows, notes=notes)
 

@@ -166,7 +166,7 @@ def make_recipe(
 def recipe_step(
     recipe: str, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     device: torch.device | str, *, direct: bool = False, fused_step: bool | None = None,
-    compile_backend: str | None = None, clip: float | None = None,
+    compile_backend: str | None = None, clip: float | None = None, weight_edits: str = "values",
 ) -> tuple[Callable[[Any], None], tuple[Any, ...]]:
     """``step(batch)``: one training iteration of ``model`` under a preset or a torch.amp recipe (see :func:`make_recipe`).
 
@@ -178,6 +178,7 @@ def recipe_step(
         clip: clip the gradients to this norm before the step: torch.amp's recipe with
             ``scaler.unscale_(opt)`` (FP16) and ``torch.nn.utils.clip_grad_norm_``, a preset with
             ``prec.clip_grad_norm_`` (as ``mixprec compare`` clips).
+        weight_edits: ``MixedPrecision(weight_edits=...)`` (master-weight presets read it).
 
     Returns:
         ``(step, optimizers)``.
@@ -209,7 +210,7 @@ def recipe_step(
 
         return amp_step, (opt,)
 
-    prec = mixprec.MixedPrecision(recipe, fused=fused_step)
+    prec = mixprec.MixedPrecision(recipe, fused=fused_step, weight_edits=weight_edits)  # type: ignore[arg-type]
     model, popt = prec.prepare(model, opt)
     compiled: Any = torch.compile(model, backend=compile_backend) if compile_backend else model
 
