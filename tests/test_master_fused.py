@@ -167,3 +167,33 @@ def test_fused_step_moves_the_weights_of_masters_adopted_later(how):
     master = opt.master_for(b)
     assert master is not b and not torch.equal(b.detach(), before)
     assert torch.equal(b.detach(), master.to(torch.bfloat16))
+
+
+class _SeeingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """A stand-in for FlopCounterMode or a memory tracker around a training step."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_fused_master_step_under_a_dispatch_mode_runs_eagerly_with_the_edit_check(monkeypatch):
+    """The first fused master step taken under a TorchDispatchMode: the eager step (no compile error), with
+    the value-based edit check the fused kernel would have made (an edit through ``.data`` reaches the
+    master); the later steps compile and the run equals one without the mode."""
+    import mixprec.optim._fused_step as base
+
+    runs = []
+    for under_mode in (False, True):
+        monkeypatch.setattr(base, "_FUSED_CACHE", {})  # the first step compiles
+        opt = _make("adamw", True)
+        opt.model_params[0].data[0, 0] = 3.0  # an edit through .data, before the first step
+        with _SeeingMode() if under_mode else contextlib.nullcontext():
+            _step(opt, 0)
+        assert opt.masters[0][0, 0].item() != 0.0 and abs(opt.masters[0][0, 0].item() - 3.0) < 0.1
+        assert bool(opt._fused_shadow()._fused_fns) is not under_mode  # compiled only outside the mode
+        for step in (1, 3):
+            _step(opt, step)
+        assert opt._fused_shadow()._fused_fns  # compiled after the mode
+        runs.append(_state(opt))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

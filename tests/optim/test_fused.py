@@ -142,6 +142,39 @@ def test_compiled_once_per_structure_and_cached_across_steps_and_optimizers():
     assert other.compile_seconds == 0.0 and other._fused_fns[spec] is fn
 
 
+class _CountingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """A stand-in for FlopCounterMode or a memory tracker: sees every op dispatched under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_under_a_dispatch_mode_runs_eagerly_and_the_fused_step_stays_on(monkeypatch):
+    """Dynamo compiles nothing under a TorchDispatchMode (FlopCounterMode, a memory tracker): a first step
+    under one is the eager step (bit for bit the fused one, its ops seen by the mode), not a compile error
+    (fused=True) or the fused step turned off for good (fused=None), and the steps after it compile."""
+    name = "adamw-kahan-f32"
+    ref = _make(name, _params(), True)
+    for step in range(3):
+        _step(ref, name, step)
+    for fused in (True, None):
+        monkeypatch.setattr(_fused_step, "_FUSED_CACHE", {})  # nothing compiled yet: the first step would compile
+        opt = _make(name, _params(), fused)
+        opt._prefer_fused = True  # fused=None fuses on a CPU once the model runs compiled
+        with _CountingMode() as mode:
+            _step(opt, name, 0)
+        assert mode.ops > 100 and not opt._fused_fns and opt._fused_off is None  # eager, seen, nothing turned off
+        for step in (1, 2):
+            _step(opt, name, step)
+        assert opt._fused_fns and opt.fused_enabled("cpu")  # compiled at the steps outside the mode
+        assert_bit_identical(snapshot(opt), snapshot(ref))
+
+
 def test_fused_argument_and_default_rule():
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="fused must be True, False or None"):

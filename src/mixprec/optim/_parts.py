@@ -47,6 +47,17 @@ _DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
 _COMP_KEY = "kahan_comp"
 _STEP_KEY = "step"
 _GRAD = operator.attrgetter("grad")
+_DISPATCH_STACK_LEN = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+def _in_dispatch_mode() -> bool:
+    """Whether a ``TorchDispatchMode`` is active outside a ``torch.compile`` trace (one C call; host only).
+
+    Dynamo compiles nothing under such a mode (``FlopCounterMode``, a memory tracker, a tracer's
+    mode): a ``fullgraph`` compile fails there, and a frame it meets is skipped for good. The
+    step then runs eagerly (bit for bit the fused step) and the steps after it are fused again.
+    """
+    return not torch.compiler.is_compiling() and bool(_DISPATCH_STACK_LEN())
 
 
 
