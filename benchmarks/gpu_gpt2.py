@@ -10,6 +10,7 @@ One command, one process::
     python benchmarks/gpu_gpt2.py --profile          # per row: top CUDA kernels and CPU time, mixprec minus torch.amp
     python benchmarks/gpu_gpt2.py --presets bf16-master,fp16-master --weight-edits versions
                                                      # the master presets without the value-based edit check
+    python benchmarks/gpu_gpt2.py --presets bf16-master --fused-step on   # the compiled master step
 
 The model is GPT-2 small's shape (12 layers, 12 heads, 768 wide, context 1024, vocabulary
 50304, tied embeddings: 124.5M parameters) in plain torch.nn with
@@ -57,6 +58,10 @@ import torch
 DEFAULT_PRESETS = "bf16-mixed,fp16-mixed,bf16-master,fp16-master,fp32,bf16-pure"
 if importlib.util.find_spec("torchao") is not None:  # FP8 rows (mixprec[fp8]); compared with torch-amp bf16
     DEFAULT_PRESETS += ",fp8-tensorwise,fp8-rowwise"
+
+
+#: ``--fused-step`` -> ``MixedPrecision(fused=...)``.
+_FUSED_STEP: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 def _baseline_for(preset: str) -> str:
@@ -111,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-edits", choices=["values", "versions"], default=None,
                    help="MixedPrecision(weight_edits=...) for the master presets: 'versions' drops the value-based edit "
                         "check of the half weights (~38 bytes of traffic per parameter and step), to measure its cost")
+    p.add_argument("--fused-step", choices=["auto", "on", "off"], default="auto",
+                   help="MixedPrecision(fused=...): 'on' compiles the optimizer steps mixprec covers, the master step "
+                        "too (its edit check then runs inside the kernel); 'off' keeps them eager; 'auto' (default) "
+                        "the preset's own rule")
     p.add_argument("--tiny", action="store_true", help="a 1-layer, 32-wide model on the CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
 
@@ -139,7 +148,8 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
           f"torch-amp baseline | {args.steps} steps ({args.warmup} warm-up), batch "
           f"{options['batch_size']}x{options['block_size']}" + (f" | compiled ({args.compile})" if args.compile else "")
           + (f" | budget {args.budget:.0f} s" if args.budget else "")
-          + (f" | weight_edits={args.weight_edits}" if args.weight_edits else ""), flush=True)
+          + (f" | weight_edits={args.weight_edits}" if args.weight_edits else "")
+          + (f" | fused_step={args.fused_step}" if args.fused_step != "auto" else ""), flush=True)
     out = Path(args.out) if args.out else None
     summary: dict = {"schema": "mixprec.gpu_gpt2/1", "device": device_name, "torch": torch.__version__,
                      "settings": {k: v for k, v in vars(args).items() if k != "out"}, "pairs": [], "left_out": []}
@@ -161,6 +171,7 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
                     "gpt", [preset], baseline=dt, steps=args.steps, warmup=args.warmup, device=device,
                     peak_tflops_override=args.peak_tflops, workload_options=options, compile=args.compile,
                     f8_layers=args.f8_layers, weight_edits=args.weight_edits,
+                    fused_step=_FUSED_STEP[args.fused_step],
                 )
         except BenchError as e:
             print(f"gpu_gpt2: {preset}: error: {e}", file=sys.stderr, flush=True)
@@ -172,14 +183,18 @@ def _run(args: argparse.Namespace, device: str, options: dict, device_name: str)
         line = _pair_line(result, preset, dt)
         if line and args.weight_edits and any("weight_edits=" in r.label for r in result.rows if r.name == preset):
             line += f", weight_edits={args.weight_edits}"
+        if line and args.fused_step != "auto":
+            line += f", fused_step={args.fused_step}"
         print(f"{line or preset + ': no ratio (a row failed, see the table)'}  [{seconds:.0f} s]", flush=True)
         for why, n in bypasses.reasons.items():  # why a warm compile still took long (FP8: 24 s against 1.6 s)
             print(f"gpu_gpt2: {preset} pair: {why} (x{n})", flush=True)
         pair = {"preset": preset, "baseline": f"torch-amp-{dt}", "weight_edits": args.weight_edits or "values",
+                "fused_step": args.fused_step,
                 "seconds": seconds, "line": line,
                 "rows": result.to_dict()["rows"], "cache_bypasses": bypasses.reasons}
         if args.profile:
-            pair["profile"] = _profile_pair(preset, dt, options, device, args.compile, weight_edits=args.weight_edits)
+            pair["profile"] = _profile_pair(preset, dt, options, device, args.compile, weight_edits=args.weight_edits,
+                                            fused_step=_FUSED_STEP[args.fused_step])
         summary["pairs"].append(pair)
         if out is not None:
             write_json(result, out / f"compare-{preset}.json")
@@ -234,7 +249,8 @@ class _CacheBypasses(logging.Handler):
 
 
 def _profile_pair(preset: str, dt: str, options: dict, device: str, compile_backend: str | None,
-                  steps: int = 5, top: int = 8, weight_edits: str | None = None) -> dict:
+                  steps: int = 5, top: int = 8, weight_edits: str | None = None,
+                  fused_step: bool | None = None) -> dict:
     """Profile ``steps`` steps of ``preset`` and of its torch.amp recipe; print where the time differs.
 
     Per row: the host time per step (``perf_counter`` around the loop without synchronising, so it
@@ -256,7 +272,7 @@ def _profile_pair(preset: str, dt: str, options: dict, device: str, compile_back
         recipe = f"amp-{dt}" if kind == "amp" else preset
         return recipe_step(recipe, model, wl.optimizer_fn(model.parameters()), wl.loss_fn, device,
                            compile_backend=compile_backend, clip=wl.clip_grad_norm,  # the timed loop's clipping
-                           weight_edits=weight_edits or "values")[0]
+                           weight_edits=weight_edits or "values", fused_step=fused_step)[0]
 
     def sync() -> None:
         if device == "cuda":

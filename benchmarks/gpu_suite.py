@@ -27,11 +27,13 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
    packed tile of the fused step (4, 16, 64 tensors per packed tile), each packed row with both
    gather/scatter routes (``_chunk_cat``/``cat`` + ``split_with_sizes_copy``, a CPU's; and
    ``_foreach_copy_`` through two shared buffers, the GPU default since stop 37): what 4.'s time is made of.
-6. ``master-profile`` and ``master-versions`` (issue 26, item 4): ``gpu_gpt2.py --profile`` for
+6. ``master-profile``, ``master-versions`` and ``master-fused`` (issue 26, item 4): ``gpu_gpt2.py --profile`` for
    ``bf16-master`` (the kernels of the value-based edit check of the half weights, ~38 bytes of
    traffic per parameter and step, attributed against torch.amp's), then ``bf16-master`` and
    ``fp16-master`` with ``--weight-edits versions`` (no check): whether the check is the
-   1.043-1.051x the eager master rows measured on an H200 (the goal is 1.03x).
+   1.043-1.051x the eager master rows measured on an H200 (the goal is 1.03x); and
+   ``master-fused``: ``bf16-master`` with ``--fused-step on`` (the compiled master step, its edit
+   check inside the kernel: ~10 bytes per parameter instead of ~38; host-bound in stop 35).
 7. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
 8. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
 9. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
@@ -138,6 +140,8 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
                              "--steps", "30", "--budget", "{budget}", "--out", "{out}/master-profile"]),
     ("master-versions", 100, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master,fp16-master",
                               "--weight-edits", "versions", "--budget", "{budget}", "--out", "{out}/master-versions"]),
+    ("master-fused", 150, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master", "--fused-step", "on",
+                           "--budget", "{budget}", "--out", "{out}/master-fused"]),
     ("gpt2-compiled", 180, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,bf16-master",
                             "--budget", "{budget}", "--out", "{out}/compiled"]),
     ("step", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--fused", "--rounds", "5",

@@ -208,21 +208,34 @@ def test_f8_layers_that_do_not_parse_are_a_bench_error() -> None:
 def test_weight_edits_reaches_the_master_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     from mixprec import _precision as precision
 
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[str, bool | None]] = {}
     real = precision.MixedPrecision.prepare
 
     def prepare(self: Any, *args: Any, **kw: Any) -> Any:
-        seen[str(self.policy)] = self.weight_edits
+        seen[str(self.policy)] = (self.weight_edits, self.fused)
         return real(self, *args, **kw)
 
     monkeypatch.setattr(precision.MixedPrecision, "prepare", prepare)
     r = run_compare("gpt", "bf16-mixed,bf16-master", baseline="none", steps=2, warmup=1, device="cpu",
-                    workload_options=TINY, weight_edits="versions")
+                    workload_options=TINY, weight_edits="versions", fused_step=False)
     master, mixed = r.row("bf16-master"), r.row("bf16-mixed")
     assert master.status == mixed.status == "ok"
-    assert seen[master.policy] == "versions" and "weight_edits=versions" in master.label
+    assert seen[master.policy] == ("versions", False) and "weight_edits=versions" in master.label
     assert "weight_edits" not in mixed.label  # a preset without masters does not read it
-    assert r.settings["weight_edits"] == "versions"
+    assert "fused_step=off" in master.label and "fused_step=off" in mixed.label
+    assert r.settings["weight_edits"] == "versions" and r.settings["fused_step"] is False
+    r = run_compare("gpt", "bf16-master", baseline="none", steps=2, warmup=1, device="cpu", workload_options=TINY)
+    assert seen[r.row("bf16-master").policy] == ("values", None) and "fused_step" not in r.row("bf16-master").label
+
+
+def test_a_compiled_optimizer_step_runs_outside_the_cpu_memory_tracker() -> None:
+    """fused_step=True compiles the master step at the first (measured) step: under the CPU's live-tensor
+    tracker, a dispatch mode, dynamo would skip the frame and the fused step's fullgraph compile would fail."""
+    r = run_compare("gpt", "bf16-master", baseline="none", steps=2, warmup=1, device="cpu", workload_options=TINY,
+                    fused_step=True)
+    row = r.row("bf16-master")
+    assert row.status == "ok", row.reason
+    assert "fused_step=on" in row.label and "compiled optimizer step" in str(row.memory_method)
     with pytest.raises(BenchError, match="weight_edits='both'"):
         run_compare("gpt", "bf16-master", baseline="none", steps=2, warmup=1, device="cpu", workload_options=TINY,
                     weight_edits="both")

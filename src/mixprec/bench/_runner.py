@@ -300,6 +300,7 @@ class _Run:
         self.warmup_times: list[float] = []  # and timed steps during which dynamo compiled (see step())
         self.recompiles = 0  # those timed steps: a compiled row should have none after its warm-up
         self.compiled = False
+        self.compiled_step = False  # MixedPrecision(fused=True): the optimizer steps mixprec covers compile
         self.model: nn.Module
         self.active_seconds = 0.0
 
@@ -340,6 +341,10 @@ class _Run:
             return contextlib.nullcontext()
         if self.compiled and self.device.type != "cuda":
             self.row.memory_method = "not measured: compiled on a CPU (the live-tensor tracker cannot see into compiled graphs)"
+            return contextlib.nullcontext()
+        if self.compiled_step and self.device.type != "cuda":  # fused_step=True: the optimizer step compiles
+            self.row.memory_method = ("not measured: compiled optimizer step on a CPU (the live-tensor tracker cannot see "
+                                      "into compiled graphs)")
             return contextlib.nullcontext()
         return measure_step_memory(self.device, model_state_bytes(self.model, optimizer))
 
@@ -393,11 +398,13 @@ def _with_f8_layers(pol: Policy, f8_layers: str | None) -> Policy:
 class _MixprecRun(_Run):
     def __init__(self, preset: str | Policy, model: nn.Module, workload: Workload, device: torch.device, emulate: bool,
                  seed: int, row: RowResult, compile_backend: str | None = None, first_batch: Any = None,
-                 weight_edits: str = "values") -> None:
+                 weight_edits: str = "values", fused_step: bool | None = None) -> None:
         super().__init__(row, workload, device, emulate, seed)
         from .._precision import MixedPrecision
 
-        self.prec = MixedPrecision(preset, weight_edits=weight_edits)  # type: ignore[arg-type]  # checked in run_compare
+        self.prec = MixedPrecision(preset, weight_edits=weight_edits,  # type: ignore[arg-type]  # checked in run_compare
+                                   fused=fused_step)
+        self.compiled_step = fused_step is True
         model = model.to(device)
         opt = workload.optimizer_fn(model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
@@ -590,6 +597,7 @@ def run_compare(
     compile: str | None = None,
     f8_layers: str | None = None,
     weight_edits: str | None = None,
+    fused_step: bool | None = None,
 ) -> CompareResult:
     """Train ``workload`` under each preset (and the torch-amp baseline) side by side.
 
@@ -637,6 +645,10 @@ def run_compare(
             the default, or ``"versions"``; only master-weight presets read it): what the
             value-based edit check of the half weights costs a master preset's step. A row that
             differs from the default says ``weight_edits=...`` in its label.
+        fused_step: ``MixedPrecision(fused=...)`` for every mixprec row: ``True`` runs the optimizer
+            steps mixprec covers as compiled kernels (the master step too, whose edit check is then
+            inside the kernel), ``False`` eager, ``None`` (default) the preset's own rule. A row
+            run with ``True`` or ``False`` says ``fused_step=...`` in its label.
     Returns:
         A :class:`CompareResult`.
 
@@ -700,6 +712,8 @@ def run_compare(
         label += fp8_row_label(pol, dev)  # mixprec._fp8: " (FP8 emulated)" where no FP8 GEMM exists (CPU, pre-Hopper)
         if weight_edits not in (None, "values") and pol.master_dtype is not None:
             label += f" weight_edits={weight_edits}"
+        if fused_step is not None:
+            label += f" fused_step={'on' if fused_step else 'off'}"
         row = RowResult(
             name=name, label=label, kind="preset", policy=str(pol), compute_dtype=_dtype_short(pol.compute_dtype),
             param_dtype=_dtype_short(pol.param_dtype), emulated_fp16=emu_row,
@@ -712,7 +726,8 @@ def run_compare(
             if compile is not None and emu_row:
                 raise ValueError(_EMU_COMPILE)
             runs.append(_MixprecRun(name if pol is PRESETS[name] else pol, model, w_eval, dev, emu_row, seed, row, compile,
-                                    first_batch=batches[0], weight_edits=weight_edits or "values"))
+                                    first_batch=batches[0], weight_edits=weight_edits or "values",
+                                    fused_step=fused_step))
         except BenchError:
             raise
         except Exception as e:  # MixedPrecision rejected the preset here (or is not built yet)
@@ -780,7 +795,7 @@ def run_compare(
         "warmup": warmup, "timed_steps": steps - warmup, "memory_step": warmup - 1, "device": str(dev),
         "fp16_cpu": fp16_cpu if dev.type == "cpu" else None, "seed": seed, "interleaved": True,
         "peak_tflops_override": peak_tflops_override, "compile": compile, "f8_layers": f8_layers,
-        "weight_edits": weight_edits or "values",
+        "weight_edits": weight_edits or "values", "fused_step": fused_step,
     }
     return CompareResult(environment=env, workload=workload_info, settings=settings, rows=rows, notes=notes)
 
