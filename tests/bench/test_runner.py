@@ -229,8 +229,9 @@ def test_weight_edits_reaches_the_master_rows(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_a_compiled_optimizer_step_runs_outside_the_cpu_memory_tracker() -> None:
-    """fused_step=True compiles the master step at the first (measured) step: under the CPU's live-tensor
-    tracker, a dispatch mode, dynamo would skip the frame and the fused step's fullgraph compile would fail."""
+    """fused_step=True compiles the master step. The CPU's live-tensor tracker is a dispatch mode, under which
+    a step runs eagerly (nothing compiles there): it would measure the eager step, so the row says it is not
+    measured, and the compile happens at a step outside it."""
     r = run_compare("gpt", "bf16-master", baseline="none", steps=2, warmup=1, device="cpu", workload_options=TINY,
                     fused_step=True)
     row = r.row("bf16-master")

@@ -342,7 +342,8 @@ class _Run:
         if self.compiled and self.device.type != "cuda":
             self.row.memory_method = "not measured: compiled on a CPU (the live-tensor tracker cannot see into compiled graphs)"
             return contextlib.nullcontext()
-        if self.compiled_step and self.device.type != "cuda":  # fused_step=True: the optimizer step compiles
+        # fused_step=True: under the tracker (a dispatch mode) the optimizer step would run eagerly, not compiled.
+        if self.compiled_step and self.device.type != "cuda":
             self.row.memory_method = ("not measured: compiled optimizer step on a CPU (the live-tensor tracker cannot see "
                                       "into compiled graphs)")
             return contextlib.nullcontext()
