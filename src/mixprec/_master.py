@@ -686,7 +686,7 @@ class MasterWeightOptimizer(Optimizer):
         if self.fused is False:
             return False
         if not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack():
-            return False  # a TorchDispatchMode is active: nothing compiles under it (optim._parts._in_dispatch_mode)
+            return False  # a TorchDispatchMode is active: nothing compiles under it (optim._parts._compile_blocked)
         if view is not None:
             return True
         if self._pairs is None:

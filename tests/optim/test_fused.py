@@ -175,6 +175,26 @@ def test_a_step_under_a_dispatch_mode_runs_eagerly_and_the_fused_step_stays_on(m
         assert_bit_identical(snapshot(opt), snapshot(ref))
 
 
+def test_with_torch_compile_disabled_the_step_runs_eagerly_until_it_is_enabled(monkeypatch):
+    """TORCH_COMPILE_DISABLE=1 / torch._dynamo.config.disable: torch runs compiled code eagerly, and so does the
+    fused step (no compile error under fused=True, nothing turned off); once enabled again it compiles."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "adamw-kahan-f32"
+    monkeypatch.setattr(_fused_step, "_FUSED_CACHE", {})
+    ref = _make(name, _params(), False)
+    opt = _make(name, _params(), True)
+    with dynamo_config.patch(disable=True):  # (not monkeypatch: its undo deletes a config entry)
+        for step in range(2):
+            _step(opt, name, step)
+            _step(ref, name, step)
+    assert not opt._fused_fns and opt._fused_off is None
+    _step(opt, name, 2)
+    _step(ref, name, 2)
+    assert opt._fused_fns
+    assert_bit_identical(snapshot(opt), snapshot(ref))
+
+
 def test_fused_argument_and_default_rule():
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="fused must be True, False or None"):

@@ -109,10 +109,10 @@ from ._parts import (
     Compensation,
     _Bucket,
     _chunk_cat,
+    _compile_blocked,
     _device_ctx,
     _DeviceCtx,
     _EagerLayout,
-    _in_dispatch_mode,
     _Plan,
     _scatter,
     _Segment,
@@ -323,10 +323,10 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             found_inf = getattr(self, "found_inf", None)
         ctxs: dict[torch.device, _DeviceCtx] = {}
         streams: dict[int, int] | None = None  # built only when a bucket needs random stream ids
-        # Under a TorchDispatchMode (FlopCounterMode, a memory tracker, a tracer's mode) dynamo compiles
-        # nothing: that step runs eagerly (bit for bit the fused one, and the mode sees every op), with
-        # the fused step kept on for the steps after it, not turned off as after a failed compile.
-        may_fuse = not _in_dispatch_mode()
+        # Under a TorchDispatchMode (FlopCounterMode, a memory tracker, a tracer's mode) or with torch.compile
+        # disabled nothing compiles: that step runs eagerly (bit for bit the fused one; a mode sees every op),
+        # with the fused step kept on for the steps after it, not turned off as after a failed compile.
+        blocked: bool | None = None  # asked once per step, and only when a bucket would fuse
         for gi, group in enumerate(self.param_groups):
             keys = self._state_keys(group)
             for plan in self._plans(gi, group):
@@ -335,8 +335,11 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                 if ctx is None:
                     ctx = ctxs[device] = _device_ctx(device, grad_scale, found_inf)
                 sts = self._ensure_states(plan.params, group, keys)
-                if may_fuse and self.fused_enabled(device) and self._step_bucket_fused(gi, group, plan, keys, ctx, sts):
-                    continue
+                if self.fused_enabled(device):
+                    if blocked is None:
+                        blocked = _compile_blocked()
+                    if not blocked and self._step_bucket_fused(gi, group, plan, keys, ctx, sts):
+                        continue
                 if streams is None:
                     streams = self._streams()
                 self._step_bucket(group, plan, self._bucket(group, plan.params, streams, sts), keys, ctx)

@@ -318,9 +318,10 @@ class FusedStep(OptimizerParts):
         already pays compile time, and the fused step is then the faster one). Also off (with a
         warning naming the cause) after a compile failure under ``fused=None``, and after more
         than ``_MAX_COMPILES`` configurations (e.g. a scheduler changing ``betas`` every step).
-        A step taken under a ``TorchDispatchMode`` (``FlopCounterMode``, a memory tracker) runs
-        eagerly whatever this says: dynamo compiles nothing under one; the eager step equals the
-        fused one bit for bit, and the steps after it are fused again.
+        A step taken under a ``TorchDispatchMode`` (``FlopCounterMode``, a memory tracker) or while
+        ``torch.compile`` is disabled (``TORCH_COMPILE_DISABLE=1``) runs eagerly whatever this says
+        (``_parts._compile_blocked``): the eager step equals the fused one bit for bit, and the
+        steps after it are fused again.
         """
         if self._fused_off is not None:
             return False

@@ -13,6 +13,8 @@ The optimizer is written in parts, one concept a module (``_base.py`` says how a
 from __future__ import annotations
 
 import operator
+import os
+import sys
 from collections.abc import Callable, Mapping
 from itertools import accumulate, chain
 from typing import Any, Literal, NamedTuple, cast
@@ -50,14 +52,26 @@ _GRAD = operator.attrgetter("grad")
 _DISPATCH_STACK_LEN = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
-def _in_dispatch_mode() -> bool:
-    """Whether a ``TorchDispatchMode`` is active outside a ``torch.compile`` trace (one C call; host only).
+def _compile_blocked() -> bool:
+    """Whether nothing can be compiled now, outside a ``torch.compile`` trace (host only, no sync).
 
-    Dynamo compiles nothing under such a mode (``FlopCounterMode``, a memory tracker, a tracer's
-    mode): a ``fullgraph`` compile fails there, and a frame it meets is skipped for good. The
-    step then runs eagerly (bit for bit the fused step) and the steps after it are fused again.
+    * A ``TorchDispatchMode`` is active (``FlopCounterMode``, a memory tracker, a tracer's mode):
+      dynamo compiles nothing under one; a ``fullgraph`` compile fails, and a frame it meets is
+      skipped for good.
+    * ``torch.compile`` is off in this process (``TORCH_COMPILE_DISABLE=1`` or
+      ``torch._dynamo.config.disable = True``): torch runs compiled functions eagerly then.
+
+    The step then runs eagerly (bit for bit the fused step), and the fused step is not turned off:
+    the next step that can compile does.
     """
-    return not torch.compiler.is_compiling() and bool(_DISPATCH_STACK_LEN())
+    if torch.compiler.is_compiling():
+        return False
+    if _DISPATCH_STACK_LEN():
+        return True
+    cfg = sys.modules.get("torch._dynamo.config")  # (not imported until something compiles: then the variable decides)
+    if cfg is not None:
+        return bool(cfg.disable)
+    return os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
 
 
 
