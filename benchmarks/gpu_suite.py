@@ -27,24 +27,24 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
    packed tile of the fused step (4, 16, 64 tensors per packed tile), each packed row with both
    gather/scatter routes (``_chunk_cat``/``cat`` + ``split_with_sizes_copy``, a CPU's; and
    ``_foreach_copy_`` through two shared buffers, the GPU default since stop 37): what 4.'s time is made of.
-6. ``master-profile``, ``master-versions`` and ``master-fused`` (issue 26, item 4): ``gpu_gpt2.py --profile`` for
+6. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
+7. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
+8. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
+   ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
+9. ``cuda-tests``: every CUDA-marked test, ``benchmarks/cuda_tests.py``: one pytest process per
+   test file, the files in parallel (compiles are host work), each file's result as it finishes.
+10. ``master-profile``, ``master-versions`` and ``master-fused`` (issue 26, item 4): ``gpu_gpt2.py --profile`` for
    ``bf16-master`` (the kernels of the value-based edit check of the half weights, ~38 bytes of
    traffic per parameter and step, attributed against torch.amp's), then ``bf16-master`` and
    ``fp16-master`` with ``--weight-edits versions`` (no check): whether the check is the
    1.043-1.051x the eager master rows measured on an H200 (the goal is 1.03x); and
    ``master-fused``: ``bf16-master`` with ``--fused-step on`` (the compiled master step, its edit
    check inside the kernel: ~10 bytes per parameter instead of ~38; host-bound in stop 35).
-7. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
-8. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
-9. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
-   ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
-10. ``cuda-tests``: every CUDA-marked test, ``benchmarks/cuda_tests.py``: one pytest process per
-   test file, the files in parallel (compiles are host work), each file's result as it finishes.
 11. ``compensated-dynamo``: the fused Kahan row of 4. with every tile call through dynamo (the
    behaviour before the direct calls of ``_fused_step._TileCall``): what those save on a GPU.
 12. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
    model, each row in a fresh process with an empty Inductor cache and then a warm one, against the
-   torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 7. share one process and cache).
+   torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 6. share one process and cache).
 13. ``compensated-t21``: the fused Kahan row of 4. with the 2**21-element tiles of before (51
    calls instead of 13 on GPT-2's tensors): measured 15.0 ms against 8.3 ms at the 2**23 default
    on an H200 (two runs of 2026-11-27, torch's fused AdamW 2.8 and 2.5 ms beside them); kept to
@@ -134,6 +134,13 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
                          "pure-kahan-eager,pure-kahan-fused,pure-sr-bf16-fused", "--profile"]),
     ("tile-host", 60, [sys.executable, "benchmarks/tile_host_cost.py", "--device", "cuda", "--segments", "4,16,64",
                        "--copies", "both"]),
+    ("gpt2-compiled", 180, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,bf16-master",
+                            "--budget", "{budget}", "--out", "{out}/compiled"]),
+    ("step", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--fused", "--rounds", "5",
+                  "--profile"]),
+    ("remainder", 90, [sys.executable, "benchmarks/remainder_step_cost.py", "--device", "cuda", "--width", "768",
+                       "--blocks", "12"]),
+    ("cuda-tests", 90, [sys.executable, "benchmarks/cuda_tests.py", "--timeout", "{budget}"]),
     # The master presets' value-based edit check (~38 bytes per parameter and step: ~1.2 ms on GPT-2 at H200
     # bandwidth, about the 1.043-1.051x measured): its kernels attributed, then the step without it.
     ("master-profile", 120, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master", "--profile",
@@ -142,13 +149,6 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
                               "--weight-edits", "versions", "--budget", "{budget}", "--out", "{out}/master-versions"]),
     ("master-fused", 150, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master", "--fused-step", "on",
                            "--budget", "{budget}", "--out", "{out}/master-fused"]),
-    ("gpt2-compiled", 180, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,bf16-master",
-                            "--budget", "{budget}", "--out", "{out}/compiled"]),
-    ("step", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--fused", "--rounds", "5",
-                  "--profile"]),
-    ("remainder", 90, [sys.executable, "benchmarks/remainder_step_cost.py", "--device", "cuda", "--width", "768",
-                       "--blocks", "12"]),
-    ("cuda-tests", 90, [sys.executable, "benchmarks/cuda_tests.py", "--timeout", "{budget}"]),
     ("compensated-dynamo", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
                                 "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",
                                 "--tile-calls", "dynamo"]),
