@@ -47,7 +47,7 @@ def measure(n_tensors: int, numel: int, tile: int, device: torch.device, steps: 
     setattr(_fused_step, attr, tile)
     if one_op is not None:
         devices = old_devices | {device.type} if one_op else old_devices - {device.type}
-        _parts._ONE_OP_COPY_DEVICES = _fused_step._ONE_OP_COPY_DEVICES = frozenset(devices)
+        _parts._ONE_OP_COPY_DEVICES = frozenset(devices)
     try:
         g = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(numel, generator=g).to(device, torch.bfloat16)) for _ in range(n_tensors)]
@@ -71,7 +71,7 @@ def measure(n_tensors: int, numel: int, tile: int, device: torch.device, steps: 
         return len(layout.tiles), sum(1 for d in layout.direct if not d), times[len(times) // 2]
     finally:
         setattr(_fused_step, attr, old)
-        _parts._ONE_OP_COPY_DEVICES = _fused_step._ONE_OP_COPY_DEVICES = old_devices
+        _parts._ONE_OP_COPY_DEVICES = old_devices
 
 
 def main(argv: list[str] | None = None) -> int:

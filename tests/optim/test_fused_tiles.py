@@ -70,7 +70,6 @@ def test_tiled_fused_step_is_independent_of_the_tiling_and_compiles_three_graphs
     for fused, chunk, one_op in ((False, TILE, True), (True, 1 << 16, True), (True, TILE, True), (False, TILE, False),
                                  (True, TILE, False)):
         monkeypatch.setattr(_parts, "_ONE_OP_COPY_DEVICES", frozenset({"cpu"} if one_op else ()))
-        monkeypatch.setattr(_fused_step, "_ONE_OP_COPY_DEVICES", _parts._ONE_OP_COPY_DEVICES)
         params = _params()
         assert not params[4].is_contiguous()
         opt = mo.AdamW(params, lr=1e-2, weight_decay=0.1, compensation=compensation, state_dtype=state_dtype,
@@ -366,7 +365,7 @@ def test_packed_tiles_of_whole_tensors_hold_their_states_and_a_checkpoint_resume
 
     monkeypatch.setattr(_fused_step, "_SEGS", 4)
     monkeypatch.setattr(_fused_step, "_CPU_FUSED_TILE", TILE)
-    monkeypatch.setattr(_fused_step, "_ONE_OP_COPY_DEVICES", frozenset({"cpu"} if one_op else ()))
+    monkeypatch.setattr(_parts, "_ONE_OP_COPY_DEVICES", frozenset({"cpu"} if one_op else ()))
     if not one_op and compensation == "kahan":  # compiled here, on the copies' buffers (scratch copies of them)
         monkeypatch.setattr(_fused_step, "_FUSED_CACHE", {})
 

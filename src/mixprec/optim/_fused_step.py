@@ -46,11 +46,11 @@ from torch import Tensor
 
 from .._dist import local_tensor as _local
 from .._remainder import join_edited, split
+from . import _parts  # _parts._ONE_OP_COPY_DEVICES: read where used, one setting for both modules
 from ._parts import (
     _COMP_KEY,
     _DYNAMIC_GROUP_KEYS,
     _HALF,
-    _ONE_OP_COPY_DEVICES,
     _SLOT_COMP,
     _SLOT_PARAM,
     _STREAMS_PER_PARAM,
@@ -646,7 +646,7 @@ class FusedStep(OptimizerParts):
         if not torch.compiler.is_compiling():  # (under an outer trace the tiles gather, as before)
             self._home_states(plan, b, layout, keys, comps_in, states_in)
             layout.ptrs = _layout_ptrs(b, keys)  # the homed states moved
-            if device.type not in _ONE_OP_COPY_DEVICES:
+            if device.type not in _parts._ONE_OP_COPY_DEVICES:
                 _build_copies(layout, b)
         for tile, direct, in_rem in zip(layout.tiles, layout.direct, layout.rem_tiles):
             v = tile.views
@@ -1008,7 +1008,7 @@ def _gather_grads(b: _Bucket, tile: _Tile, pad: int, layout: _FusedLayout) -> Te
     segs = tile.segs
     gs = [b.grads[s.param] for s in segs]
     g0 = gs[0]
-    if g0.device.type not in _ONE_OP_COPY_DEVICES:
+    if g0.device.type not in _parts._ONE_OP_COPY_DEVICES:
         parts = [g.reshape(-1) if s.start == 0 and s.stop == g.numel() else g.reshape(-1)[s.start:s.stop]
                  for g, s in zip(gs, segs)]
         if pad:
