@@ -1008,20 +1008,17 @@ def _gather_grads(b: _Bucket, tile: _Tile, pad: int, layout: _FusedLayout) -> Te
     segs = tile.segs
     gs = [b.grads[s.param] for s in segs]
     g0 = gs[0]
-    if g0.device.type not in _parts._ONE_OP_COPY_DEVICES:
-        parts = [g.reshape(-1) if s.start == 0 and s.stop == g.numel() else g.reshape(-1)[s.start:s.stop]
-                 for g, s in zip(gs, segs)]
+    pieces = [g if s.start == 0 and s.stop == g.numel() else g.reshape(-1)[s.start:s.stop] for g, s in zip(gs, segs)]
+    if g0.device.type not in _parts._ONE_OP_COPY_DEVICES or _chunk_cat is None:  # (or a torch without _chunk_cat)
+        parts = [x.reshape(-1) for x in pieces]
         if pad:
             parts.append(_zeros(layout, g0, pad))
         return torch.cat(parts)
     out = torch.empty(tile.total + pad, dtype=g0.dtype, device=g0.device)
     if pad:
         out[tile.total:].zero_()
-    pieces = [g if s.start == 0 and s.stop == g.numel() else g.reshape(-1)[s.start:s.stop] for g, s in zip(gs, segs)]
-    if _chunk_cat is None:  # pragma: no cover - torch without _chunk_cat
-        torch.cat([x.reshape(-1) for x in pieces], out=out[:tile.total])
-    else:  # one kernel gathers gradients of any shapes and strides (0-d ones need a 1-element view)
-        _chunk_cat([x if x.dim() else x.reshape(1) for x in pieces], 0, 1, out=out[:tile.total].view(1, tile.total))
+    # One kernel gathers gradients of any shapes and strides (0-d ones need a 1-element view).
+    _chunk_cat([x if x.dim() else x.reshape(1) for x in pieces], 0, 1, out=out[:tile.total].view(1, tile.total))
     return out
 
 

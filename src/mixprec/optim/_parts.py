@@ -74,8 +74,6 @@ def _compile_blocked() -> bool:
     return os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
 
 
-
-
 class _Segment(NamedTuple):
     param: int  # position in the bucket's parameter list
     start: int  # element range of the flattened parameter
