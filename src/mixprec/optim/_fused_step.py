@@ -44,9 +44,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+import mixprec.optim._parts as _parts  # _parts._ONE_OP_COPY_DEVICES: read where used, one setting for both modules
+
 from .._dist import local_tensor as _local
 from .._remainder import join_edited, split
-from . import _parts  # _parts._ONE_OP_COPY_DEVICES: read where used, one setting for both modules
 from ._parts import (
     _COMP_KEY,
     _DYNAMIC_GROUP_KEYS,
