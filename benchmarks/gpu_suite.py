@@ -33,9 +33,11 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
    ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
 9. ``cuda-tests``: every CUDA-marked test, ``benchmarks/cuda_tests.py``: one pytest process per
    test file, the files in parallel (compiles are host work), each file's result as it finishes.
-10. ``master-profile``, ``master-versions`` and ``master-fused`` (issue 26, item 4): ``gpu_gpt2.py --profile`` for
-   ``bf16-master`` (the kernels of the value-based edit check of the half weights, ~38 bytes of
-   traffic per parameter and step, attributed against torch.amp's), then ``bf16-master`` and
+10. ``edit-check``, ``master-profile``, ``master-versions`` and ``master-fused`` (issue 26, item 4):
+   ``edit_check_cost.py --device cuda`` (the edit check of the half weights on GPT-2's shapes: the
+   Triton kernel, 6 bytes read per parameter, against the foreach check's ~38, with GB/s);
+   ``gpu_gpt2.py --profile`` for ``bf16-master`` (the edit check's kernels attributed against
+   torch.amp's), then ``bf16-master`` and
    ``fp16-master`` with ``--weight-edits versions`` (no check): whether the check is the
    1.043-1.051x the eager master rows measured on an H200 (the goal is 1.03x); and
    ``master-fused``: ``bf16-master`` with ``--fused-step on`` (the compiled master step, its edit
@@ -141,8 +143,10 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
     ("remainder", 90, [sys.executable, "benchmarks/remainder_step_cost.py", "--device", "cuda", "--width", "768",
                        "--blocks", "12"]),
     ("cuda-tests", 90, [sys.executable, "benchmarks/cuda_tests.py", "--timeout", "{budget}"]),
-    # The master presets' value-based edit check (~38 bytes per parameter and step: ~1.2 ms on GPT-2 at H200
-    # bandwidth, about the 1.043-1.051x measured): its kernels attributed, then the step without it.
+    # The master presets' value-based edit check (~38 bytes per parameter and step with foreach ops: ~1.2 ms on GPT-2
+    # at H200 bandwidth, about the 1.043-1.051x measured): the Triton kernel (6 bytes) against the foreach check, its
+    # kernels attributed in the step, then the step without it.
+    ("edit-check", 60, [sys.executable, "benchmarks/edit_check_cost.py", "--device", "cuda"]),
     ("master-profile", 120, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master", "--profile",
                              "--steps", "30", "--budget", "{budget}", "--out", "{out}/master-profile"]),
     ("master-versions", 100, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master,fp16-master",

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import torch
 from torch.optim import Optimizer
 
+import mixprec._edit_kernel as _edit_kernel  # its DEVICES read where used (tests widen it)
+
 from ._dist import dtensor_like as _like
 from ._dist import is_dtensor as _is_dtensor
 from ._dist import local_tensor as _local
@@ -427,10 +429,12 @@ class MasterWeightOptimizer(Optimizer):
 
         * ``"values"`` (default): all of them. The common idioms ``p.data.clamp_(...)`` (WGAN)
           and ``p.data.mul_(mask)`` (pruning) edit through ``.data``, which has a version counter
-          of its own, so only comparing the values sees them. Cost: four ops (two foreach
-          copies, a flat comparison, a foreach ``lerp_``) per (device, dtype) group and 32M
-          elements, whatever the number of parameters (:func:`carry_edits_`; about 38 bytes of
-          memory traffic per element).
+          of its own, so only comparing the values sees them. Cost: on CUDA with Triton one
+          kernel per (device, weight dtype) group reading 6 bytes per element
+          (:mod:`mixprec._edit_kernel`; its first use per process compiles it and checks it, one
+          host sync); elsewhere four ops (two foreach copies, a flat comparison, a foreach
+          ``lerp_``) per (device, dtype) group and 32M elements, whatever the number of parameters
+          (:func:`carry_edits_`; about 38 bytes of memory traffic per element).
         * ``"versions"``: those whose version counter or storage changed since the last copy
           (in-place ops on the parameter itself: ``torch.no_grad()`` edits,
           ``nn.Embedding(max_norm=...)``, ``load_state_dict``). Free when nothing changed;
@@ -439,7 +443,7 @@ class MasterWeightOptimizer(Optimizer):
         With ``master_storage="remainder"`` there is nothing to carry: the weight is the master's
         top half, so an edit is already in the master (with the element's old low 16 bits).
 
-        No host sync in either mode.
+        No host sync in either mode (but the Triton kernel's one-time first-use check).
         """
         self._sync_edits()
 
@@ -685,7 +689,7 @@ class MasterWeightOptimizer(Optimizer):
         """
         if self.fused is False:
             return False
-        if not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack():
+        if torch._C._len_torch_dispatch_stack() and not torch.compiler.is_compiling():  # (cheap test first: hot path)
             return False  # a TorchDispatchMode is active: nothing compiles under it (optim._parts._compile_blocked)
         if view is not None:
             return True
@@ -709,7 +713,7 @@ class MasterWeightOptimizer(Optimizer):
         if self._pairs is None:
             self._refresh_pairs()
         bank = self._bank
-        if bank is None or not bank.valid():
+        if bank is None or list(map(_DATA_PTR, bank.params)) != bank.ptrs:  # RemainderBank.valid(), inline (hot path)
             bank = self._remainder_bank()
         if bank is not None:
             bank.join(_compiled_remainder_fns()[2] if compiled else None)
@@ -808,16 +812,16 @@ class MasterWeightOptimizer(Optimizer):
 
     def _step(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> Any:
         """Steps 3-4 of the class docstring; with remainders, inside a join of the masters and a split after."""
+        view = self._fused_shadow()  # the mixprec.optim optimizer that runs the fused step, or None
         if self.master_storage != "remainder":
-            return self._update(args, grad_scale, found_inf)
-        view = self._fused_shadow()
+            return self._update(args, grad_scale, found_inf, view)
         if view is not None and self._shadow.remainders:
             # The fused step joins and splits the masters itself (in its kernel, or around an eager fallback).
-            return self._update(args, grad_scale, found_inf)
+            return self._update(args, grad_scale, found_inf, view)
         compiled = self._remainders_compiled(view)
         self._join_masters(compiled)
         try:
-            return self._update(args, grad_scale, found_inf)
+            return self._update(args, grad_scale, found_inf, view)
         finally:
             # Also when the update raised: the weights and remainders then hold whatever it wrote (a
             # skipped or not-started update splits back into the very same bits). The copy-back has
@@ -825,9 +829,12 @@ class MasterWeightOptimizer(Optimizer):
             if self._live:
                 self._split_masters(compiled)
 
-    def _update(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> Any:
-        """Steps 3-4 of the class docstring: edits carried in, the update (skipping on the device), the copy back."""
-        view = self._fused_shadow()  # the mixprec.optim optimizer that runs the fused step, or None
+    def _update(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+                view: Any) -> Any:
+        """Steps 3-4 of the class docstring: edits carried in, the update (skipping on the device), the copy back.
+
+        ``view``: :meth:`_fused_shadow`'s answer for this step (the caller asked it once).
+        """
         # With "values" the fused kernel compares every weight it steps with its rounded master as it
         # reads them (optim/_fused_step.py, sync_mirrors); weights without a gradient (not stepped) keep an
         # edit in the model until their next step or state_dict(), which sync them.
@@ -1064,6 +1071,11 @@ def carry_edits_(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> No
     The edit check of :meth:`MasterWeightOptimizer.sync_edits_` (the per-tensor form is
     ``optim._rounding.with_edits``, which the fused step runs inside its kernel).
 
+    On the devices of :data:`mixprec._edit_kernel.DEVICES` (CUDA) with Triton, each group of dense
+    FP32 masters with BF16/FP16 weights is one Triton kernel (6 bytes per element; its first use
+    per process checks it against ``where``, one host sync, and falls back here on a failure).
+    Otherwise (the fallback):
+
     Algorithm, per (device, dtypes) group and per pass of at most :data:`EDIT_CHUNK` elements
     (two foreach copies, one flat comparison and one foreach ``lerp_``, whatever the number of
     tensors; about 38 bytes of memory traffic per element):
@@ -1077,7 +1089,7 @@ def carry_edits_(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> No
     A NaN weight gives a NaN master, as ``where`` does. One difference from ``where``: an FP16
     master beyond the FP16 range (its weight is already inf) becomes NaN rather than staying
     finite. Pairs whose two tensors are laid out differently (or not densely) take ``where`` per
-    pair. No host sync.
+    pair. No host sync (but the kernel's first-use check, above).
     """
     _carry_edits(masters, weights)
 
@@ -1091,13 +1103,16 @@ class EditViews:
     each) as ``(1-D masters, 1-D weights, element counts, total)``.
     """
 
-    __slots__ = ("dtensors", "key", "odd", "passes")
+    __slots__ = ("dtensors", "kernels", "key", "odd", "passes")
 
     def __init__(self) -> None:
         self.key: list[int] | None = None
         self.dtensors = False  # FSDP2 shards: the key and the views come from the local tensors
         self.passes: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int], int]] = []
         self.odd: list[tuple[torch.Tensor, torch.Tensor]] = []  # pairs laid out differently: where() each
+        # groups on the Triton kernel's devices (_edit_kernel.DEVICES): its tables, and the passes that serve
+        # when it is off
+        self.kernels: list[tuple[_edit_kernel.EditTables, list[tuple[list[torch.Tensor], list[torch.Tensor], list[int], int]]]] = []
 
     def get(self, masters: list[torch.Tensor], weights: list[torch.Tensor]) -> EditViews:
         """These views for ``masters``/``weights``, rebuilt first if any tensor moved or changed size."""
@@ -1117,7 +1132,7 @@ class EditViews:
 
     def _build(self, masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
         groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.passes, self.odd = [], []
+        self.passes, self.odd, self.kernels = [], [], []
         for m, w in zip(masters, weights):
             if m.numel() == 0:
                 continue
@@ -1125,19 +1140,21 @@ class EditViews:
                 self.odd.append((m, w))
             else:
                 groups.setdefault((w.device, w.dtype, m.dtype), []).append((m, w))
-        for pairs in groups.values():
-            ms: list[torch.Tensor] = []
-            ws: list[torch.Tensor] = []
-            sizes: list[int] = []
-            total = 0
-            for i, (m, w) in enumerate(pairs):
-                ms.append(m.as_strided((m.numel(),), (1,)))  # memory order: equal strides pair the elements
-                ws.append(w.as_strided((w.numel(),), (1,)))
-                sizes.append(m.numel())
+        for (device, w_dtype, m_dtype), pairs in groups.items():
+            # memory order: equal strides pair the elements
+            ms = [m.as_strided((m.numel(),), (1,)) for m, _ in pairs]
+            ws = [w.as_strided((w.numel(),), (1,)) for _, w in pairs]
+            passes: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int], int]] = []
+            start, total = 0, 0
+            for i, m in enumerate(ms):
                 total += m.numel()
-                if total >= EDIT_CHUNK or i == len(pairs) - 1:
-                    self.passes.append((ms, ws, sizes, total))
-                    ms, ws, sizes, total = [], [], [], 0
+                if total >= EDIT_CHUNK or i == len(ms) - 1:
+                    passes.append((ms[start:i + 1], ws[start:i + 1], [t.numel() for t in ms[start:i + 1]], total))
+                    start, total = i + 1, 0
+            if _edit_kernel.available(device, w_dtype, m_dtype):
+                self.kernels.append((_edit_kernel.EditTables(ms, ws), passes))
+            else:
+                self.passes.extend(passes)
 
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -1166,17 +1183,24 @@ def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor], views
         torch.where(w == m.to(w.dtype), m, w.to(m.dtype), out=m)
     for ms, ws, sizes, n in v.passes:
         _carry_edits_pass(ms, ws, sizes, n)
+    for tables, passes in v.kernels:
+        if tables.run is not None:
+            tables.run()  # Triton's launcher, arguments bound (no frame of _edit_kernel.py on the step's path)
+        elif not _edit_kernel.carry_edits_triton_(tables):
+            for ms, ws, sizes, n in passes:
+                _carry_edits_pass(ms, ws, sizes, n)
 
 
 def _carry_edits_pass(ms: list[torch.Tensor], ws: list[torch.Tensor], sizes: list[int], n: int) -> None:
     r = torch.empty(n, dtype=ws[0].dtype, device=ws[0].device)
     f = torch.empty(n, dtype=ms[0].dtype, device=ms[0].device)
-    fs = f.split(sizes)
-    torch._foreach_copy_(r.split(sizes), ms)  # round(m)
+    # torch.split_with_sizes, not Tensor.split: the C function without torch/_tensor.py's two Python calls
+    fs = torch.split_with_sizes(f, sizes)
+    torch._foreach_copy_(torch.split_with_sizes(r, sizes), ms)  # round(m)
     torch._foreach_copy_(fs, ws)  # float(w), exact
     e = torch.ne(r, f, out=torch.empty_like(f))  # 1.0 where edited; compared exactly (r is f's dtype's subset)
     del r
-    torch._foreach_lerp_(ms, fs, e.split(sizes))
+    torch._foreach_lerp_(ms, fs, torch.split_with_sizes(e, sizes))
 
 
 def model_params_of(opt: Optimizer) -> list[torch.Tensor]:

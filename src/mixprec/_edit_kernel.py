@@ -1,0 +1,218 @@
+"""The master-weight edit check as one Triton kernel over every (master, weight) pair of a group.
+
+``MasterWeightOptimizer``'s edit check (``_master.carry_edits_``) is, per element,
+``master = where(weight == round(master), master, float(weight))``. Eagerly, with torch's foreach
+ops, it is four kernels over flat scratch buffers and about 38 bytes of memory traffic per
+element (there is no foreach ``where``). On a GPU that is ~4.7 GB per step for GPT-2's 124M
+parameters, about as long as the optimizer step itself. This module does it in one launch per
+(device, weight dtype) group, reading 6 bytes per element and writing only the edited ones, with
+no temporaries.
+
+Algorithm (one Triton program per ``BLOCK`` elements of one tensor, apex's multi-tensor-apply
+pattern): device tables hold each pair's two data pointers and element count, and each block's
+tensor; a program loads its pair's pointers, its ``BLOCK`` masters and weights, rounds the
+masters to the weights' dtype and stores the weight (as FP32) where it differs or where the master
+is NaN (what ``where`` gives: ``NaN == x`` is false). BF16 rounding is done on the bit pattern
+(``bits + 0x7FFF + lsb``, truncated: round to nearest even, inf on overflow), which is exact on
+every backend, Triton's CPU interpreter included (its float cast to BF16 truncates); FP16 uses the
+float cast, round to nearest even. The 1-D views follow ``_master.EditViews``: the pairs
+are dense with equal strides, so element ``i`` in memory order of one is element ``i`` of the other.
+
+Safety: Triton is imported lazily; the first use per (device, weight dtype) compiles the kernel
+and checks it against the ``where`` form on every 16-bit pattern (one host sync, once per
+process). A failed compile or a mismatch warns once and the caller keeps the foreach check. Used
+on :data:`DEVICES` (CUDA) where Triton imports; never while a CUDA graph is being captured before
+that first check ran (its sync would break the capture).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["BLOCK", "DEVICES", "EditTables", "available", "carry_edits_triton_", "reset"]
+
+#: Devices whose edit check runs as this kernel (tests add ``"cpu"`` with ``TRITON_INTERPRET=1``).
+DEVICES: frozenset[str] = frozenset({"cuda"})
+#: Elements per Triton program.
+BLOCK = 2048
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
+
+tl: Any = None  # triton.language once _build imported it
+_kernel: list[Any] = []  # the jitted kernel, built on first use
+_state: dict[tuple[str, torch.dtype], bool] = {}  # (device type, weight dtype) -> passed its first check
+
+
+def reset() -> None:
+    """Forget the built kernel and the first-use checks (tests; a change of ``TRITON_INTERPRET``)."""
+    _kernel.clear()
+    _state.clear()
+
+
+def available(device: torch.device, weight_dtype: torch.dtype, master_dtype: torch.dtype) -> bool:
+    """Whether a group of this device and dtypes may use the kernel (before its first-use check).
+
+    Host work only: the device type, the dtypes, an earlier failure, an importable Triton; and no
+    CUDA graph being captured (building the tables copies them to the device).
+    """
+    if device.type not in DEVICES or master_dtype != torch.float32 or weight_dtype not in _WEIGHT_DTYPES:
+        return False
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    if _state.get((device.type, weight_dtype)) is False:
+        return False
+    return bool(_kernel) or _build() is not None
+
+
+def _build() -> Any:
+    """The jitted kernel (built once), or None when Triton does not import (remembered for every group)."""
+    if _kernel:
+        return _kernel[0]
+    global tl
+    try:  # typed Any: mypy need not know Triton (not installed everywhere)
+        triton: Any = importlib.import_module("triton")
+        tl = importlib.import_module("triton.language")  # a module global: Triton resolves the kernel's names there
+    except Exception:  # no Triton, or a broken one: the foreach check serves
+        for key in [(d, dt) for d in DEVICES for dt in _WEIGHT_DTYPES]:
+            _state[key] = False
+        return None
+
+    @triton.jit
+    def carry_edits_kernel(m_ptrs, w_ptrs, numels, first_block, block_tensor,
+                           BLOCK: tl.constexpr, W_BF16: tl.constexpr):
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor + pid)
+        n = tl.load(numels + t)
+        idx = (pid - tl.load(first_block + t)) * BLOCK + tl.arange(0, BLOCK)  # int64: tensors past 2**31 elements
+        inside = idx < n
+        mp = tl.load(m_ptrs + t).to(tl.pointer_type(tl.float32))
+        m = tl.load(mp + idx, mask=inside, other=0.0)
+        if W_BF16:  # on bit patterns: exact on every backend, subnormals included
+            wp = tl.load(w_ptrs + t).to(tl.pointer_type(tl.uint16))
+            wb = tl.load(wp + idx, mask=inside, other=0).to(tl.uint32)
+            w = (wb << 16).to(tl.float32, bitcast=True)
+            b = m.to(tl.uint32, bitcast=True)
+            rb = (b + 0x7FFF + ((b >> 16) & 1)) >> 16  # round to nearest even (inf past the largest finite)
+            same = (rb == wb) | (((rb | wb) & 0x7FFF) == 0)  # equal, or +0 and -0
+        else:
+            wp = tl.load(w_ptrs + t).to(tl.pointer_type(tl.float16))
+            w = tl.load(wp + idx, mask=inside, other=0.0).to(tl.float32)
+            same = w == m.to(tl.float16).to(tl.float32)
+        edited = (~same) | (m != m)  # a NaN master takes the weight, as where() gives
+        tl.store(mp + idx, w, mask=inside & edited)
+
+    _kernel.append(carry_edits_kernel)
+    return carry_edits_kernel
+
+
+class EditTables:
+    """The device tables of one (device, weight dtype) group of dense pairs, built when the group's pointers change.
+
+    Holds the 1-D views it was built from, so their storages outlive the tables' raw pointers.
+    ``run``: once :func:`carry_edits_triton_` has launched it, the launch itself (Triton's launcher
+    with every argument bound), which the step calls directly: no Python frame of this module on
+    the step's path.
+    """
+
+    __slots__ = ("block_tensor", "first_block", "m_ptrs", "masters", "numels", "run", "w_ptrs", "weights")
+
+    def __init__(self, masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+        device = masters[0].device
+        numels = [m.numel() for m in masters]
+        blocks = [-(-n // BLOCK) for n in numels]
+        first, total = [], 0
+        for b in blocks:
+            first.append(total)
+            total += b
+        # Host-built tables, copied once per build (not per step).
+        self.m_ptrs = torch.tensor([m.data_ptr() for m in masters], dtype=torch.int64).to(device)
+        self.w_ptrs = torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64).to(device)
+        self.numels = torch.tensor(numels, dtype=torch.int64).to(device)
+        self.first_block = torch.tensor(first, dtype=torch.int64).to(device)
+        self.block_tensor = torch.repeat_interleave(
+            torch.arange(len(blocks), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64)).to(device)
+        self.masters, self.weights = masters, weights
+        self.run: Callable[[], Any] | None = None
+
+    def launch(self) -> None:
+        """One launch over every block of the group (no host sync)."""
+        kernel = _kernel[0] if _kernel else _build()
+        if kernel is None:
+            raise RuntimeError("triton does not import")
+        kernel[(self.block_tensor.numel(),)](
+            self.m_ptrs, self.w_ptrs, self.numels, self.first_block, self.block_tensor,
+            BLOCK=BLOCK, W_BF16=self.weights[0].dtype == torch.bfloat16)
+
+
+def carry_edits_triton_(tables: EditTables) -> bool:
+    """Run the edit check of ``tables``' group as the kernel; False when the caller must run the foreach check.
+
+    Later steps call ``tables.run`` (set here) instead.
+
+    The first call per (device type, weight dtype) compiles the kernel and checks it against the
+    ``where`` form (:func:`_first_check`: one host sync, once per process); a failure there warns
+    once and every later call returns False at once. While a CUDA graph is being captured that
+    first check cannot run, so the call returns False (the foreach check is captured instead).
+    """
+    device = tables.masters[0].device
+    key = (device.type, tables.weights[0].dtype)
+    ok = _state.get(key)
+    if ok is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        ok = _state[key] = _first_check(device, tables.weights[0].dtype)
+    if not ok:
+        return False
+    tables.launch()
+    kernel = _kernel[0]
+    tables.run = functools.partial(
+        kernel[(tables.block_tensor.numel(),)], tables.m_ptrs, tables.w_ptrs, tables.numels, tables.first_block,
+        tables.block_tensor, BLOCK=BLOCK, W_BF16=tables.weights[0].dtype == torch.bfloat16)
+    return True
+
+
+def _first_check(device: torch.device, dtype: torch.dtype) -> bool:
+    """Compile the kernel and compare it with the ``where`` form on every 16-bit pattern (one host sync).
+
+    The masters cover every upper half-word with the lower halves 0, 0x7FFF, 0x8000, 0x8001 and
+    0xFFFF (ties, both neighbours, inf, NaN, subnormals, both zeros); the weights are their rounding,
+    with every seventh replaced by another value (an edit) and a tail shorter than a block.
+    """
+    try:
+        hi = torch.arange(1 << 16, dtype=torch.int64, device=device) << 16
+        lows = torch.tensor([0, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64, device=device)
+        bits = (hi[:, None] | lows[None, :]).flatten()
+        bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+        master = bits.view(torch.float32)
+        weight = master.to(dtype)
+        edit = torch.arange(weight.numel(), device=device) % 7 == 3
+        weight = torch.where(edit, master.flip(0).to(dtype), weight)
+        pieces = [master[: BLOCK * 3 + 5].clone(), master[BLOCK * 3 + 5:].clone()]
+        weights = [weight[: BLOCK * 3 + 5].clone(), weight[BLOCK * 3 + 5:].clone()]
+        expected = torch.where(weight == master.to(dtype), master, weight.to(torch.float32))
+        EditTables(pieces, weights).launch()
+        got = torch.cat(pieces)
+        # Bit for bit, except that any NaN matches any NaN (a backend may canonicalise a NaN's payload).
+        same = bool(((got.view(torch.int32) == expected.view(torch.int32)) | (got.isnan() & expected.isnan())).all())
+    except Exception as exc:  # any failure of an optional fast path: the foreach check serves
+        _warn(device, dtype, f"it failed ({type(exc).__name__}: {exc})")
+        return False
+    if not same:
+        _warn(device, dtype, "it disagreed with the where() form on its first-use check")
+        return False
+    return True
+
+
+def _warn(device: torch.device, dtype: torch.dtype, why: str) -> None:
+    interp = " under TRITON_INTERPRET=1" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+    warnings.warn(
+        f"mixprec: the Triton edit check of the master weights on {device.type} ({dtype}){interp} is off: {why}. "
+        "The foreach edit check (four kernels, ~38 bytes per parameter) runs instead; results are the same. "
+        "Please report this with your torch and triton versions.",
+        RuntimeWarning, stacklevel=4)
