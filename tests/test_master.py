@@ -1,5 +1,6 @@
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -273,3 +274,43 @@ def test_state_the_optimizer_already_has_moves_to_the_masters():
     prec.backward(loss)
     prec.step(mwo)
     assert not any(torch.equal(mwo.state[m]["momentum_buffer"], b) for m, b in zip(mwo.masters, buffers))
+
+
+def test_step_hooks_registered_on_the_master_optimizer_run_around_each_step() -> None:
+    """register_step_pre_hook/register_step_post_hook on a MasterWeightOptimizer fire once per step, through
+    prec.step and optimizer.step() alike and on a skipped step; a pre-hook may replace the closure."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    prec = mixprec.MixedPrecision("fp16-master")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on a CPU
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre") if o is opt else None)
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post") if o is opt else None)
+    for i in range(3):
+        x = torch.randn(2, 4)
+        if i == 1:
+            x[0, 0] = float("inf")  # a skipped step is still a step call
+        with prec.autocast():
+            loss = model(x).float().sum()
+        prec.backward(loss)
+        prec.step(opt) if i != 2 else opt.step()
+        opt.zero_grad()
+    assert calls == ["pre", "post"] * 3
+    seen = []
+    handle = opt.register_step_pre_hook(lambda o, a, k: ((lambda: seen.append(1) or 0.0,), {}))
+    with prec.autocast():
+        loss = model(torch.randn(2, 4)).float().sum()
+    prec.backward(loss)
+    prec.step(opt)
+    assert seen == [1]  # the replaced closure ran
+    handle.remove()
+    opt.register_step_pre_hook(lambda o, a, k: "nonsense")
+    with prec.autocast():
+        loss = model(torch.randn(2, 4)).float().sum()
+    prec.backward(loss)
+    with pytest.raises(RuntimeError, match="must return None or a tuple of"):
+        opt.step()

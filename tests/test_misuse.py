@@ -238,6 +238,10 @@ MISUSES = [
     Misuse("compensated-policy-other-optimizer", "fresh", "bf16-pure",
            lambda c: c.prec.prepare(c.model, torch.optim.RMSprop(c.model.parameters())), TypeError,
            "needs mixprec.optim.AdamW or mixprec.optim.SGD (or a torch AdamW/Adam/SGD, converted for you); got RMSprop"),
+    Misuse("compensated-policy-sparse-gradients", "fresh", "bf16-pure",
+           lambda c: (lambda m: c.prec.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1)))(
+               nn.Sequential(nn.Embedding(10, 8, sparse=True), c.model)), ValueError,
+           "has sparse=True, so its weight gets sparse gradients; policy 'bf16-pure' steps it with a mixprec.optim"),
     Misuse("compensation-mismatch", "fresh", "bf16-pure",
            lambda c: c.prec.prepare(c.model, mp_optim.AdamW(c.model.parameters(), compensation="stochastic")), ValueError,
            "optimizer 0 uses compensation='stochastic' but the policy says comp=kahan"),

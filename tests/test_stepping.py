@@ -247,3 +247,36 @@ def test_the_edit_check_sees_a_weight_whose_storage_was_replaced() -> None:
     prec.step(opt)  # lr 0: the masters keep what the edit check carried in
     assert float(model.weight[0, 0].detach()) == 3.0  # the copy-back wrote the master, which took the edit
     assert float(opt.master_for(model.weight)[0, 0].detach()) == 3.0
+
+
+@pytest.mark.parametrize("preset", ["fp16-mixed", "fp16-master"])
+def test_a_fused_sgd_whose_first_step_is_skipped_keeps_clean_momentum(preset: str) -> None:
+    """torch's SGD(momentum, fused=True) leaves uninitialised momentum buffers when its first step is skipped; through
+    mixprec the buffers are made first, so the run equals the same optimizer's non-fused form (also the fused kernel)."""
+    import mixprec
+
+    def run(fused: bool | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        prec = mixprec.MixedPrecision(preset)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fp16 on a CPU
+            model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused))
+        torch.manual_seed(1)
+        skipped = []
+        for i in range(4):
+            x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+            if i == 0:
+                x[0, 0] = float("inf")  # the first step overflows and is skipped
+            with prec.autocast():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            prec.backward(loss)
+            skipped.append(bool(prec.step(opt).skipped))
+            opt.zero_grad()
+        assert skipped == [True, False, False, False]
+        return [p.detach().clone() for p in model.parameters()]
+
+    fused, plain = run(True), run(None)
+    for a, b in zip(fused, plain):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)

@@ -779,7 +779,9 @@ class MasterWeightOptimizer(Optimizer):
         ``_step_supports_amp_scaling`` protocol of ``torch.amp.GradScaler`` and
         ``mixprec.GradScaler``): when the wrapped optimizer supports them they are passed on
         and nothing syncs; otherwise a given ``grad_scale`` is applied here by a fused unscale
-        and one host read of ``found_inf`` decides whether to step.
+        and one host read of ``found_inf`` decides whether to step. Step hooks registered on this
+        optimizer (``register_step_pre_hook``/``register_step_post_hook``) run around it, as torch's
+        optimizers run theirs (a skipped step included: it is a step call).
 
         Args:
             closure: Re-evaluates the model and returns the loss (passed to the wrapped optimizer).
@@ -787,6 +789,8 @@ class MasterWeightOptimizer(Optimizer):
         Returns:
             What the wrapped optimizer's ``step`` returns (``None`` when skipped).
         """
+        if self._optimizer_step_pre_hooks:
+            closure = self._run_pre_hooks(closure)
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if not self.__dict__.get("_grads_checked") or self.grad_accumulation == "compute":
@@ -808,7 +812,27 @@ class MasterWeightOptimizer(Optimizer):
                 m.grad = None
                 if isinstance(p.grad, MasterGradView) or id(p) not in self._views:  # (no view: an FSDP2 shard's)
                     p.grad = None
+        if self._optimizer_step_post_hooks:
+            for hook in list(self._optimizer_step_post_hooks.values()):
+                hook(self, args, {})
         return result
+
+    def _run_pre_hooks(self, closure: Callable[[], float] | None) -> Callable[[], float] | None:
+        """This optimizer's step pre-hooks (``register_step_pre_hook``), as torch runs them; returns the closure to use.
+
+        Torch's global hooks (``register_optimizer_step_pre_hook``) run once, around the wrapped
+        optimizer's own step (or the fused step, which runs them for it).
+        """
+        args: tuple[Any, ...] = (closure,) if closure is not None else ()
+        kwargs: dict[str, Any] = {}
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"an optimizer step pre-hook must return None or a tuple of (new_args, "
+                                       f"new_kwargs), got {type(result).__name__}: {result!r}")
+                args, kwargs = result
+        return args[0] if args else kwargs.get("closure")
 
     def _step(self, args: tuple[Any, ...], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> Any:
         """Steps 3-4 of the class docstring; with remainders, inside a join of the masters and a split after."""

@@ -119,6 +119,7 @@ def check_prepare(
         )
     if policy.compensation != "none":
         check_convertible(optimizers, policy)
+        check_dense_gradients(model, optimizers, policy)
     elif not policy.has_masters and policy.param_dtype != torch.float32:
         warn_tiny_eps(optimizers, policy.param_dtype)
     return PrepareFacts(device, fsdp, floating)
@@ -265,6 +266,24 @@ def check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:
                 f"policy {policy.label!r} updates half-precision parameters with compensated updates, which "
                 f"needs mixprec.optim.AdamW or mixprec.optim.SGD (or a torch AdamW/Adam/SGD, converted for you); got "
                 f"{type(opt).__name__}. Use a master-weight policy such as 'bf16-master' for other optimizers."
+            )
+
+
+def check_dense_gradients(model: nn.Module, optimizers: Sequence[Optimizer], policy: Policy) -> None:
+    """Raise ``ValueError`` for a module with ``sparse=True`` whose weight a compensated policy would step.
+
+    ``mixprec.optim`` (what a compensated policy steps with, a torch SGD converted) takes dense
+    gradients only; refused here, before anything is cast, rather than at the first step.
+    """
+    stepped = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if getattr(module, "sparse", False) is True and isinstance(weight, torch.Tensor) and id(weight) in stepped:
+            raise ValueError(
+                f"module {name or type(module).__name__!r} ({type(module).__name__}) has sparse=True, so its weight "
+                f"gets sparse gradients; policy {policy.label!r} steps it with a mixprec.optim optimizer (compensated "
+                "updates of half-precision weights), which takes dense gradients only. Build it with sparse=False, or "
+                "use a master-weight policy such as 'bf16-master' (FP32 masters, your optimizer as it is)."
             )
 
 

@@ -208,10 +208,15 @@ def step_or_skip(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | None, a
 
     The skip, in order of preference: the optimizer's own (``_step_supports_amp_scaling``: it is
     handed ``found_inf``/``grad_scale``); with ``twin`` (mixprec's presets), torch's fused
-    kernel of a foreach/for-loop AdamW/Adam/SGD (:class:`FusedTwin`); otherwise one host read.
+    kernel of a foreach/for-loop AdamW/Adam/SGD (:class:`FusedTwin`; also for a torch SGD built
+    with ``fused=True``, whose own skipped first step would leave garbage momentum buffers);
+    otherwise one host read.
     ``GradScaler`` passes ``twin=False``: it steps what it is given exactly as torch.amp does.
     """
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
+    # torch's SGD(fused=True) skips on the device too, but its first step, skipped, leaves uninitialised
+    # momentum buffers behind (the next applied step writes them into the weights): with twin, it goes
+    # through FusedTwin, which makes the buffers first (the same fused kernel otherwise).
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and not (twin and type(optimizer) is torch.optim.SGD):
         sentinel = object()
         old = (getattr(optimizer, "grad_scale", sentinel), getattr(optimizer, "found_inf", sentinel))
         optimizer.grad_scale = grad_scale

@@ -297,3 +297,50 @@ def test_bf16_stagnation_finding_follows_the_policys_islands() -> None:
     rep = _stagnating_norm_run(policy="p=bf16,c=bf16,o=f32,m=f32,i=none")
     (finding,) = [f for f in rep.findings if "below half a BF16 ulp" in f]
     assert "1.weight" in dict(rep.stagnation["worst"]) and not any(p.fp32_island for p in rep.params)
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "bf16-pure"])
+def test_prec_step_and_optimizer_step_are_counted_alike(preset: str) -> None:
+    """The README loop steps with prec.step(opt): the monitor counts those steps as it counts opt.step() (a step
+    post-hook, not a wrapper of opt.step that prec.step never calls), so the figures match step for step."""
+    import mixprec
+
+    def run(route: str) -> tuple[int, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+        prec = mixprec.MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        g = torch.Generator().manual_seed(1)
+        with NumericsMonitor(model, optimizer=opt, every=2) as mon:
+            for _ in range(6):
+                with prec.autocast():
+                    loss = model(torch.randn(8, 8, generator=g)).float().pow(2).mean()
+                prec.backward(loss)
+                prec.step(opt) if route == "prec" else opt.step()
+                opt.zero_grad()
+        assert not opt._optimizer_step_post_hooks  # removed on detach
+        rep = mon.report()
+        return rep.sampled_steps, str(rep)
+
+    (n_prec, text_prec), (n_opt, text_opt) = run("prec"), run("opt")
+    assert n_prec == n_opt == 3  # steps 0, 2, 4
+    assert text_prec == text_opt
+
+
+def test_a_report_of_nothing_sampled_says_so() -> None:
+    """A monitor never attached records nothing: its report warns and says so in its first lines, not silently."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = NumericsMonitor(model, optimizer=opt)  # no `with`, no attach()
+    _train(model, opt, 3)
+    with pytest.warns(UserWarning, match=r"NOTHING WAS SAMPLED: the monitor records only while attached"):
+        rep = mon.report()
+    assert rep.sampled_steps == 0 and "NOTHING WAS SAMPLED" in str(rep).splitlines()[1]
+    with mon:
+        _train(model, opt, 2)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = mon.report()
+    assert rep.sampled_steps == 2 and "NOTHING" not in str(rep)

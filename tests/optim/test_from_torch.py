@@ -107,3 +107,20 @@ def test_other_optimizers_are_refused_with_a_type_error():
 def test_differentiable_is_refused():
     with pytest.raises(ValueError, match="differentiable=True"):
         mo.from_torch(torch.optim.SGD(mlp().parameters(), lr=0.1, differentiable=True))
+
+
+@pytest.mark.parametrize("torch_cls,kw,ours_cls", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_group_added_later_gets_the_users_hyper_parameters(torch_cls, kw, ours_cls):
+    """``defaults`` are the torch optimizer's: add_param_group fills a new group as torch would (not with lr=1e-3)."""
+    model = mlp()
+    ref = torch_cls(model[0].parameters(), **kw)
+    ours = mo.from_torch(torch_cls(model[0].parameters(), **kw))
+    extra = [p for m in list(model)[1:] for p in m.parameters()]
+    ref.add_param_group({"params": extra})
+    ours.add_param_group({"params": extra})
+    for key, value in ref.param_groups[1].items():
+        if key not in ("params", "foreach", "fused", "capturable", "differentiable"):
+            assert ours.param_groups[1][key] == value, key
+    if ours_cls is not mo.SGD:
+        want = ours_cls is mo.AdamW or kw.get("decoupled_weight_decay", False)
+        assert ours.param_groups[1]["decoupled_weight_decay"] is want

@@ -28,6 +28,10 @@ __all__ = [
 ]
 
 F16 = thresholds("f16")
+#: The report's line (and the monitor's warning) when no step was sampled.
+NOTHING_SAMPLED = ("NOTHING WAS SAMPLED: the monitor records only while attached (`with NumericsMonitor(model, ...) as "
+                   "mon:` around the training loop, or mon.attach()); the figures and recommendations below rest on no "
+                   "data.")
 #: The largest static scale mixprec recommends (DynamicScaler's default ceiling, 2**24).
 MAX_RECOMMENDED_SCALE = 2.0**24
 #: Headroom the recommended scale leaves under the largest gradient, in binades (x16).
@@ -383,6 +387,8 @@ class NumericsReport:
         sr = self.scale_range
         lines = [f"mixprec numerics report: {self.sampled_steps} sampled step(s) (every {self.every}), device "
                  f"{self.device}, loss scale {_pow2(self.loss_scale)}"]
+        if self.sampled_steps == 0:
+            lines.append(NOTHING_SAMPLED)
         ag = self.activation_grad_underflow["f16"]
         pg = self.param_grad_underflow["f16"]
         lines.append(

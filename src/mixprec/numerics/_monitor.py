@@ -2,8 +2,9 @@
 
 Hooks (installed by :meth:`NumericsMonitor.attach`, removed by :meth:`detach`):
 
-* steps are counted at the optimizer: with ``optimizer=`` given, its ``step`` is wrapped (on
-  the instance; unwrapped on detach), so gradient-accumulation micro-batches and evaluation
+* steps are counted at the optimizer: with ``optimizer=`` given, a step post-hook on it (a
+  ``torch.optim.Optimizer``: it fires for ``opt.step()`` and ``prec.step(opt)`` alike) or else its
+  ``step`` wrapped on the instance (removed on detach), so gradient-accumulation micro-batches and evaluation
   forwards stay in their step. Without an optimizer, a forward pre-hook on the root module
   starts a new step at every forward that records a graph (evaluation forwards under
   ``no_grad`` do not count), unless you call :meth:`NumericsMonitor.step` yourself. At the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -40,7 +42,7 @@ from .._dtypes import device_supports
 from .._fp8 import eligible_reason, is_fp8_linear, linear_weight
 from .._policy import FP8_RECIPES, Policy
 from .._tree import floating_tensors
-from ._findings import ModuleNumerics, NumericsReport, ParamNumerics, build_report
+from ._findings import NOTHING_SAMPLED, ModuleNumerics, NumericsReport, ParamNumerics, build_report
 from ._fp8_plan import Fp8CastStats, _Cast, _recipe_casts, _stats_from_counts, cast_counts, fp8_stats_table
 from ._stats import Log2Histogram
 
@@ -321,8 +323,19 @@ class NumericsMonitor:
         opt = self.optimizer
         if opt is None or not callable(getattr(opt, "step", None)) or self._wrapped_step is not None:
             return
-        original = opt.step
         monitor = self
+        if isinstance(opt, torch.optim.Optimizer):
+            # A step post-hook fires however the step is reached: opt.step(), prec.step(opt) (which calls the
+            # optimizer's step below its guard, or runs its hooks around a fused step), a wrapper's step.
+            def on_step(*_: Any) -> None:
+                if monitor._wrapped_step is handle and not monitor._manual:
+                    monitor._end_step()
+                    monitor._begin_step()
+
+            handle = opt.register_step_post_hook(on_step)
+            self._wrapped_step = handle
+            return
+        original = opt.step
 
         @functools.wraps(original)
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -339,6 +352,9 @@ class NumericsMonitor:
     def _unwrap_optimizer_step(self) -> None:
         step, self._wrapped_step = self._wrapped_step, None
         if step is None:
+            return
+        if isinstance(step, RemovableHandle):
+            step.remove()
             return
         if self.optimizer.__dict__.get("step") is step:
             if self._original_step == type(self.optimizer).step.__get__(self.optimizer):
@@ -555,6 +571,8 @@ class NumericsMonitor:
                                       fp32_island=r.fp32_island)
             for r in self._params.values()
         ]
+        if self._sampled_steps == 0:
+            warnings.warn(f"NumericsMonitor.report(): {NOTHING_SAMPLED}", UserWarning, stacklevel=2)
         pooled = self.histograms
         return build_report(
             modules=modules, params=params, act_grads=pooled["activation_grads"], param_grads=pooled["param_grads"],

@@ -36,7 +36,9 @@ def from_torch(
       weight decay added to the gradient, as torch's Adam, or decoupled when the torch group says
       ``decoupled_weight_decay=True``); ``SGD`` -> :class:`mixprec.optim.SGD`.
     * ``param_groups``: the converted optimizer uses *the same group dicts* as ``optimizer``, so an
-      LR scheduler built on the torch optimizer keeps driving the learning rate. Keys mixprec
+      LR scheduler built on the torch optimizer keeps driving the learning rate. ``defaults`` are
+      ``optimizer``'s (the hyper-parameters it was built with), so ``add_param_group`` fills a new
+      group as torch would. Keys mixprec
       does not use (``foreach``, ``fused``, ``capturable``) stay in them and are ignored.
     * State (step counts, moments, momentum buffers) is carried over into ``state_dtype`` on each
       parameter's device; tensors already in the right dtype/device are shared, not copied.
@@ -84,14 +86,15 @@ def from_torch(
         if g.get("differentiable", False):
             raise ValueError(f"from_torch: param group {i} has differentiable=True; mixprec's optimizers are not "
                              "differentiable. Build the torch optimizer with differentiable=False.")
-    groups = []
-    for g in optimizer.param_groups:
+    def converted(g: dict[str, Any]) -> dict[str, Any]:
         ng = {k: v for k, v in g.items() if k not in _IGNORED_TORCH_KEYS and k != "differentiable"}
         if cls is Adam and "decoupled_weight_decay" not in ng:
             ng["decoupled_weight_decay"] = False
         if cls is AdamW:
             ng["decoupled_weight_decay"] = True
-        groups.append(ng)
+        return ng
+
+    groups = [converted(g) for g in optimizer.param_groups]
     new = cls(groups, compensation=compensation, state_dtype=state_dtype, seed=seed, generator=generator,
               chunk_numel=chunk_numel, fused=fused)
     # Share the group dicts so schedulers bound to the torch optimizer keep working.
@@ -102,7 +105,9 @@ def from_torch(
     # An LR scheduler built on the torch optimizer checks (once, at its first step) that the torch
     # optimizer's step ran; the converted optimizer steps instead, so say so to avoid a false warning.
     optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's private mark, set by its step wrapper
-    new.defaults = {**optimizer.defaults, **new.defaults}
+    # The user's hyper-parameters are the defaults a later add_param_group fills in (not the mixprec
+    # constructor's: a group added after prepare would otherwise get lr=1e-3, no momentum, ...).
+    new.defaults = {**optimizer.defaults, **new.defaults, **converted(optimizer.defaults)}
     for g in new.param_groups:
         for p in g["params"]:
             st = optimizer.state.get(p)
