@@ -38,6 +38,8 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     def counted(tables: ek.EditTables) -> bool:  # later launches go through tables.run: count those too
         ok = real_first(tables)
         run = tables.run
+        if ok:
+            launches.append(1)  # the first launch, inside
         if run is not None:
             tables.run = lambda: launches.append(1) or run()
         return ok
@@ -216,3 +218,28 @@ def test_the_compiled_kernel_on_cuda(dtype: torch.dtype) -> None:
 
 def test_the_master_module_uses_this_one() -> None:
     assert master_mod._edit_kernel is ek
+
+
+@needs_triton
+def test_the_edit_check_under_torch_compile(interpreted: list[int]) -> None:
+    """Under torch.compile (a compiled train step around prec.step) the check stays right: a traced part takes the
+    foreach ops dynamo understands (not a launch through raw pointers whose writes Inductor cannot see), and a frame
+    dynamo runs eagerly launches the kernel outside dynamo (``torch._dynamo.disable``)."""
+    masters = [torch.randn(300), torch.randn(7)]
+    weights = [m.to(torch.bfloat16) for m in masters]
+    weights[0][5] = 3.0
+    want = [with_edits(m, w) for m, w in zip(masters, weights)]
+    views = master_mod.EditViews()
+    warm = [m.clone() for m in masters]
+    master_mod._carry_edits(warm, weights, views)  # eager: the first-use check and one launch
+    assert len(interpreted) == 2
+
+    @torch.compile(backend="eager")
+    def traced(ms: list[torch.Tensor]) -> None:
+        master_mod._carry_edits(ms, weights, views)
+
+    got = [m.clone() for m in masters]
+    torch._dynamo.reset()
+    traced(got)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

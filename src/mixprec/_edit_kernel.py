@@ -22,7 +22,9 @@ Safety: Triton is imported lazily; the first use per (device, weight dtype) comp
 and checks it against the ``where`` form on every 16-bit pattern (one host sync, once per
 process). A failed compile or a mismatch warns once and the caller keeps the foreach check. Used
 on :data:`DEVICES` (CUDA) where Triton imports; never while a CUDA graph is being captured before
-that first check ran (its sync would break the capture).
+that first check ran (its sync would break the capture). Under a dynamo trace (a compiled train
+step around ``prec.step``) the caller takes the foreach ops instead, and the launch itself is
+``torch._dynamo.disable``d, so Triton's launcher is never traced.
 """
 
 from __future__ import annotations
@@ -162,18 +164,22 @@ def carry_edits_triton_(tables: EditTables) -> bool:
     """
     device = tables.masters[0].device
     key = (device.type, tables.weights[0].dtype)
+    import torch._dynamo  # (imported by then wherever a GPU step runs; lazily here, not at mixprec's import)
+
     ok = _state.get(key)
     if ok is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
-        ok = _state[key] = _first_check(device, tables.weights[0].dtype)
+        ok = _state[key] = torch._dynamo.disable(_first_check)(device, tables.weights[0].dtype)
     if not ok:
         return False
-    tables.launch()
     kernel = _kernel[0]
-    tables.run = functools.partial(
+    # Never traced: called from a frame dynamo runs eagerly (a graph break in a compiled train step), Triton's
+    # launcher would otherwise be compiled frame by frame; under a trace the caller takes the foreach ops.
+    tables.run = torch._dynamo.disable(functools.partial(
         kernel[(tables.block_tensor.numel(),)], tables.m_ptrs, tables.w_ptrs, tables.numels, tables.first_block,
-        tables.block_tensor, BLOCK=BLOCK, W_BF16=tables.weights[0].dtype == torch.bfloat16)
+        tables.block_tensor, BLOCK=BLOCK, W_BF16=tables.weights[0].dtype == torch.bfloat16))
+    tables.run()
     return True
 
 

@@ -1208,7 +1208,12 @@ def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor], views
     for ms, ws, sizes, n in v.passes:
         _carry_edits_pass(ms, ws, sizes, n)
     for tables, passes in v.kernels:
-        if tables.run is not None:
+        if torch.compiler.is_dynamo_compiling():
+            # traced (a compiled train step around prec.step): the foreach ops, which dynamo understands; a
+            # launch through raw pointers hides its writes from Inductor's mutation analysis
+            for ms, ws, sizes, n in passes:
+                _carry_edits_pass(ms, ws, sizes, n)
+        elif tables.run is not None:
             tables.run()  # Triton's launcher, arguments bound (no frame of _edit_kernel.py on the step's path)
         elif not _edit_kernel.carry_edits_triton_(tables):
             for ms, ws, sizes, n in passes:
