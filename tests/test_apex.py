@@ -1059,3 +1059,16 @@ def test_optimizer_state_loads_across_opt_levels(saved, restored, before):
         else:  # loaded into the FP32 model first: the masters are its exact FP32 weights
             assert torch.equal(masters[id(r_model[0].weight)], ck["model"]["0.weight"])
     _o2_step(r_model, r_opt, _batches(1, overflow_at=())[0])  # and it trains on
+
+
+def test_initialize_twice_says_the_model_was_already_initialized():
+    """A second amp.initialize of the same model: a message about that, not Apex's '.half()' one; nothing changes."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape("amp.initialize: model 0 (") + r".*was already initialized"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

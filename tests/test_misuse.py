@@ -254,6 +254,10 @@ MISUSES = [
     Misuse("half-model-under-mixed-policy", "fresh", "bf16-mixed", lambda c: c.prec.prepare(c.model, c.raw_opt),
            ValueError, "the model has bf16 parameters but policy 'bf16-mixed' keeps parameters in FP32 (they are the "
            "masters); call model.float() before prepare()", arrange=lambda c: c.model.to(torch.bfloat16)),
+    Misuse("island-matches-nothing", "fresh", "bf16-mixed",
+           lambda c: MixedPrecision("p=f32,c=bf16,i=LayerNrom").prepare(c.model, c.raw_opt), ValueError,
+           "FP32 island 'LayerNrom' of policy 'p=f32,c=bf16,o=f32,m=none,ls=none,i=LayerNrom,tf32=0,comp=none' matches "
+           "no module of the model, so nothing would stay in FP32 for it"),
     Misuse("float64-model", "fresh", "fp16-mixed", lambda c: c.prec.prepare(c.model, c.raw_opt), ValueError,
            "the model has f64 parameters but policy 'fp16-mixed' keeps parameters in FP32",
            arrange=lambda c: c.model.double()),

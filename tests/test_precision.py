@@ -405,6 +405,49 @@ def test_for_inference_halves_weights_keeps_islands():
         for_inference(model, "f32")
 
 
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-master", "bf16-master", "bf16-pure"])
+def test_for_inference_of_a_live_run_takes_its_best_weights_and_closes_it(preset):
+    """for_inference on the model of a run still training: each weight is its best value (master, or param + Kahan
+    compensation) rounded once to BF16; then the run is closed, and training on raises instead of training the cast
+    model (bf16-master and bf16-pure used to train on silently, *-mixed failed with a dtype error)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on a CPU
+        prec, model, opt, _ = train(preset, steps=3)
+    if isinstance(opt, MasterWeightOptimizer):
+        best = {id(p): v.clone() for p, v in zip(opt.model_params, opt.master_values())}
+    elif hasattr(opt, "full_precision_params"):
+        best = {id(p): v.clone() for p, v in opt.full_precision_params().items()}
+    else:
+        best = {id(p): p.detach().clone() for p in model.parameters()}
+    for_inference(model, "bf16")
+    islands = 0
+    for p in model.parameters():
+        if p.dtype == torch.float32:  # an FP32 island (LayerNorm): its best value as it is
+            islands += 1
+            assert torch.equal(p, best[id(p)].float())
+        else:
+            assert torch.equal(p, best[id(p)].to(torch.bfloat16))
+    assert islands > 0
+    for call in (lambda: prec.backward(model(batch("mlp", 0)[0]).float().sum()), lambda: prec.step(opt), opt.step,
+                 prec.state_dict):
+        with pytest.raises(ValueError, match=re.escape("this run's model was cast for inference by for_inference()")):
+            call()
+
+
+def test_for_inference_islands_a_string_is_one_entry_and_a_misspelt_one_raises():
+    """fp32_islands="norm" is the entry 'norm' (not the islands 'n', 'o', 'r', 'm'); an entry that matches no module
+    raises before anything is cast."""
+    torch.manual_seed(0)
+    model = make("transformer")
+    for_inference(model, "bf16", fp32_islands="norm")
+    assert model.norm.weight.dtype == torch.float32 and model.head.weight.dtype == torch.bfloat16
+    fresh = make("transformer")
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape("FP32 island 'LayerNrom' of policy") + ".*matches no module"):
+        for_inference(fresh, "bf16", fp32_islands=("LayerNrom",))
+    assert equal_tree(fresh.state_dict(), before)
+
+
 # ----- misuse: each raises a clear error and leaves state intact ------------------------------------------
 def test_prepare_twice():
     prec, model, opt, _ = train("bf16-mixed", steps=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -439,6 +440,16 @@ def _cast_buffers(root: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
             module._buffers[leaf] = done[id(b)][1]
 
 
+#: A prepared model -> the (weakly held) method of its ``MixedPrecision`` that closes the run when
+#: :func:`for_inference` casts the model (``MixedPrecision._close_for_inference``).
+_RUN_CLOSERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod[Callable[[], None]]] = weakref.WeakKeyDictionary()
+
+
+def register_run(model: nn.Module, close: Callable[[], None]) -> None:
+    """Remember the bound method that :func:`for_inference` calls before it casts ``model`` (weakly: no cycle kept alive)."""
+    _RUN_CLOSERS[model] = weakref.WeakMethod(close)
+
+
 def for_inference(
     model: nn.Module, dtype: torch.dtype | str = "bf16", *, fp32_islands: Iterable[str] = ("norm",)
 ) -> nn.Module:
@@ -446,7 +457,12 @@ def for_inference(
 
     Weight memory halves; normalization layers (or the islands given) stay FP32. Floating
     inputs are cast to ``dtype`` on the way in and outputs come back in FP32. The model is
-    put in ``eval()`` mode. A model prepared for training has its hooks replaced.
+    put in ``eval()`` mode. A model prepared for training has its hooks replaced, and its run
+    ends here: the model first takes the run's best weights (the FP32 masters of ``*-master``,
+    ``param + compensation`` of ``bf16-pure``), so each is rounded once, and the
+    ``MixedPrecision`` is closed (its ``backward``, ``step``, ... then raise a ``ValueError``
+    saying so: training on would train the cast model). To evaluate in the middle of training use
+    ``with torch.no_grad(), prec.autocast(): model(x)`` instead.
 
     Args:
         model: The trained model.
@@ -457,12 +473,20 @@ def for_inference(
         ``model`` itself.
 
     Raises:
-        ValueError: a dtype other than bf16/fp16.
+        ValueError: a dtype other than bf16/fp16; an FP32 island entry that matches no module.
     """
     dt = parse_dtype(dtype)
     if dt not in (torch.bfloat16, torch.float16):
         raise ValueError(f"for_inference casts to 'bf16' or 'fp16', got {dtype!r}; for FP32 just call model.eval().")
-    policy = Policy(dt, dt, torch.float32, fp32_islands=tuple(fp32_islands))
+    # (a str is one entry, as Policy reads it: tuple("norm") would be four one-letter islands)
+    islands = (fp32_islands,) if isinstance(fp32_islands, str) else tuple(fp32_islands)
+    policy = Policy(dt, dt, torch.float32, fp32_islands=islands)
+    policy.check_islands(model)
+    for m in {id(m): m for m in (model, getattr(model, "_orig_mod", None)) if isinstance(m, nn.Module)}.values():
+        ref = _RUN_CLOSERS.pop(m, None)
+        close = ref() if ref is not None else None
+        if close is not None:
+            close()
     if is_prepared(model):
         uncast_module(model)
     revert_linears(model)  # FP8 linears (f8= policies) evaluate as the plain linears they were

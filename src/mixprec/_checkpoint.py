@@ -657,7 +657,7 @@ def convert_state_dict(state_dict: Mapping[str, Any], policy: Policy | str) -> d
         if pol.compensation != "none":
             raise ValueError(
                 f"cannot convert: the {side} policy {pol.label!r} uses compensated updates; export the weights "
-                "with mixprec.fp32_state_dict(state) and start the optimizer afresh."
+                "with mixprec.checkpoint.fp32_state_dict(state) and start the optimizer afresh."
             )
     out = dict(sd)
     out["policy"] = str(dst)

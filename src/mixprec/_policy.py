@@ -291,6 +291,39 @@ class Policy:
                 return True
         return False
 
+    def check_islands(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` for an FP32 island entry that matches no module of ``model``.
+
+        A misspelt class name or glob would otherwise leave the layers it meant in half precision
+        without a word. ``"norm"`` (the default, for every normalization layer) may match none: a
+        model without normalization layers is fine. A ``torch.compile``d model is checked by its
+        original module (the names ``prepare`` casts).
+
+        Raises:
+            ValueError: the entry, the policy, and the model's module classes to choose from.
+        """
+        entries = [i for i in self.fp32_islands if i != "norm"]
+        if not entries:
+            return
+        model = getattr(model, "_orig_mod", model)
+        modules = list(model.named_modules())
+        mro_names = {cls.__name__ for _, m in modules for cls in type(m).__mro__}
+        for island in entries:
+            if island.startswith("name:"):
+                hit = any(fnmatch.fnmatchcase(qn, island[5:]) for qn, _ in modules)
+            else:
+                hit = island in mro_names
+            if not hit:
+                classes = sorted({type(m).__name__ for _, m in modules})
+                names = [qn for qn, _ in modules if qn][:6]
+                raise ValueError(
+                    f"FP32 island {island!r} of policy {self.label!r} matches no module of the model, so nothing would "
+                    f"stay in FP32 for it; the model's module classes: {', '.join(classes[:20])}"
+                    f"{', ...' if len(classes) > 20 else ''}; its module names start {names}. Use 'norm' (every "
+                    "normalization layer), one of those class names, or 'name:<glob>' on the module names "
+                    "(e.g. 'name:*.lm_head')."
+                )
+
     # ----- string form --------------------------------------------------------------------
     def _grammar(self) -> str:
         ls = self.loss_scale if self.init_scale is None else f"{self.loss_scale}:{_fmt_scale(self.init_scale)}"

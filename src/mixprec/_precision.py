@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._autocast import autocast, resolve_device_type, tf32
-from ._casting import cast_module
+from ._casting import cast_module, register_run
 from ._dist import local_grad
 from ._errors import check_fused
 from ._finite import combine_found_inf
@@ -278,6 +278,8 @@ class MixedPrecision(RunCheckpoint):
         self.model = model
         self.device = facts.device
         self.optimizers = wrapped
+        for target in {id(m): m for m in (model, getattr(model, "_orig_mod", model))}.values():
+            register_run(target, self._close_for_inference)
         self._records = {}
         for given, opt in zip(optimizers, wrapped):
             rec = OptimizerRecord(opt)
@@ -321,6 +323,33 @@ class MixedPrecision(RunCheckpoint):
                 )
 
         return check_unscaled
+
+    def _close_for_inference(self) -> None:
+        """``for_inference(model)`` on this run's model: the run's best weights into the model, then the run closes.
+
+        ``*-master``: each half parameter takes its exact FP32 master (``master_values``, edits
+        carried), so the inference cast rounds it once; ``bf16-pure``: ``param + compensation``.
+        The gradient hooks come off; every later call that needs the run raises a ``ValueError``
+        naming ``for_inference`` (:meth:`_require_prepared`).
+        """
+        with torch.no_grad():
+            for opt in self.optimizers:
+                if isinstance(opt, MasterWeightOptimizer):
+                    for p, v in zip(opt.model_params, opt.master_values()):
+                        if v.dtype != p.dtype and type(p) is torch.nn.Parameter:  # (FSDP2 shards: as they are)
+                            p.data = v.detach().clone()
+                    opt.remove_hooks()
+                elif callable(full := getattr(opt, "full_precision_params", None)):
+                    for p, v in full().items():
+                        if v.dtype != p.dtype and type(p) is torch.nn.Parameter:
+                            p.data = v
+        self._closed = (
+            "this run's model was cast for inference by for_inference(), which closed the run (the model now holds its "
+            "best weights in the inference dtype; training on would train that cast model). To evaluate during training "
+            "use `with torch.no_grad(), prec.autocast(): model(x)`; to train on, load a checkpoint into a new "
+            "MixedPrecision."
+        )
+        self._records = {}
 
     def _record(self, optimizer: Optimizer, what: str) -> OptimizerRecord:
         """The record of a prepared optimizer; raises when not prepared, or for a foreign optimizer (hot path: one lookup)."""

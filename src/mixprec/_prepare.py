@@ -108,6 +108,7 @@ def check_prepare(
             "parameters in FP32 (they are the masters); call model.float() before prepare(), or choose a policy "
             "with half-precision parameters such as 'bf16-master' or 'fp16-master'."
         )
+    policy.check_islands(model)
     device = model_device(model)
     check_device_support(policy.compute_dtype, device)
     if half and policy.has_masters and not keep_dtypes:

@@ -54,6 +54,9 @@ class RunCheckpoint:
     def _require_prepared(self, what: str) -> nn.Module:
         if self.model is None:
             raise ValueError(f"{what} before prepare(); call model, optimizer = prec.prepare(model, optimizer) first.")
+        closed = self.__dict__.get("_closed")  # set by for_inference() on this run's model
+        if closed:
+            raise ValueError(f"{what}: {closed}")
         return self.model
 
     def state_dict(self) -> dict[str, Any]:

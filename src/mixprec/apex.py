@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ._autocast import autocast, tf32
-from ._casting import cast_module, cast_root
+from ._casting import cast_module, cast_root, is_prepared
 from ._finite import combine_found_inf
 from ._master import MasterWeightOptimizer
 from ._policy import Policy
@@ -570,6 +570,14 @@ def initialize(
     # 2. policy
     half_present = sorted({p.dtype for m in models_list for p in m.parameters()
                            if p.dtype.is_floating_point and p.dtype != _F32}, key=str)
+    for i, m in enumerate(models_list):
+        # (only where the cast is what makes Apex's check below fail: its '.half()' advice would mislead)
+        if half_present and is_prepared(m) and not _amp_state.allow_incoming_model_not_fp32:
+            raise ValueError(
+                f"amp.initialize: model {i} ({type(m).__name__}) was already initialized (by amp.initialize or "
+                "mixprec's prepare: its weights are cast and its optimizers wrapped). Call amp.initialize once per model "
+                "and keep using the model and optimizers it returned; for another opt_level start from the FP32 model."
+            )
     if half_present and not _amp_state.allow_incoming_model_not_fp32:
         name, param = next((n, p) for m in models_list for n, p in m.named_parameters()
                            if p.dtype.is_floating_point and p.dtype != _F32)

@@ -73,10 +73,11 @@ def reference(policy: str, clip: float | None = None, inf_at: int | None = None,
 
 
 class Module(L.LightningModule):
-    def __init__(self, inf_at: int | None = None, manual: bool = False, clip: float | None = None) -> None:
+    def __init__(self, inf_at: int | None = None, manual: bool = False, clip: float | None = None,
+                 interval: str | None = "step") -> None:
         super().__init__()
         self.net = make_net()
-        self.inf_at, self.clip = inf_at, clip
+        self.inf_at, self.clip, self.interval = inf_at, clip, interval
         self.automatic_optimization = not manual
         self.losses: list[torch.Tensor] = []
         self.norms: list[torch.Tensor] = []
@@ -110,7 +111,9 @@ class Module(L.LightningModule):
 
     def configure_optimizers(self):
         opt, sched = make_opt(self.net)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.interval is None:
+            return [opt], [sched]  # the list form: Lightning's interval="epoch"
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
 
 
 def fit(policy: str, *, max_steps: int = STEPS, ckpt_path=None, n: int = STEPS * BATCH, accumulate: int = 1,
@@ -357,3 +360,16 @@ def test_fabric_clip_gradients_with_fabric_defaults_skips_an_overflow_instead_of
     assert skipped == [not bool(torch.isfinite(n)) for n in ref["norms"]] and skipped[2] and not skipped[-1]
     assert_same(list(net.parameters()), ref["params"])  # exactly mixprec's own loop with the same clipping
     assert opt.param_groups[0]["lr"] == ref["lr"]  # the scheduler did not advance on the skipped step
+
+
+@pytest.mark.parametrize("policy", ["bf16-master", "fp16-mixed"])
+def test_manual_optimization_clips_through_self_optimizers_and_gates_any_scheduler(policy):
+    """Lightning's documented manual loop: self.clip_gradients(self.optimizers(), ...) (a LightningOptimizer) clips
+    through prec, and a scheduler of the list return (interval "epoch") stepped by hand is skip-aware too."""
+    ref = reference(policy, clip=0.5, inf_at=2)
+    module, plugin, trainer = fit(policy, inf_at=2, manual=True, clip=0.5, interval=None)
+    assert_same(list(module.net.parameters()), ref["params"])
+    applied = int(ref["prec"].last_step.applied_steps)
+    assert int(plugin.last_step.applied_steps) == applied < STEPS
+    assert trainer.lr_scheduler_configs[0].interval == "epoch"
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == applied

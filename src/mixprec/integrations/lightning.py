@@ -23,7 +23,8 @@ A scheduler attached to a prepared optimizer (``interval="step"`` in the Trainer
 ``scheduler=`` of :meth:`MixprecFabricPrecision.setup`) is made skip-aware: its ``step()`` does
 nothing when the latest step of its optimizer was skipped (inf/NaN gradients), so the learning
 rate schedule counts applied steps only. That costs one host read of ``skipped`` per scheduler
-step. ``interval="epoch"`` schedulers are left alone (they advance once per epoch).
+step. ``interval="epoch"`` schedulers are left alone (they advance once per epoch), except under
+manual optimization, where every scheduler is stepped by hand and so every one is gated.
 
 Strategies: single device only (``SingleDeviceStrategy``, what ``devices=1`` gives). Other
 strategies (DDP, FSDP, DeepSpeed, ...) raise a ``ValueError`` naming the supported one; for
@@ -51,6 +52,7 @@ from .._stepping import StepInfo
 try:
     from lightning.fabric.plugins.precision import Precision as _FabricPrecisionBase
     from lightning.fabric.strategies import SingleDeviceStrategy as _FabricSingleDevice
+    from lightning.pytorch.core.optimizer import LightningOptimizer as _LightningOptimizer
     from lightning.pytorch.plugins.precision import Precision as _TrainerPrecisionBase
     from lightning.pytorch.strategies import SingleDeviceStrategy as _TrainerSingleDevice
     from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -84,6 +86,11 @@ def _check_strategy(strategy: Any, allowed: type, where: str) -> None:
             f"{type(strategy).__name__}. Use devices=1 (the default strategy), or for several devices train with a "
             "plain loop: model, opt = prec.prepare(model, opt); ddp = mixprec.distributed.wrap_ddp(prec, model)."
         )
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer ``prepare`` returned, also when Lightning hands its ``LightningOptimizer`` wrapper of it."""
+    return optimizer.optimizer if isinstance(optimizer, _LightningOptimizer) else optimizer
 
 
 class _Adapter:
@@ -151,6 +158,7 @@ class _Adapter:
         return info
 
     def _clip_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
+        optimizer = _unwrapped(optimizer)
         self.prec.unscale_(optimizer)
         # param_groups hold what the step updates: the FP32 masters under *-master
         tensors = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -215,7 +223,10 @@ class MixprecPrecision(_Adapter, _TrainerPrecisionBase):
             )
         if type(model).__name__ == "DistributedDataParallel" or not isinstance(model, nn.Module):
             raise ValueError(f"Trainer: mixprec's Lightning plugin supports {SUPPORTED_STRATEGIES}, got a {type(model).__name__}.")
-        step_schedulers = [c.scheduler for c in lr_schedulers if getattr(c, "interval", "step") == "step"]
+        # Manual optimization steps every scheduler by hand (Lightning steps none), whatever its interval: all are
+        # gated; automatic optimization steps interval="epoch" ones once per epoch, and those are left alone.
+        manual = not getattr(model, "automatic_optimization", True)
+        step_schedulers = [c.scheduler for c in lr_schedulers if manual or getattr(c, "interval", "step") == "step"]
         wrapped = self._prepare(model, list(optimizers), step_schedulers)
         return model, wrapped, lr_schedulers
 
@@ -256,6 +267,7 @@ class MixprecPrecision(_Adapter, _TrainerPrecisionBase):
         """Clip the unscaled gradients: ``prec.clip_grad_norm_`` (norm) or by value on what the step uses."""
         if clip_val <= 0:
             return
+        optimizer = _unwrapped(optimizer)  # manual optimization's self.optimizers() hands a LightningOptimizer
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self._clip_by_value(optimizer, clip_val)
         else:
