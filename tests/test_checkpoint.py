@@ -422,3 +422,25 @@ def test_save_refuses_what_could_not_be_loaded(trained, tmp_path):
         save(sd, tmp_path / "no" / "such" / "dir.pt")
     with pytest.raises(TypeError, match=re.escape("needs a file path")):
         save(sd, io.BytesIO())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-mixed"])
+def test_a_state_dict_without_the_optimizer_state_of_a_run_that_stepped_warns(preset, tmp_path):
+    """torch.distributed.checkpoint fills only a template's entries: a template taken before the first step has no
+    optimizer state, so the saved AdamW moments are never read. load_state_dict says so instead of silently starting
+    the moments afresh; a normal resume says nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on a CPU
+        prec, model, opt = make(preset)
+        train(prec, model, opt, 0, 3)
+        full = prec.state_dict()
+        fresh, fresh_model, fresh_opt = make(preset)
+    template = fresh.state_dict()  # before any step: no optimizer state entries
+    template["applied_steps"] = full["applied_steps"].clone()  # what dcp.load fills in
+    template["model"] = {k: v.clone() for k, v in full["model"].items()}
+    with pytest.warns(UserWarning, match=r"optimizer 0 \(AdamW\) loads no state .* applied 3 step\(s\)"):
+        fresh.load_state_dict(template)
+    again, _, _ = make(preset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.load_state_dict(full)  # a checkpoint with its state: silent

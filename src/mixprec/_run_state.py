@@ -122,6 +122,7 @@ class RunCheckpoint:
             raise ValueError("the checkpoint's optimizer parameter names differ from this run's (a different model?).")
         # What the loads below would only find out after the model was already overwritten:
         check_optimizer_entries(self.optimizers, sd["optimizers"])
+        _warn_stateless_entries(self.optimizers, sd["optimizers"], sd["applied_steps"])
         kind = getattr(self.scaler, "_kind", None)  # mixprec's scalers; a user's LossScaler checks its own
         if sd.get("scaler") is not None and kind is not None:
             check_scaler_state(sd["scaler"], type(self.scaler).__name__, kind)
@@ -207,3 +208,42 @@ def _unalias_state(optimizer: Optimizer, entry: Any) -> None:
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() in given:
                     state[k] = v.clone()
+
+
+#: torch optimizers that hold state after their first step (SGD only with momentum; mixprec.optim's always).
+_STATEFUL = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax,
+             torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
+
+
+def _warn_stateless_entries(optimizers: list[Any], entries: list[Any], applied_steps: Any) -> None:
+    """Warn when an optimizer that keeps state loads none although the checkpoint's run applied steps.
+
+    The usual cause: ``torch.distributed.checkpoint.load`` into a template taken before the
+    first step (torch's AdamW creates its state lazily, so the template has no entries and the
+    saved moments are never read). A warning, not an error: an optimizer of a multi-optimizer run
+    that never stepped legitimately has no state. Host read of the step count (loading only).
+    """
+    applied = int(applied_steps) if isinstance(applied_steps, torch.Tensor) else int(applied_steps or 0)
+    if applied <= 0:
+        return
+    import warnings
+
+    from .optim import LowPrecisionOptimizer
+
+    for i, (opt, entry) in enumerate(zip(optimizers, entries)):
+        inner_entry = entry.get("optimizer") if isinstance(entry, Mapping) and "masters" in entry else entry
+        if not isinstance(inner_entry, Mapping) or inner_entry.get("state"):
+            continue
+        inner = opt.optimizer if isinstance(opt, MasterWeightOptimizer) else opt
+        stateful = isinstance(inner, (*_STATEFUL, LowPrecisionOptimizer)) or (
+            isinstance(inner, torch.optim.SGD) and any(g.get("momentum", 0) for g in inner.param_groups))
+        if stateful:
+            warnings.warn(
+                f"load_state_dict(): optimizer {i} ({type(inner).__name__}) loads no state (moments, step counts) "
+                f"although the checkpoint's run applied {applied} step(s), so it starts afresh. With "
+                "torch.distributed.checkpoint the template passed to dcp.load was taken before the optimizer's first "
+                "step, when it had no state entries to fill: take one step first, or initialise the state as "
+                "torch.distributed.checkpoint.state_dict does (docs/distributed.md). If this optimizer never stepped "
+                "in that run, ignore this.",
+                UserWarning, stacklevel=3)
+
