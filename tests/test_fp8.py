@@ -339,3 +339,13 @@ def test_linears_converted_earlier_are_kept_and_must_match_the_recipe():
     convert_for_policy(other, Policy.parse("fp8-tensorwise"))
     with pytest.raises(ValueError, match="already an FP8 linear with f8=tensorwise"):
         _prepare("fp8-rowwise", other)
+
+
+def test_an_fp8_policy_with_no_eligible_linear_says_so():
+    """fp8-tensorwise on a model none of whose linears can run in FP8: a warning naming why, not a silent BF16 run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 30), nn.GELU(), nn.Linear(30, 4))
+    with pytest.warns(UserWarning, match=r"policy 'fp8-tensorwise' runs no layer in FP8: none of the model's 2 linear"
+                                         r"\(s\) can \('0': in/out features 10x30 not multiples of 16"):
+        MixedPrecision("fp8-tensorwise").prepare(model, torch.optim.AdamW(model.parameters()))
+    assert fp8_modules(model) == []

@@ -365,9 +365,24 @@ def convert_for_policy(
         plan = planner(model, batch, loss_fn, policy.fp8, policy=policy)
         chosen = {d.name: d.reason for d in plan.layers if d.fp8 and d.name not in done}
     elif layers == ("all",):
+        reasons: dict[str, str] = {}
         for name, mod in _linears(model):
-            if eligible_reason(mod, name, policy) is None:
+            why = eligible_reason(mod, name, policy)
+            if why is None:
                 chosen[name] = "f8_layers=all"
+            else:
+                reasons[name] = why
+        if not chosen and not existing:
+            import warnings
+
+            first = next(iter(reasons.items()), None)
+            warnings.warn(
+                f"policy {policy.label!r} runs no layer in FP8: "
+                + (f"none of the model's {len(reasons)} linear(s) can ({first[0]!r}: {first[1]}), "
+                   if first else "the model has no nn.Linear, ")
+                + "so the run is plain BF16 autocast. Choose a BF16 preset to say so, or make the linears eligible "
+                "(docs/fp8.md).",
+                UserWarning, stacklevel=3)
     else:
         linears = _linears(model) + existing
         for glob in layers:
