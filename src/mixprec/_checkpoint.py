@@ -635,8 +635,10 @@ def convert_state_dict(state_dict: Mapping[str, Any], policy: Policy | str) -> d
     """Convert a checkpoint saved under one policy for loading under another.
 
     The model weights become the FP32 truth (masters where the saved run had them), the
-    optimizer state is kept (it is FP32 state over the same parameters in every supported
-    policy), and the loss-scaler state is kept when both policies scale the loss the same way
+    optimizer state is kept (the same state over the same parameters: FP32 under every
+    policy with FP32 or master weights; under ``fp16-pure`` and ``bf16-true`` torch's optimizer
+    keeps it in the half dtype, so converting to or from those rounds or widens it as the
+    loading optimizer's own ``load_state_dict`` casts it), and the loss-scaler state is kept when both policies scale the loss the same way
     and dropped otherwise (the new run starts with its policy's scaler).
 
     Args:
