@@ -217,3 +217,32 @@ def test_derived_properties():
     assert Policy.parse("fp16-mixed").is_mixed and Policy.parse("fp16-mixed").uses_autocast
     assert not Policy.parse("fp16-master").is_mixed and Policy.parse("fp16-master").has_masters
     assert not Policy.parse("fp32").uses_autocast
+
+
+def test_the_norm_island_is_normalization_layers_only():
+    """'norm' matches classes named like a norm (…Norm, …Norm2d, …NormGated) that hold no parametrised submodule:
+    a block named like a norm that wraps attention (DBRX's DbrxNormAttentionNorm) is cast, its own norms stay FP32."""
+    from torch import nn
+
+    class DbrxNormAttentionNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm_1, self.attn, self.norm_2 = nn.LayerNorm(4), nn.Linear(4, 4), nn.LayerNorm(4)
+
+    class MambaRMSNormGated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+    class ScaledNorm(nn.Module):  # a norm whose only child has no parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = nn.Identity()
+            self.weight = nn.Parameter(torch.ones(4))
+
+    policy = Policy.parse("bf16-master")
+    block = DbrxNormAttentionNorm()
+    assert not policy.is_fp32_island(block)
+    assert policy.is_fp32_island(block.norm_1) and not policy.is_fp32_island(block.attn)
+    assert policy.is_fp32_island(MambaRMSNormGated()) and policy.is_fp32_island(ScaledNorm())
+    assert policy.is_fp32_island(nn.BatchNorm2d(3)) and policy.is_fp32_island(nn.GroupNorm(2, 4))

@@ -62,8 +62,11 @@ _KEY_HELP = (
     "f8_layers=all|auto|<glob>+<glob>|none (which linears f8= converts)"
 )
 # A module class counts as a normalization layer when its name ends in "Norm" (LayerNorm,
-# GroupNorm, RMSNorm, LlamaRMSNorm, T5LayerNorm) or "Norm1d/2d/3d" (BatchNorm2d, InstanceNorm1d).
-_NORM_NAME = re.compile(r"Norm(\dd)?$")
+# GroupNorm, RMSNorm, LlamaRMSNorm, T5LayerNorm), "Norm1d/2d/3d" (BatchNorm2d, InstanceNorm1d) or
+# "NormGated" (MambaRMSNormGated, Qwen3NextRMSNormGated), and it holds no submodule with
+# parameters of its own: a block named like a norm that wraps attention (DBRX's
+# DbrxNormAttentionNorm) is not one (its own norms are islands, its attention is cast).
+_NORM_NAME = re.compile(r"Norm(\dd|Gated)?$")
 _CLASS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BAD_GLOB_CHARS = set(",=+ ")
 
@@ -282,7 +285,7 @@ class Policy:
         mro_names = {cls.__name__ for cls in type(module).__mro__}
         for island in self.fp32_islands:
             if island == "norm":
-                if any(_NORM_NAME.search(n) for n in mro_names):
+                if any(_NORM_NAME.search(n) for n in mro_names) and not _has_parametrised_child(module):
                     return True
             elif island.startswith("name:"):
                 if fnmatch.fnmatchcase(qualified_name, island[5:]):
@@ -490,3 +493,9 @@ ALIASES: dict[str, str] = {
 
 #: Apex opt levels typed with the digit zero instead of the letter O.
 _ZERO_TYPOS = {"00": "O0", "01": "O1", "02": "O2", "03": "O3"}
+
+
+def _has_parametrised_child(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` holds parameters (a block, not a normalization layer)."""
+    return any(True for child in module.children() for _ in child.parameters())
+
