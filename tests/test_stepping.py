@@ -166,6 +166,8 @@ def test_carry_edits_equals_the_elementwise_where(dtype: torch.dtype, monkeypatc
     masters[0][:4] = torch.tensor([0.0, -0.0, 1e-40, -3.0e-42])  # zeros and FP32 subnormals
     if dtype == torch.bfloat16:
         masters[2][:2] = torch.tensor([3.0e38, -3.3e38])  # near FP32's largest: finite in BF16
+    else:
+        masters[2][:2] = torch.tensor([7.0e4, -1.0e5])  # past FP16's range: inf weights, the masters stay (not NaN)
     weights = [m.to(dtype) for m in masters]
     weights[0][5:9] = torch.tensor([1.0, -2.5, 0.0, 7.0], dtype=dtype)  # edited elements
     weights[2].mul_(torch.rand(90, generator=g) > 0.3)  # a pruning mask

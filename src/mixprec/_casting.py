@@ -450,6 +450,16 @@ def register_run(model: nn.Module, close: Callable[[], None]) -> None:
     _RUN_CLOSERS[model] = weakref.WeakMethod(close)
 
 
+def run_of(model: Any) -> Any:
+    """The live ``MixedPrecision`` that prepared ``model`` (or its compile target), or ``None``."""
+    for m in (model, getattr(model, "_orig_mod", None)):
+        ref = _RUN_CLOSERS.get(m) if isinstance(m, nn.Module) else None
+        method = ref() if ref is not None else None
+        if method is not None:
+            return getattr(method, "__self__", None)
+    return None
+
+
 def for_inference(
     model: nn.Module, dtype: torch.dtype | str = "bf16", *, fp32_islands: Iterable[str] = ("norm",)
 ) -> nn.Module:

@@ -1110,9 +1110,12 @@ def carry_edits_(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> No
        (``round(m)`` and ``w`` are compared exactly: both are values of the weights' dtype);
     3. ``m = lerp(m, f, e)``: ``m + 0 * (f - m) = m`` and ``f - (f - m) * 0 = f``, both exact.
 
-    A NaN weight gives a NaN master, as ``where`` does. One difference from ``where``: an FP16
-    master beyond the FP16 range (its weight is already inf) becomes NaN rather than staying
-    finite. Pairs whose two tensors are laid out differently (or not densely) take ``where`` per
+    A NaN weight gives a NaN master, as ``where`` does. FP16 weights are widened with infinities
+    clamped to FP32's largest value (one more flat op): a master beyond the FP16 range has an inf
+    weight, and ``lerp`` would give ``m + 0 * (inf - m) = NaN`` where ``where`` keeps it. The one
+    difference left from ``where``: a weight edited to +-inf gives a master of +-FP32's largest
+    value (which rounds back to the same inf). Pairs whose two tensors are laid out differently
+    (or not densely) take ``where`` per
     pair. No host sync (but the kernel's first-use check, above).
     """
     _carry_edits(masters, weights)
@@ -1182,6 +1185,7 @@ class EditViews:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+_F32_MAX = torch.finfo(torch.float32).max
 _NUMEL = torch.Tensor.numel
 
 
@@ -1229,6 +1233,10 @@ def _carry_edits_pass(ms: list[torch.Tensor], ws: list[torch.Tensor], sizes: lis
     torch._foreach_copy_(fs, ws)  # float(w), exact
     e = torch.ne(r, f, out=torch.empty_like(f))  # 1.0 where edited; compared exactly (r is f's dtype's subset)
     del r
+    if ws[0].dtype == torch.float16:
+        # A master past FP16's range has an inf weight (round(m) == w: not edited), and lerp's m + 0 * (inf - m) is
+        # NaN: after the comparison, inf becomes FP32's largest value, which keeps m (NaN stays NaN, as where() gives).
+        f.clamp_(-_F32_MAX, _F32_MAX)
     torch._foreach_lerp_(ms, fs, torch.split_with_sizes(e, sizes))
 
 

@@ -212,3 +212,55 @@ def test_the_fp32_rerun_of_a_module_with_an_fp32_island_runs_in_fp32() -> None:
     rr = r.fp32_rerun
     assert rr is not None and rr.precision_is_cause and rr.finite, rr
     assert callable(m.inner.norm.forward) and "forward" in m.inner.norm.__dict__  # the model itself keeps its island
+
+
+class HugeWeight(nn.Module):
+    """One weight of 1e5: finite in FP32, inf once the weights are stored in FP16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.a.weight[0, 0] = 1e5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a(x))
+
+
+@pytest.mark.parametrize("preset", ["fp16-master", "fp16-pure"])
+def test_the_fp32_rerun_takes_the_fp32_weights_not_the_cast_ones(preset: str) -> None:
+    """Under a half-parameter policy the cast copy's weight is already inf: the FP32 re-run uses the model's FP32
+    weights, so precision is (rightly) the cause; it used to copy the inf weight and blame something else."""
+    r = trace_nonfinite(HugeWeight(), X, _loss, preset)
+    assert r.found and r.module == "a"
+    assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause is True
+    assert "the model's FP32 weights" in r.fp32_rerun.note and "precision is the cause" in str(r)
+
+
+def test_the_fp32_rerun_of_a_prepared_run_takes_its_masters() -> None:
+    import warnings
+
+    import mixprec
+
+    prec = mixprec.MixedPrecision("fp16-master")
+    model = HugeWeight()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on a CPU
+        model, _ = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.isinf(model.a.weight).any()  # the FP16 weight; its master holds 1e5
+    with prec.autocast():
+        r = trace_nonfinite(model, X, _loss)
+    assert r.found and r.module == "a"
+    assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause is True
+    assert "the run's FP32 masters" in r.fp32_rerun.note
+
+
+def test_no_precision_verdict_when_the_traced_step_ran_in_fp32() -> None:
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    m[0].register_forward_hook(lambda mod, i, o: o * float("inf"))  # a planted inf in an FP32 run
+    r = trace_nonfinite(m, X, _loss)
+    assert r.found and r.module == "0"
+    assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause is False and r.fp32_rerun.finite is None
+    assert "already ran in FP32" in str(r) and "precision is the cause" not in str(r)

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._autocast import autocast, resolve_device_type
-from .._casting import cast_module, is_prepared, strip_forward_patches
+from .._casting import cast_module, is_prepared, run_of, strip_forward_patches
 from .._fp8 import fp8_modules
 from .._policy import Policy
 from .._tree import floating_tensors, tree_map
@@ -160,6 +160,8 @@ class TraceResult:
             if r.precision_is_cause:
                 ex = f", largest value {r.absmax:.4g}" + (f" > the {'/'.join(r.exceeds)} maximum" if r.exceeds else "")
                 parts.append(f"Re-run in FP32: finite{ex}: precision is the cause.")
+            elif r.precision_is_cause is False and r.finite is None:
+                parts.append(f"{r.note[0].upper()}{r.note[1:]} (check the inputs, the data, the learning rate).")
             elif r.precision_is_cause is False:
                 parts.append("Re-run in FP32: also non-finite: not a precision problem (check the inputs, the data, "
                              "the learning rate).")
@@ -383,7 +385,32 @@ def _to_fp32(obj: Any, requires_grad: bool) -> Any:
     return tree_map(conv, obj)
 
 
-def _rerun(ev: _Event, tracer: _Tracer, device_type: str) -> FP32Rerun:
+def _fp32_truth(model: nn.Module, work: nn.Module, cast_here: bool) -> tuple[dict[int, torch.Tensor], str]:
+    """``{id(parameter of work): its full-precision value}`` and where the values come from.
+
+    The cast copy's half weights may already be inf or rounded (a weight of 1e5 in FP16), so the
+    FP32 re-run takes each parameter's full-precision value: the uncast model's (``policy=``
+    given: ``work`` is its cast copy), or a prepared run's FP32 masters (``*-master``) and
+    ``param + compensation`` (``bf16-pure``). Elsewhere nothing: the weights as they are.
+    """
+    if cast_here:
+        orig = dict(model.named_parameters())
+        return {id(p): orig[n].detach() for n, p in work.named_parameters() if n in orig}, "the model's FP32 weights"
+    prec = run_of(model)
+    truth: dict[int, torch.Tensor] = {}
+    for opt in getattr(prec, "optimizers", ()) or ():
+        if callable(getattr(opt, "master_values", None)):
+            truth.update((id(p), v.detach()) for p, v in zip(opt.model_params, opt.master_values()) if p.dtype != v.dtype)
+        elif callable(full := getattr(opt, "full_precision_params", None)):
+            truth.update((id(p), v) for p, v in full().items() if p.dtype != v.dtype)
+    # work may be a copy of model (copy_model=True): its parameters by name
+    by_name = {n: truth[id(p)] for n, p in model.named_parameters() if id(p) in truth}
+    work_truth = {id(p): by_name[n] for n, p in work.named_parameters() if n in by_name}
+    return work_truth, ("the run's FP32 masters" if work_truth else "")
+
+
+def _rerun(ev: _Event, tracer: _Tracer, device_type: str, truth: dict[int, torch.Tensor] | None = None,
+           source: str = "") -> FP32Rerun:
     name = ev.rerun
     if name is None or name not in tracer.modules or name not in tracer.saved_inputs:
         return FP32Rerun(None, None, [], None, "not re-run: the values did not come from a module")
@@ -391,6 +418,11 @@ def _rerun(ev: _Event, tracer: _Tracer, device_type: str) -> FP32Rerun:
     args, kwargs = tracer.saved_inputs[name]
     try:
         m32 = _fp32_copy(module)
+        if truth:
+            for p32, p in zip(m32.parameters(), module.parameters()):
+                value = truth.get(id(p))
+                if value is not None and value.shape == p32.shape:
+                    p32.data = value.detach().float().clone()
         with torch.autocast(device_type=device_type, enabled=False):
             if ev.phase == "forward":
                 with torch.no_grad():
@@ -416,8 +448,9 @@ def _rerun(ev: _Event, tracer: _Tracer, device_type: str) -> FP32Rerun:
     absmax = max(float(torch.where(torch.isnan(t), 0.0, t.abs()).max()) if t.numel() else 0.0 for t in results)
     exceeds = [d for d in ("f16", "bf16") if absmax > thresholds(d).max]
     fp8 = ", FP8 off" if fp8_modules(module) else ""
-    return FP32Rerun(finite, absmax, exceeds, finite, f"{name or 'the model'} copied to FP32, autocast off{fp8}, same "
-                     + ("inputs" if ev.phase == "forward" else "inputs and output gradient"))
+    weights = f" ({source})" if source and truth else ""
+    return FP32Rerun(finite, absmax, exceeds, finite, f"{name or 'the model'} copied to FP32{weights}, autocast off{fp8}, "
+                     "same " + ("inputs" if ev.phase == "forward" else "inputs and output gradient"))
 
 
 # ----- public entry point ------------------------------------------------------------------------------
@@ -483,6 +516,9 @@ def trace_nonfinite(
             "inside prec.autocast(), or pass the FP32 model with policy=..."
         )
     device_type = resolve_device_type(model)
+    # Nothing in half precision: an FP32 re-run could only repeat the traced step.
+    already_fp32 = (pol is None and not is_prepared(model) and not torch.is_autocast_enabled(device_type)
+                    and all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()))
     work = copy.deepcopy(model) if copy_model or pol is not None else model
     if work is not model:
         work.zero_grad(set_to_none=True)
@@ -533,7 +569,14 @@ def trace_nonfinite(
         return TraceResult(found=False, loss=loss_value, policy=pol_str, loss_scale=loss_scale, stats_dtype=stats_name)
     module = ev.module
     mtype = type(tracer.modules[module]).__name__ if module is not None and module in tracer.modules else None
-    rerun = _rerun(ev, tracer, device_type) if rerun_fp32 and ev.rerun is not None else None
+    rerun = None
+    if rerun_fp32 and ev.rerun is not None:
+        if already_fp32:
+            rerun = FP32Rerun(None, None, [], False, "not re-run: the traced step already ran in FP32 (FP32 weights, no "
+                              "policy, autocast off), so precision is not the cause")
+        else:
+            truth, source = _fp32_truth(model, work, pol is not None)
+            rerun = _rerun(ev, tracer, device_type, truth, source)
     return TraceResult(
         found=True, phase=ev.phase, module=module, module_type=mtype, where=ev.where, detail=ev.detail,
         kind=_kind(ev.bad), input_stats=[tensor_stats(t, stats_name) for t in ev.incoming],
