@@ -1,6 +1,8 @@
 import copy
+import functools
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -314,3 +316,80 @@ def test_step_hooks_registered_on_the_master_optimizer_run_around_each_step() ->
     prec.backward(loss)
     with pytest.raises(RuntimeError, match="must return None or a tuple of"):
         opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lbfgs_with_a_closure_trains_the_masters(dtype):
+    """LBFGS keeps its own list of parameters and re-evaluates the closure after moving them: both must be the
+    masters' (it used to step the half weights, which the copy-back then overwrote: no progress at all)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    y = x @ torch.randn(8, 1)
+    model = nn.Linear(8, 1)
+    cast_module(model, "p=bf16,c=bf16" if dtype == torch.bfloat16 else "p=f16,c=f16")
+    opt = MasterWeightOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5))
+    assert opt.optimizer._params is opt.param_groups[0]["params"]  # the masters
+
+    def closure():
+        opt.zero_grad()
+        loss = (model(x.to(dtype)).float() - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    first = float(closure())
+    for _ in range(3):
+        opt.step(closure)
+    assert float(closure()) < 1e-3 * first
+
+
+@pytest.mark.parametrize("accumulation", ["fp32", "compute"])
+def test_a_closure_step_moves_the_masters_in_both_accumulation_modes(accumulation):
+    """opt.step(closure) with no backward before it: the closure's gradients reach the masters (under "compute" they
+    were gathered before the closure ran, so nothing moved)."""
+
+    def run(acc: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        cast_module(model, "p=bf16,c=bf16")
+        opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grad_accumulation=acc)
+        before = opt.masters[0].clone()
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.ones(3, 4, dtype=torch.bfloat16)).float().pow(2).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return opt.masters[0] - before
+
+    moved = run(accumulation)
+    assert moved.abs().max() > 1e-3
+    torch.testing.assert_close(moved, run("fp32"), rtol=0, atol=0)
+
+
+def test_compute_accumulation_with_a_grad_scaler():
+    """grad_accumulation="compute": mixprec.GradScaler materialises the FP32 master gradients before it unscales them
+    (the step then equals the "fp32" one); torch.amp.GradScaler sees none, and step() says so instead of failing on
+    an int found_inf or stepping scaled gradients."""
+    import mixprec
+
+    def run(acc: str, make_scaler: Any) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        cast_module(model, "p=f16,c=f16")
+        opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grad_accumulation=acc)
+        scaler = make_scaler()
+        loss = model(torch.ones(3, 4, dtype=torch.float16)).float().pow(2).sum()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        return opt.masters[0].clone()
+
+    ours = functools.partial(mixprec.GradScaler, "cpu", init_scale=1024.0)
+    torch.testing.assert_close(run("compute", ours), run("fp32", ours), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.amp.GradScaler on a CPU
+        with pytest.raises(ValueError, match="With grad_accumulation='compute' the FP32 master gradients exist only"):
+            run("compute", functools.partial(torch.amp.GradScaler, "cpu", init_scale=1024.0))

@@ -242,6 +242,9 @@ MISUSES = [
            lambda c: (lambda m: c.prec.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1)))(
                nn.Sequential(nn.Embedding(10, 8, sparse=True), c.model)), ValueError,
            "has sparse=True, so its weight gets sparse gradients; policy 'bf16-pure' steps it with a mixprec.optim"),
+    Misuse("closure-optimizer", "fresh", "bf16-master",
+           lambda c: c.prec.prepare(c.model, torch.optim.LBFGS(c.model.parameters())), ValueError,
+           "optimizer 0 (LBFGS) needs a closure at every step (it re-evaluates the model inside its step"),
     Misuse("compensation-mismatch", "fresh", "bf16-pure",
            lambda c: c.prec.prepare(c.model, mp_optim.AdamW(c.model.parameters(), compensation="stochastic")), ValueError,
            "optimizer 0 uses compensation='stochastic' but the policy says comp=kahan"),

@@ -448,6 +448,24 @@ def test_for_inference_islands_a_string_is_one_entry_and_a_misspelt_one_raises()
     assert equal_tree(fresh.state_dict(), before)
 
 
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "bf16-pure"])
+def test_a_copy_between_backward_and_step_takes_the_pending_step(preset):
+    """deepcopy/pickle of a run with gradients pending: torch copies a Parameter without its .grad, so the twin's step
+    applied nothing (or only the masters' part); the gradients now travel with the run."""
+    import pickle
+
+    prec, model, opt, _ = train(preset, steps=2)
+    with prec.autocast():
+        loss = loss_fn(model, batch("mlp", 5))
+    prec.backward(loss)  # pending
+    twins = [copy.deepcopy((prec, model, opt)), pickle.loads(pickle.dumps((prec, model, opt)))]
+    prec.step(opt)
+    for p2, m2, o2 in twins:
+        p2.step(o2)
+        for a, b in zip(model.parameters(), m2.parameters()):
+            assert torch.equal(a, b)
+
+
 # ----- misuse: each raises a clear error and leaves state intact ------------------------------------------
 def test_prepare_twice():
     prec, model, opt, _ = train("bf16-mixed", steps=1)

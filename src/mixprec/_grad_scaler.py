@@ -353,6 +353,9 @@ class GradScaler:
     @staticmethod
     def _grads_of(optimizer: Any, allow_fp16: bool) -> list[Tensor]:
         """The optimizer's gradients to unscale (sparse ones by their values), in torch's order."""
+        if getattr(optimizer, "grad_accumulation", None) == "compute" and callable(getattr(optimizer, "master_grads", None)):
+            # a MasterWeightOptimizer accumulating in half precision: its FP32 gradients exist once materialised
+            optimizer.master_grads()
         # hot path: one comprehension, no per-parameter checks beyond "has a gradient"
         grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
         if any(g.is_sparse for g in grads):

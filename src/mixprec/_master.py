@@ -222,6 +222,7 @@ class MasterWeightOptimizer(Optimizer):
         self._before_read: Callable[[], None] | None = None
         for group in optimizer.param_groups:
             group["params"] = [self._adopt(p) for p in group["params"]]
+        _realias_params(optimizer)
         self._refresh_pairs()
         self._initial.clear()
         self._rekey_state()
@@ -244,9 +245,14 @@ class MasterWeightOptimizer(Optimizer):
             d.pop(key, None)
         d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None, _pairs=None, _pair_lists=([], []),
                  _rem_list=[], _bank=None, _edit_views=None)
+        # pickle drops a tensor's .grad (deepcopy keeps it): pending master gradients travel by name
+        d["_pending_master_grads"] = [(m, m.grad) for m in self._masters if m.grad is not None]
         return d
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        for m, g in state.pop("_pending_master_grads", ()):
+            if m.grad is None:
+                m.grad = g
         self.__dict__.update(state)
         # A copied parameter has no gradient and no hooks (torch copies neither); a copied master
         # keeps its gradient, which the parameter's view shows again, as in the original.
@@ -386,6 +392,7 @@ class MasterWeightOptimizer(Optimizer):
             self._refresh_pairs()
             for group in self.optimizer.param_groups:
                 group["params"] = [master if q is p else q for q in group["params"]]
+            _realias_params(self.optimizer)
             self._attach(p, master)
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
                 master.grad = p.grad.to(self.master_dtype)  # gradients from before the hook existed
@@ -793,10 +800,21 @@ class MasterWeightOptimizer(Optimizer):
             closure = self._run_pre_hooks(closure)
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+            # torch.amp.GradScaler hands sum([]) == 0 when it found no gradient in param_groups to check
+            raise ValueError(
+                f"step(): the gradient scaler handed found_inf={found_inf!r}, not a tensor: it checked no gradient. "
+                + ("With grad_accumulation='compute' the FP32 master gradients exist only once materialised (in "
+                   "step(), or master_grads()), so torch.amp.GradScaler's unscale_ sees none: use "
+                   "grad_accumulation='fp32', mixprec.GradScaler (which materialises them), or MixedPrecision."
+                   if self.grad_accumulation == "compute" else "Call backward on the scaled loss before step().")
+            )
         if not self.__dict__.get("_grads_checked") or self.grad_accumulation == "compute":
             self.master_grads()  # MixedPrecision's unscale already did, for this step
         if self._grad_versions:
             self._check_shard_grads()
+        if closure is not None:
+            closure = self._master_closure(closure)
         args = (closure,) if closure is not None else ()
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() without its context manager's Python calls (hot path)
@@ -816,6 +834,26 @@ class MasterWeightOptimizer(Optimizer):
             for hook in list(self._optimizer_step_post_hooks.values()):
                 hook(self, args, {})
         return result
+
+    def _master_closure(self, closure: Callable[[], float]) -> Callable[[], float]:
+        """``closure`` for the wrapped optimizer: each evaluation sees the masters' current values and leaves its gradients in them.
+
+        A closure re-evaluates the model, whose weights are the half copies: optimizers that
+        evaluate it after moving the parameters (LBFGS's line search) need the masters copied to
+        the model first, and under ``grad_accumulation="compute"`` the gradients it makes moved
+        into the masters after.
+        """
+
+        def evaluate() -> float:
+            with torch.no_grad():
+                self._copy_to_model()
+            with torch.enable_grad():
+                loss = closure()
+            with torch.no_grad():
+                self.master_grads()
+            return loss
+
+        return evaluate
 
     def _run_pre_hooks(self, closure: Callable[[], float] | None) -> Callable[[], float] | None:
         """This optimizer's step pre-hooks (``register_step_pre_hook``), as torch runs them; returns the closure to use.
@@ -1027,6 +1065,12 @@ class MasterWeightOptimizer(Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _realias_params(optimizer: Optimizer) -> None:
+    """Point an optimizer's own alias of its parameter list at the masters (LBFGS keeps ``_params``, taken at construction)."""
+    if isinstance(getattr(optimizer, "_params", None), list) and optimizer.param_groups:
+        optimizer._params = optimizer.param_groups[0]["params"]  # type: ignore[attr-defined]
 
 
 def _grad_version(g: torch.Tensor) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from ._errors import check_fused
 from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
 from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_grad_accumulation, check_weight_edits
+from ._master_grad import MasterGradView
 from ._policy import Policy
 from ._prepare import (
     check_fusable,
@@ -174,13 +175,25 @@ class MixedPrecision(RunCheckpoint):
         self._seen_compiled: bool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        """For ``copy.deepcopy`` and pickling: the records travel without their step guards (re-installed on load)."""
+        """For ``copy.deepcopy`` and pickling: the records travel without their step guards (re-installed on load).
+
+        The model's pending gradients travel too (a copy between ``backward`` and ``step``):
+        torch copies a ``Parameter`` without its ``.grad``, and the twin's step would otherwise
+        apply none, or only the FP32 islands' missing ones. Master gradients travel with their
+        masters (plain tensors, copied with their ``.grad``).
+        """
         d = self.__dict__.copy()
         d["_records"] = [dataclasses.replace(r, guard=None) for r in self._records.values()]
+        if self.model is not None:
+            d["_pending_grads"] = [(p, p.grad) for p in self.model.parameters()
+                                   if p.grad is not None and not isinstance(p.grad, MasterGradView)]
         return d
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         records = state.pop("_records")
+        for p, g in state.pop("_pending_grads", ()):
+            if p.grad is None:
+                p.grad = g
         self.__dict__.update(state)
         self._records = {}
         # The records were keyed by id(optimizer): the copies are new objects. Their step() routes

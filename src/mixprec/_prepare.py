@@ -92,6 +92,14 @@ def check_prepare(
             )
         if not isinstance(opt, Optimizer):
             raise TypeError(f"optimizer {i} must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        if _needs_closure(opt):
+            raise ValueError(
+                f"optimizer {i} ({type(opt).__name__}) needs a closure at every step (it re-evaluates the model inside "
+                "its step, as LBFGS's line search does), which MixedPrecision's step (unscale, skip on inf/NaN, one "
+                "loss-scale update per step) cannot drive. Train it on the FP32 model without prepare(), or, for half "
+                "weights with FP32 masters and no loss scaling, wrap it yourself: "
+                "mixprec.MasterWeightOptimizer(opt).step(closure)."
+            )
         foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in by_id]
         if foreign:
             raise ValueError(
@@ -124,6 +132,17 @@ def check_prepare(
     elif not policy.has_masters and policy.param_dtype != torch.float32:
         warn_tiny_eps(optimizers, policy.param_dtype)
     return PrepareFacts(device, fsdp, floating)
+
+
+def _needs_closure(opt: Optimizer) -> bool:
+    """Whether ``type(opt).step`` takes a ``closure`` it cannot do without (no default: LBFGS)."""
+    import inspect
+
+    try:
+        param = inspect.signature(type(opt).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def check_fusable(optimizers: Sequence[Optimizer], masters: bool) -> None:
