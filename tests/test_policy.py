@@ -246,3 +246,17 @@ def test_the_norm_island_is_normalization_layers_only():
     assert policy.is_fp32_island(block.norm_1) and not policy.is_fp32_island(block.attn)
     assert policy.is_fp32_island(MambaRMSNormGated()) and policy.is_fp32_island(ScaledNorm())
     assert policy.is_fp32_island(nn.BatchNorm2d(3)) and policy.is_fp32_island(nn.GroupNorm(2, 4))
+
+
+@pytest.mark.parametrize("scale", ["0.5", "33554432"])
+def test_a_dynamic_initial_scale_outside_the_scalers_range_is_refused_at_parse(scale):
+    """ls=dynamic:S must start inside the dynamic scaler's floor and ceiling: refused where the policy is parsed (it
+    used to parse, run numerics.check, and then fail in MixedPrecision naming constructor arguments never passed)."""
+    from mixprec._policy import DYNAMIC_SCALE_RANGE
+    from mixprec._scaler import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE
+
+    assert (DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE) == DYNAMIC_SCALE_RANGE
+    with pytest.raises(ValueError, match=rf"ls=dynamic:{scale} in policy .* must lie in its range \[1, 16777216\].*"
+                                         r"scaler=DynamicScaler\(init_scale=\.\.\., min_scale=\.\.\., max_scale=\.\.\.\)"):
+        Policy.parse(f"p=f32,c=f16,ls=dynamic:{scale}")
+    assert Policy.parse(f"p=f32,c=f16,ls=static:{scale}").init_scale == float(scale)

@@ -67,6 +67,9 @@ _KEY_HELP = (
 # parameters of its own: a block named like a norm that wraps attention (DBRX's
 # DbrxNormAttentionNorm) is not one (its own norms are islands, its attention is cast).
 _NORM_NAME = re.compile(r"Norm(\dd|Gated)?$")
+#: The dynamic scaler's default floor and ceiling (``_scaler.DEFAULT_MIN_SCALE``/``DEFAULT_MAX_SCALE``,
+#: which this module cannot import; tests/test_policy.py checks they agree): ``ls=dynamic:S`` must start inside.
+DYNAMIC_SCALE_RANGE = (1.0, float(2**24))
 _CLASS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BAD_GLOB_CHARS = set(",=+ ")
 
@@ -187,6 +190,14 @@ class Policy:
                 raise ValueError(f"init_scale={self.init_scale} given but loss scaling is off {where}; use ls=static:S or ls=dynamic:S.")
             if not (self.init_scale > 0 and self.init_scale < float("inf")):
                 raise ValueError(f"loss scale must be a positive finite number, got {self.init_scale} {where}.")
+            low, high = DYNAMIC_SCALE_RANGE
+            if self.loss_scale == "dynamic" and not low <= self.init_scale <= high:
+                raise ValueError(
+                    f"ls=dynamic:{_fmt_scale(self.init_scale)} {where}: the dynamic scaler's initial scale must lie in "
+                    f"its range [{_fmt_scale(low)}, {_fmt_scale(high)}] (floor and ceiling); for another range pass "
+                    "MixedPrecision(policy, scaler=DynamicScaler(init_scale=..., min_scale=..., max_scale=...)), or use "
+                    "ls=static:S for a fixed scale."
+                )
         if self.compensation not in get_args(Compensation):
             raise unknown_choice("update compensation", self.compensation, get_args(Compensation))
         if self.compensation != "none" and (p == torch.float32 or m is not None):

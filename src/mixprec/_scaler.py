@@ -666,7 +666,8 @@ class NoOpScaler(_ScalerBase):
     Args:
         device: Where the state lives (default: the first gradient's device).
         process_group: Group for the found_inf agreement (default: world when distributed).
-        history: Steps kept in ``scale_history``/``overflow_history``.
+        history: Steps kept in ``scale_history``/``overflow_history``: the last
+            ``max(history, check_interval)`` (the ring also holds the steps of one periodic check).
         on_failure: ``"raise"``, ``"warn"`` or ``"ignore"`` persistent inf/NaN.
         patience: Consecutive skipped steps that count as failure (default 20).
         check_interval: Steps between escalation checks (default 50).
@@ -714,7 +715,8 @@ class StaticScaler(_ScalerBase):
         scale: The loss scale (> 0, finite). Powers of two keep the unscale exact.
         device: Where the state lives (default: the first scaled tensor's device).
         process_group: Group for the found_inf agreement (default: world when distributed).
-        history: Steps kept in ``scale_history``/``overflow_history``.
+        history: Steps kept in ``scale_history``/``overflow_history``: the last
+            ``max(history, check_interval)`` (the ring also holds the steps of one periodic check).
         on_failure, patience, check_interval: Escalation after ``patience`` consecutive skipped
             steps, as in :class:`NoOpScaler` (a fixed scale cannot back off, so persistent
             inf/NaN is a failure of the model or data, or a scale that is too large).

@@ -196,3 +196,23 @@ def test_mixed_precision_prepare_runs_the_check_on_the_first_batch() -> None:
         warnings.simplefilter("error")
         prec2.prepare(model2, torch.optim.SGD(model2.parameters(), lr=0.1), check_batch=IDX, loss_fn=lm_loss)
     assert prec2.check_result.verdict == "pass" and prec2.model is model2
+
+
+def test_a_loss_without_a_graph_is_refused_not_passed():
+    """A detached or integer loss: no gradient can be compared (and prec.backward would refuse it): a clear error, not
+    a PASS that silently compared no gradients."""
+    import re
+
+    from mixprec.numerics import NumericsMonitor, check
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=re.escape("loss_fn returned a loss that does not require grad")):
+        check(m, x, "bf16-master", lambda mm, b: mm(b).pow(2).mean().detach())
+    with pytest.raises(ValueError, match=re.escape("loss_fn must return a scalar floating loss")):
+        check(m, x, "bf16-master", lambda mm, b: (mm(b).sum() * 100).long())
+    with pytest.raises(TypeError, match=re.escape("the check without loss_fn calls model(batch)") + ".*m\\(\\*\\*b\\)\\.loss"):
+        check(m, {"input_ids": x}, "bf16-master")
+    with pytest.raises(TypeError, match=re.escape("overflow_margin='16' must be a number >= 1")):
+        NumericsMonitor(m, overflow_margin="16")

@@ -344,3 +344,32 @@ def test_a_report_of_nothing_sampled_says_so() -> None:
         warnings.simplefilter("error")
         rep = mon.report()
     assert rep.sampled_steps == 2 and "NOTHING" not in str(rep)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_does_not_count_activations_twice(reentrant: bool) -> None:
+    """The forward a checkpointed block recomputes inside backward is not sampled again: the same counts as without."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self, ckpt: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+            self.head = nn.Linear(8, 1)
+            self.ckpt = ckpt
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.detach().requires_grad_()  # reentrant checkpointing needs an input that requires grad
+            h = checkpoint(self.block, x, use_reentrant=reentrant) if self.ckpt else self.block(x)
+            return self.head(h)
+
+    counts = []
+    for ckpt in (False, True):
+        model = Net(ckpt)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with NumericsMonitor(model, optimizer=opt) as mon:
+            _train(model, opt, 2)
+        h = mon.histograms
+        counts.append((h["activations"].total, h["activation_grads"].total, h["param_grads"].total))
+    assert counts[0] == counts[1]

@@ -166,6 +166,9 @@ class NumericsMonitor:
             raise ValueError(f"max_elements={max_elements!r} must be a positive integer or None.")
         if fp8 is not None and fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8={fp8!r}: use one of {', '.join(FP8_RECIPES)}, or None (only FP8 linears are counted).")
+        if isinstance(overflow_margin, bool) or not isinstance(overflow_margin, (int, float)):
+            raise TypeError(f"overflow_margin={overflow_margin!r} must be a number >= 1 (16 = four binades of headroom), "
+                            f"got a {type(overflow_margin).__name__}.")
         if not overflow_margin >= 1:
             raise ValueError(f"overflow_margin={overflow_margin!r} must be >= 1 (16 = four binades of headroom).")
         self.model = model
@@ -411,9 +414,13 @@ class NumericsMonitor:
         if not self._active:
             return
         self._mark_recorded()
+        # Inside a backward: activation checkpointing recomputes this forward. Its activations were counted
+        # once already; its gradients flow through the recomputed outputs (reentrant checkpointing), so hooks.
+        recompute = torch._C._current_graph_task_id() != -1
         for t in floating_tensors(output):
-            rec.act.add_(t, max_elements=self.max_elements)
-            rec.act_dtypes.add(_short(t.dtype))
+            if not recompute:
+                rec.act.add_(t, max_elements=self.max_elements)
+                rec.act_dtypes.add(_short(t.dtype))
             if t.requires_grad and torch.is_grad_enabled():
                 t.register_hook(functools.partial(self._on_act_grad, rec))
 

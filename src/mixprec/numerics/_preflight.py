@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -233,6 +233,20 @@ def _capture_output(model: nn.Module) -> tuple[list[Any], Any]:
     return box, model.register_forward_hook(hook)
 
 
+def _forward_only(model: nn.Module, batch: Any) -> Any:
+    """``model(batch)``; for a dict batch the model rejects, an error that says how to pass one."""
+    try:
+        return model(batch)
+    except TypeError as e:
+        if isinstance(batch, Mapping):
+            raise TypeError(
+                f"the check without loss_fn calls model(batch), and this model rejects the dict batch (keys "
+                f"{sorted(map(str, batch))[:6]}): {e}. Pass loss_fn, e.g. loss_fn=lambda m, b: m(**b).loss for a "
+                "Hugging Face model (prepare(..., check_batch=batch, loss_fn=...))."
+            ) from e
+        raise
+
+
 def _run(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None, region: Any,
          scale: float, seed: int, device: torch.device) -> tuple[float | None, list[torch.Tensor], dict[str, torch.Tensor | None]]:
     """Forward (+ scaled backward); returns loss, outputs (float64) and unscaled float64 grads by name."""
@@ -241,12 +255,22 @@ def _run(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch
     try:
         with _seeded(seed, device):
             with region:
-                out = loss_fn(model, batch) if loss_fn is not None else model(batch)
+                out = loss_fn(model, batch) if loss_fn is not None else _forward_only(model, batch)
             loss: float | None = None
             if loss_fn is not None:
                 if not isinstance(out, torch.Tensor) or out.numel() != 1:
                     raise ValueError(f"loss_fn must return a scalar loss tensor, got {type(out).__name__}"
                                      + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""))
+                if not out.dtype.is_floating_point:
+                    raise ValueError(f"loss_fn must return a scalar floating loss (what prec.backward takes), got "
+                                     f"{out.dtype}; return the loss before any .long()/.item().")
+                if not out.requires_grad and any(p.requires_grad for p in model.parameters()):
+                    raise ValueError(
+                        "loss_fn returned a loss that does not require grad (computed under torch.no_grad(), or from "
+                        "detached tensors?), so no gradient could be compared, and prec.backward would refuse it in "
+                        "training; return the loss as you would pass it to prec.backward, or loss_fn=None for a "
+                        "forward-only check."
+                    )
                 loss = float(out.detach().float())
                 if out.requires_grad:
                     (out.float() * scale).backward()
