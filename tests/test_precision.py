@@ -695,3 +695,15 @@ def test_a_deep_copied_master_optimizer_steps_its_own_masters():
     assert torch.equal(opt.masters[0], start)  # the original's masters did not move
     torch.testing.assert_close(twin.masters[0], start - 0.5)
     assert torch.equal(p.detach(), twin.masters[0].to(torch.bfloat16))  # copied back into the twin's weights
+
+
+def test_a_noop_scaler_under_an_fp16_policy_that_scales_warns():
+    """scaler=NoOpScaler() under fp16-mixed (ls=dynamic): FP16 gradients run unscaled; said once, at construction."""
+    from mixprec._scaler import NoOpScaler
+
+    with pytest.warns(UserWarning, match=re.escape("scaler=NoOpScaler() under policy 'fp16-mixed', which scales the loss")):
+        MixedPrecision("fp16-mixed", scaler=NoOpScaler())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MixedPrecision("p=f32,c=f16,ls=none", scaler=NoOpScaler())  # said in the policy
+        MixedPrecision("bf16-mixed", scaler=NoOpScaler())

@@ -9,6 +9,7 @@ bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 from typing import cast as typing_cast
@@ -158,6 +159,13 @@ class MixedPrecision(RunCheckpoint):
         check_grad_accumulation(grad_accumulation)
         if scale_update not in ("auto", "manual"):
             raise ValueError(f"scale_update={scale_update!r}; use 'auto' (default) or 'manual' (call prec.update()).")
+        if isinstance(scaler, NoOpScaler) and self.policy.loss_scale != "none" and torch.float16 in (
+                self.policy.compute_dtype, self.policy.param_dtype):
+            warnings.warn(
+                f"scaler=NoOpScaler() under policy {self.policy.label!r}, which scales the loss "
+                f"(ls={self.policy.loss_scale}): FP16 gradients run unscaled, and those below ~6e-8 flush to zero. "
+                "Say so in the policy (e.g. 'p=f32,c=f16,ls=none') to silence this, or pass a DynamicScaler/StaticScaler.",
+                UserWarning, stacklevel=2)
         self.scaler: LossScaler = scaler if scaler is not None else scaler_for_policy(self.policy)
         self.grad_accumulation: GradAccumulation = grad_accumulation
         self.scale_update: ScaleUpdate = scale_update
