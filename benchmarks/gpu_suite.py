@@ -67,8 +67,10 @@ also gets ``gpu_suite.txt`` (the whole log) and the JSON of the GPT-2 runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -82,12 +84,20 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a step's whole process group (it was started in a session of its own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
 def _syncs() -> int:
     """Check 1, in this process: host syncs per step (warnings counted) and the CPU proxies, per recipe."""
     from mixprec.bench._step_cost import make_recipe, measure_recipe
 
     recipes = ["amp-bf16", "amp-fp16", "fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-master-r16", "fp16-master",
-               "bf16-pure", "bf16-master*"]  # *: the default compiled (Inductor) master step; the others step eagerly
+               "bf16-pure", "bf16-master*"]  # *: the compiled (Inductor) master step, fused_step=True; the others eagerly
     print(f"{'recipe':12s} {'optimizer':9s} {'route':15s} {'syncs/step':>10s}")
     bad = 0
     for recipe in recipes:
@@ -99,7 +109,7 @@ def _syncs() -> int:
                     warnings.simplefilter("ignore")
                     it, _ = make_recipe(recipe, 4, fused=kind == "fused", foreach=True if kind == "foreach" else None,
                                         direct=route == "optimizer.step", device="cuda",
-                                        fused_step=None if compiled else False)
+                                        fused_step=compiled)
                     for _ in range(3):
                         it()
                 torch.cuda.synchronize()
@@ -220,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
             status = "ok" if rc == 0 else "FAILED"
         else:
             argv_ = [a.format(budget=int(limit - 15), out=out) for a in cmd]
-            proc = subprocess.Popen(argv_, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            # Its own process group: a limit kills the step's children too (pytest workers, compile workers).
+            proc = subprocess.Popen(argv_, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+            kill = functools.partial(_kill_group, proc)
             # A step silent past its limit (a long compile) is killed by the timer, not at its next line.
-            timer = threading.Timer(limit, proc.kill)
+            timer = threading.Timer(limit, kill)
             timer.start()
             try:
                 assert proc.stdout is not None
@@ -230,11 +243,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(line, end="", flush=True)
                     log.write(line)
                     if time.perf_counter() - start > limit:
-                        proc.kill()
+                        kill()
                         break
                 rc = proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                kill()
                 rc = -9
             finally:
                 timer.cancel()

@@ -243,3 +243,25 @@ def test_the_edit_check_under_torch_compile(interpreted: list[int]) -> None:
     traced(got)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_the_kernel_runs_on_the_tensors_device_not_the_current_one() -> None:
+    """Triton launches on the current device: pairs on cuda:1 while cuda:0 is current are checked on cuda:1."""
+    ek.reset()
+    dev = torch.device("cuda", 1)
+    masters = [torch.randn(n, device=dev) for n in (5, 3 * ek.BLOCK + 1)]
+    weights = [m.to(torch.bfloat16) for m in masters]
+    weights[1][7] = 3.0
+    want = [with_edits(m, w) for m, w in zip(masters, weights)]
+    with torch.cuda.device(0):
+        views = master_mod.EditViews()
+        for _ in range(2):  # the first call (check and launch), then the bound launch
+            got = [m.clone() for m in masters]
+            master_mod._carry_edits(got, weights, views)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+    assert views.kernels  # the kernel ran, not the fallback
+    ek.reset()

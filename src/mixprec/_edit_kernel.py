@@ -29,6 +29,7 @@ step around ``prec.step``) the caller takes the foreach ops instead, and the lau
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -48,7 +49,7 @@ _WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
 
 tl: Any = None  # triton.language once _build imported it
 _kernel: list[Any] = []  # the jitted kernel, built on first use
-_state: dict[tuple[str, torch.dtype], bool] = {}  # (device type, weight dtype) -> passed its first check
+_state: dict[tuple[str, int | None, torch.dtype], bool] = {}  # (device type, index, weight dtype) -> passed its first check
 
 
 def reset() -> None:
@@ -67,9 +68,16 @@ def available(device: torch.device, weight_dtype: torch.dtype, master_dtype: tor
         return False
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
-    if _state.get((device.type, weight_dtype)) is False:
+    if _state.get((device.type, _index(device), weight_dtype)) is False:
         return False
     return bool(_kernel) or _build() is not None
+
+
+def _index(device: torch.device) -> int | None:
+    """The device's index (the current one for a bare ``cuda``): first-use checks are per device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.cuda.current_device()
+    return device.index
 
 
 def _build() -> Any:
@@ -81,9 +89,7 @@ def _build() -> Any:
         triton: Any = importlib.import_module("triton")
         tl = importlib.import_module("triton.language")  # a module global: Triton resolves the kernel's names there
     except Exception:  # no Triton, or a broken one: the foreach check serves
-        for key in [(d, dt) for d in DEVICES for dt in _WEIGHT_DTYPES]:
-            _state[key] = False
-        return None
+        return None  # (asked again at each build of a group's tables: rare, and cheap once the import failed)
 
     @triton.jit
     def carry_edits_kernel(m_ptrs, w_ptrs, numels, first_block, block_tensor,
@@ -117,39 +123,56 @@ class EditTables:
     """The device tables of one (device, weight dtype) group of dense pairs, built when the group's pointers change.
 
     Holds the 1-D views it was built from, so their storages outlive the tables' raw pointers.
+    The tables are one ``int64`` buffer (pointers, sizes, first blocks, each block's pair), built on
+    the host and copied once per build, from pinned memory without a host sync on CUDA.
     ``run``: once :func:`carry_edits_triton_` has launched it, the launch itself (Triton's launcher
     with every argument bound), which the step calls directly: no Python frame of this module on
-    the step's path.
+    the step's path. Triton launches on the *current* CUDA device and its current stream, so the
+    caller makes :attr:`device_index` current when it is not (a second GPU: ``_master._carry_edits``).
     """
 
-    __slots__ = ("block_tensor", "first_block", "m_ptrs", "masters", "numels", "run", "w_ptrs", "weights")
+    __slots__ = ("block_tensor", "device_index", "first_block", "host", "m_ptrs", "masters", "numels", "run", "table",
+                 "w_ptrs", "weights")
 
     def __init__(self, masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
         device = masters[0].device
+        n = len(masters)
         numels = [m.numel() for m in masters]
-        blocks = [-(-n // BLOCK) for n in numels]
+        blocks = [-(-k // BLOCK) for k in numels]
         first, total = [], 0
         for b in blocks:
             first.append(total)
             total += b
-        # Host-built tables, copied once per build (not per step).
-        self.m_ptrs = torch.tensor([m.data_ptr() for m in masters], dtype=torch.int64).to(device)
-        self.w_ptrs = torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64).to(device)
-        self.numels = torch.tensor(numels, dtype=torch.int64).to(device)
-        self.first_block = torch.tensor(first, dtype=torch.int64).to(device)
-        self.block_tensor = torch.repeat_interleave(
-            torch.arange(len(blocks), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64)).to(device)
+        owner = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), torch.tensor(blocks, dtype=torch.int64))
+        host = torch.cat([torch.tensor([m.data_ptr() for m in masters] + [w.data_ptr() for w in weights]
+                                       + numels + first, dtype=torch.int64), owner])
+        if device.type == "cuda":
+            host = host.pin_memory()  # the copy below then leaves the host free (no sync on a table rebuild)
+        self.host = host  # kept: a pinned source must outlive its asynchronous copy
+        self.table = host.to(device, non_blocking=True)
+        self.m_ptrs, self.w_ptrs = self.table[:n], self.table[n:2 * n]
+        self.numels, self.first_block = self.table[2 * n:3 * n], self.table[3 * n:4 * n]
+        self.block_tensor = self.table[4 * n:]
+        self.device_index = _index(device) if device.type == "cuda" else None
         self.masters, self.weights = masters, weights
         self.run: Callable[[], Any] | None = None
 
     def launch(self) -> None:
-        """One launch over every block of the group (no host sync)."""
+        """One launch over every block of the group, on the tables' device (no host sync)."""
         kernel = _kernel[0] if _kernel else _build()
         if kernel is None:
             raise RuntimeError("triton does not import")
-        kernel[(self.block_tensor.numel(),)](
-            self.m_ptrs, self.w_ptrs, self.numels, self.first_block, self.block_tensor,
-            BLOCK=BLOCK, W_BF16=self.weights[0].dtype == torch.bfloat16)
+        with on_device(self.device_index):
+            kernel[(self.block_tensor.numel(),)](
+                self.m_ptrs, self.w_ptrs, self.numels, self.first_block, self.block_tensor,
+                BLOCK=BLOCK, W_BF16=self.weights[0].dtype == torch.bfloat16)
+
+
+def on_device(index: int | None) -> Any:
+    """``torch.cuda.device(index)`` when ``index`` is a CUDA device other than the current one, else a no-op context."""
+    if index is None or index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 def carry_edits_triton_(tables: EditTables) -> bool:
@@ -163,7 +186,7 @@ def carry_edits_triton_(tables: EditTables) -> bool:
     first check cannot run, so the call returns False (the foreach check is captured instead).
     """
     device = tables.masters[0].device
-    key = (device.type, tables.weights[0].dtype)
+    key = (device.type, _index(device), tables.weights[0].dtype)
     import torch._dynamo  # (imported by then wherever a GPU step runs; lazily here, not at mixprec's import)
 
     ok = _state.get(key)
@@ -179,7 +202,8 @@ def carry_edits_triton_(tables: EditTables) -> bool:
     tables.run = torch._dynamo.disable(functools.partial(
         kernel[(tables.block_tensor.numel(),)], tables.m_ptrs, tables.w_ptrs, tables.numels, tables.first_block,
         tables.block_tensor, BLOCK=BLOCK, W_BF16=tables.weights[0].dtype == torch.bfloat16))
-    tables.run()
+    with on_device(tables.device_index):
+        tables.run()
     return True
 
 

@@ -705,6 +705,8 @@ class MasterWeightOptimizer(Optimizer):
         masters = self._pair_lists[1]
         if not masters or masters[0].device.type not in ("cuda", "xpu"):
             return False
+        if masters[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # a first compile would invalidate a CUDA graph capture: the exact eager passes are captured
         from torch.utils._triton import has_triton
 
         return bool(has_triton())
@@ -1174,13 +1176,14 @@ class EditViews:
     each) as ``(1-D masters, 1-D weights, element counts, total)``.
     """
 
-    __slots__ = ("dtensors", "kernels", "key", "odd", "passes")
+    __slots__ = ("deferred", "dtensors", "kernels", "key", "odd", "passes")
 
     def __init__(self) -> None:
         self.key: list[int] | None = None
         self.dtensors = False  # FSDP2 shards: the key and the views come from the local tensors
         self.passes: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int], int]] = []
         self.odd: list[tuple[torch.Tensor, torch.Tensor]] = []  # pairs laid out differently: where() each
+        self.deferred = False  # built during a CUDA graph capture without the kernel: build again after it
         # groups on the Triton kernel's devices (_edit_kernel.DEVICES): its tables, and the passes that serve
         # when it is off
         self.kernels: list[tuple[_edit_kernel.EditTables, list[tuple[list[torch.Tensor], list[torch.Tensor], list[int], int]]]] = []
@@ -1196,14 +1199,14 @@ class EditViews:
                 raise
             self.dtensors = True
             return self.get(masters, weights)
-        if key != self.key:
+        if key != self.key or self.deferred:
             self._build(masters, weights)
             self.key = key
         return self
 
     def _build(self, masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
         groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.passes, self.odd, self.kernels = [], [], []
+        self.passes, self.odd, self.kernels, self.deferred = [], [], [], False
         for m, w in zip(masters, weights):
             if m.numel() == 0:
                 continue
@@ -1226,6 +1229,9 @@ class EditViews:
                 self.kernels.append((_edit_kernel.EditTables(ms, ws), passes))
             else:
                 self.passes.extend(passes)
+                # (the kernel is not built while a CUDA graph is captured: the foreach ops are captured instead,
+                # and the next eager call builds again)
+                self.deferred |= device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -1262,7 +1268,13 @@ def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor], views
             for ms, ws, sizes, n in passes:
                 _carry_edits_pass(ms, ws, sizes, n)
         elif tables.run is not None:
-            tables.run()  # Triton's launcher, arguments bound (no frame of _edit_kernel.py on the step's path)
+            # Triton's launcher, arguments bound (no frame of _edit_kernel.py on the step's path). It launches on
+            # the current CUDA device: the tables' device is made current first when it is another (a second GPU).
+            if tables.device_index is None or tables.device_index == torch.cuda.current_device():
+                tables.run()
+            else:
+                with torch.cuda.device(tables.device_index):
+                    tables.run()
         elif not _edit_kernel.carry_edits_triton_(tables):
             for ms, ws, sizes, n in passes:
                 _carry_edits_pass(ms, ws, sizes, n)

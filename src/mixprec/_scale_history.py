@@ -307,8 +307,14 @@ class ScaleHistory:
         """Every check_interval steps: read the counters and act (escalate, log).
 
         Host read: on CPU it is immediate; on CUDA the snapshot is copied asynchronously into
-        pinned memory and read at the next check (after its event completed), so no sync.
+        pinned memory and read at the next check (after its event completed), so no sync. Not
+        while a CUDA graph is being captured: ``event.query()`` would invalidate the capture, and a
+        captured copy into a host buffer dropped after its read would write freed memory at every
+        replay. The next check outside the capture reads the counters (statistics of replayed
+        steps are not counted: the counters advance once per capture, not per replay).
         """
+        if scale.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
         snap = self.snapshot(scale)
         if snap.device.type != "cuda":
             self.act(snap.tolist(), self.steps)

@@ -80,3 +80,23 @@ def test_fp64_parameters_compute_in_fp64():
             p.grad = torch.sin(p.detach() * 3)
             o.step()
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_a_cpu_tensor_lr_goes_to_the_device_by_value():
+    """optim._parts.lr_on: a CPU lr for another device is written by a fill (no blocking copy, no host sync on a GPU),
+    with .to()'s rounding; same-device and traced conversions stay .to()."""
+    from mixprec.optim._parts import lr_on
+
+    lr = torch.tensor([0.1], dtype=torch.float64)
+    meta = lr_on(lr, torch.device("meta"), torch.float32)
+    assert meta.device.type == "meta" and meta.shape == lr.shape and meta.dtype == torch.float32
+    same = lr_on(lr, torch.device("cpu"), torch.float32)
+    assert torch.equal(same, lr.to(torch.float32))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = lr_on(lr, torch.device("cuda"), torch.float32)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.cpu(), lr.to(torch.float32))

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ._base import DEFAULT_CHUNK_NUMEL, Compensation, LowPrecisionOptimizer
+from ._parts import lr_on
 
 __all__ = ["Adam", "AdamW"]
 
@@ -144,7 +145,7 @@ class AdamW(LowPrecisionOptimizer):
         beta1, beta2 = group["betas"]
         f64 = torch.float64 if steps_new.device.type != "mps" else torch.float32
         if isinstance(lr, Tensor):
-            lr = lr.to(device=steps_new.device, dtype=f64)
+            lr = lr_on(lr, steps_new.device, f64)
         # Bias corrections in FP64 (as torch computes them in Python), one per segment.
         t = steps_new.to(f64)
         step_size = lr / (1 - torch.pow(beta1, t))
@@ -164,7 +165,7 @@ class AdamW(LowPrecisionOptimizer):
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         if isinstance(lr, Tensor):
-            lr = lr.to(device=w.device, dtype=torch.float64 if w.device.type != "mps" else torch.float32)
+            lr = lr_on(lr, w.device, torch.float64 if w.device.type != "mps" else torch.float32)
         # Only single-rounding ops (+ - * / sqrt), no lerp/addcmul/alpha=: ATen's CPU kernels fuse
         # those into FMAs and Inductor (fp-contract off) does not, so the compiled step (fused=True)
         # equals this eager one bit for bit only when no op has a fused form.

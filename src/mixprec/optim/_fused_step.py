@@ -367,7 +367,7 @@ class FusedStep(OptimizerParts):
         lr = group["lr"]
         lr_t: Tensor
         if isinstance(lr, Tensor):
-            lr_t = lr.detach().to(device=device, dtype=torch.float64).reshape(1)
+            lr_t = _parts.lr_on(lr.detach(), device, torch.float64).reshape(1)
         else:
             lr_key = (gi, device)
             lr_cached = self._lr_tensors.get(lr_key)

@@ -28,7 +28,7 @@ from .._dist import dtensor_like
 from .._dist import is_dtensor as _is_dtensor
 from .._dist import local_tensor as _local
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "Compensation", "OptimizerParts"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "Compensation", "OptimizerParts", "lr_on"]
 
 
 Compensation = Literal["kahan", "stochastic", "none"]
@@ -60,6 +60,8 @@ def _compile_blocked() -> bool:
       skipped for good.
     * ``torch.compile`` is off in this process (``TORCH_COMPILE_DISABLE=1`` or
       ``torch._dynamo.config.disable = True``): torch runs compiled functions eagerly then.
+    * A CUDA graph is being captured: a first compile there (Inductor's autotuning syncs) would
+      invalidate the capture; the eager step is captured instead.
 
     The step then runs eagerly (bit for bit the fused step), and the fused step is not turned off:
     the next step that can compile does.
@@ -67,6 +69,8 @@ def _compile_blocked() -> bool:
     if torch.compiler.is_compiling():
         return False
     if _DISPATCH_STACK_LEN():
+        return True
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return True
     cfg = sys.modules.get("torch._dynamo.config")  # (not imported until something compiles: then the variable decides)
     if cfg is not None:
@@ -481,3 +485,18 @@ def _scatter(tile: _Tile, kind: str | None, value: Tensor) -> None:
     dsts = [v if v is not None else t for v, t in zip(views, ts)]
     srcs = [x if v is not None else x.view(t.shape) for x, v, t in zip(pieces, views, ts)]
     torch._foreach_copy_(dsts, srcs)
+
+
+def lr_on(lr: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A tensor learning rate on ``device`` in ``dtype``, without a device sync for a CPU one.
+
+    ``lr.to(cuda)`` from (pageable) CPU memory is a blocking copy: a host sync per call, and
+    illegal inside a CUDA graph capture. A CPU ``lr`` (torch's recipe for compiled optimizers
+    is ``lr=torch.tensor(0.01)``) is read on the host instead (CPU memory: no device sync) and
+    written by a fill kernel; the value rounds as ``.to(dtype)`` rounds it. Inside a trace (the
+    compiled step) the plain conversion, which the graph records.
+    """
+    if lr.device.type == "cpu" and device.type != "cpu" and not torch.compiler.is_compiling():
+        return torch.full(lr.shape, float(lr), dtype=dtype, device=device)
+    return lr.to(device=device, dtype=dtype)
+

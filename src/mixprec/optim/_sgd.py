@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ._base import DEFAULT_CHUNK_NUMEL, Compensation, LowPrecisionOptimizer
+from ._parts import lr_on
 
 __all__ = ["SGD"]
 
@@ -120,7 +121,7 @@ class SGD(LowPrecisionOptimizer):
         lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
         wd = group["weight_decay"]
         if isinstance(lr, Tensor):
-            lr = lr.to(device=w.device, dtype=w.dtype)
+            lr = lr_on(lr, w.device, w.dtype)
         # Single-rounding ops only (see AdamW._update: eager and compiled steps agree bit for bit).
         # In-place ops only on this function's own temporaries (inputs are read-only), as AdamW._update.
         g = grad.neg() if group["maximize"] else grad
