@@ -1072,3 +1072,13 @@ def test_initialize_twice_says_the_model_was_already_initialized():
     with pytest.raises(ValueError, match=re.escape("amp.initialize: model 0 (") + r".*was already initialized"):
         amp.initialize(model, opt, opt_level="O2", verbosity=0)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_o2_does_not_warn_about_its_noop_scaler():
+    """amp.initialize O2 (fp16 with masters) scales the loss in scale_loss: the MixedPrecision it builds around a
+    NoOpScaler must not say that FP16 gradients run unscaled."""
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    assert not [w for w in caught if "NoOpScaler" in str(w.message)]

@@ -707,3 +707,37 @@ def test_a_noop_scaler_under_an_fp16_policy_that_scales_warns():
         warnings.simplefilter("error")
         MixedPrecision("p=f32,c=f16,ls=none", scaler=NoOpScaler())  # said in the policy
         MixedPrecision("bf16-mixed", scaler=NoOpScaler())
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "bf16-pure"])
+def test_schedulers_stepped_by_prec_step_raise_no_order_warning(preset):
+    """prec.step(opt, schedulers=[sched]): torch's "lr_scheduler.step() before optimizer.step()" warning is false
+    there (the step reached the optimizer below the scheduler's wrapper); it is not raised."""
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for s in range(2):
+            with prec.autocast():
+                loss = loss_fn(model, batch("mlp", s))
+            prec.backward(loss)
+            prec.step(opt, schedulers=[sched])
+            opt.zero_grad()
+    assert sched.last_epoch == 2
+
+
+def test_stepping_the_optimizer_bf16_pure_converted_says_it_was_converted():
+    torch.manual_seed(0)
+    model = make("mlp")
+    raw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prec = MixedPrecision("bf16-pure")
+    model, opt = prec.prepare(model, raw)
+    with prec.autocast():
+        loss = loss_fn(model, batch("mlp", 0))
+    prec.backward(loss)
+    with pytest.raises(RuntimeError, match=re.escape("which prepare() converted into mixprec.optim.AdamW (compensated")):
+        raw.step()
+    prec.step(opt)  # the returned one steps

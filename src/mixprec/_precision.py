@@ -159,7 +159,7 @@ class MixedPrecision(RunCheckpoint):
         check_grad_accumulation(grad_accumulation)
         if scale_update not in ("auto", "manual"):
             raise ValueError(f"scale_update={scale_update!r}; use 'auto' (default) or 'manual' (call prec.update()).")
-        if isinstance(scaler, NoOpScaler) and self.policy.loss_scale != "none" and torch.float16 in (
+        if isinstance(scaler, NoOpScaler) and not self._loss_scaled_elsewhere and self.policy.loss_scale != "none" and torch.float16 in (
                 self.policy.compute_dtype, self.policy.param_dtype):
             warnings.warn(
                 f"scaler=NoOpScaler() under policy {self.policy.label!r}, which scales the loss "
@@ -181,6 +181,9 @@ class MixedPrecision(RunCheckpoint):
         self.check_result: Any = None  # the pre-flight CheckResult when prepare(check_batch=...) ran it
         #: Whether the first backward passed through an Inductor-compiled region (None: not seen yet).
         self._seen_compiled: bool | None = None
+
+    #: A subclass that scales the loss itself around a NoOpScaler (the Apex shim's scale_loss).
+    _loss_scaled_elsewhere = False
 
     def __getstate__(self) -> dict[str, Any]:
         """For ``copy.deepcopy`` and pickling: the records travel without their step guards (re-installed on load).
@@ -308,8 +311,9 @@ class MixedPrecision(RunCheckpoint):
             if opt is not given:
                 # The optimizer the user built now steps inside ours (masters) or was replaced
                 # (compensated): stepping it directly would bypass mixprec.
-                install_step_guard(given, "refuse")
+                refused = install_step_guard(given, "refuse")
                 if not isinstance(opt, MasterWeightOptimizer):
+                    refused.converted_to = type(opt)
                     _follow_param_groups(given, opt)
             if isinstance(opt, MasterWeightOptimizer):
                 opt.set_unscale_callback(self._unscale_callback(opt))
@@ -653,6 +657,12 @@ class MixedPrecision(RunCheckpoint):
                 self._end_iteration()  # rule 1
         if schedulers and info.applied():
             for s in schedulers:
+                # A torch LRScheduler asks its optimizer whether step() ran (the mark its step wrapper sets): this
+                # step reached the optimizer below that wrapper, so set the mark, or torch warns "lr_scheduler.step()
+                # before optimizer.step()" at the first scheduler step.
+                sched_opt = getattr(s, "optimizer", None)
+                if sched_opt is not None:
+                    sched_opt._opt_called = True
                 s.step()
         return info
 

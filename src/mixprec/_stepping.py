@@ -318,6 +318,8 @@ class StepGuard:
         #: path raises and lowers it directly (``inside()`` costs three Python calls per step).
         self.depth = 0
         self._previous = optimizer.__dict__.get("step")  # a scheduler's wrapper, a monitor's, ...
+        #: ``"refuse"`` on an optimizer ``prepare`` converted (``bf16-pure``): the class it became (the message).
+        self.converted_to: type | None = None
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
@@ -339,6 +341,15 @@ class StepGuard:
     def __call__(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if self.depth > 0:
             return self.raw_step(optimizer, *args, **kwargs)
+        if self.mode == "refuse" and self.converted_to is not None:
+            new = self.converted_to
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() was called on the optimizer passed to prepare(), which prepare() "
+                f"converted into {new.__module__.replace('._adamw', '').replace('._sgd', '')}.{new.__qualname__} "
+                "(compensated updates of the half-precision weights, on the same param groups and state); stepping it "
+                "directly would update the weights without their compensation. Call prec.step(optimizer) or "
+                "optimizer.step() on the optimizer prepare() returned."
+            )
         if self.mode == "refuse":
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() was called on the optimizer passed to prepare(), which now steps the "

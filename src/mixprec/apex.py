@@ -230,6 +230,8 @@ class _AmpPrecision(MixedPrecision):
     gradients overflowed). The flags are ORed on the device (no host sync).
     """
 
+    _loss_scaled_elsewhere = True  # amp.scale_loss scales the loss with Apex's scaler
+
     def __init__(self, policy: Policy, keep_dtypes: bool = False) -> None:
         super().__init__(policy, scaler=NoOpScaler(on_failure="ignore"))
         self.amp_records: dict[int, _OptimizerState] = {}
