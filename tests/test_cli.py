@@ -201,3 +201,17 @@ def test_console_entry_point_errors_without_traceback(tmp_path: Path) -> None:
         "bf16-mixed, fp16-mixed, bf16-master, bf16-master-r16, fp16-master, bf16-pure, fp16-pure, or 'all' (the torch-amp baseline is "
         "set with --baseline)"
     )
+
+
+def test_unwritable_output_paths_are_refused_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--out naming a file, --json naming a directory: exit 2 with the reason, before any training (the run's results
+    used to be lost to a traceback after it)."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    assert main(["compare", *TINY_LM, *FAST, "-p", "fp32", "--baseline", "none", "--out", str(a_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {a_file}: exists and is not a directory" in err
+    assert main(["compare", *TINY_LM, *FAST, "-p", "fp32", "--baseline", "none", "--json", str(tmp_path)]) == 2
+    assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
+    assert main(["doctor", "--out", str(a_file)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err

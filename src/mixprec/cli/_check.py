@@ -51,6 +51,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         opts = _common.options(args.option)
         pol = _common.policy(args.policy)
         dev = _common.device(args.device)
+        _common.check_output_paths(None, args.json)
         w = _common.load(args.workload, opts)
         batch = _common.first_batches(w, 1, dev)[0]
     except ArgError as e:

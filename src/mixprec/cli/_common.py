@@ -25,6 +25,50 @@ class ArgError(Exception):
     """Bad input to ``doctor``/``check``: one line on stderr (prefixed with the command), exit status 2."""
 
 
+def check_output_paths(out_dir: str | None = None, json_path: str | None = None) -> None:
+    """Refuse, before any run, output paths that could not be written (the run's results would be lost after it).
+
+    ``out_dir``: a directory, created when missing (not an existing file); ``json_path``: a file
+    (``'-'``: stdout), not a directory. Either must lie under a directory this process can write.
+
+    Raises:
+        ArgError: the option, the path and why.
+    """
+    from pathlib import Path
+
+    def writable_ancestor(p: Path) -> bool:
+        for parent in (p, *p.parents):
+            if parent.exists():
+                return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+        return False
+
+    if out_dir is not None:
+        p = Path(out_dir)
+        if p.exists() and not p.is_dir():
+            raise ArgError(f"--out {out_dir}: exists and is not a directory; give a directory (created if missing)")
+        if not writable_ancestor(p):
+            raise ArgError(f"--out {out_dir}: cannot be created or written here; give a writable directory")
+        try:  # made now (it would be at the end): a path the OS refuses fails before the run, not after it
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ArgError(f"--out {out_dir}: cannot be created ({e.strerror}); give a writable directory") from None
+    if json_path is not None and json_path != "-":
+        p = Path(json_path)
+        if p.is_dir():
+            raise ArgError(f"--json {json_path}: is a directory; give a file path (or '-' for stdout)")
+        if not writable_ancestor(p.parent) or (p.exists() and not os.access(p, os.W_OK)):
+            raise ArgError(f"--json {json_path}: cannot be written here; give a writable file path (or '-' for stdout)")
+        existed = p.exists()
+        try:  # opened (and, when new, removed again) now: a path the OS refuses fails before the run
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with open(p, "a"):
+                pass
+            if not existed:
+                p.unlink()
+        except OSError as e:
+            raise ArgError(f"--json {json_path}: cannot be written ({e.strerror}); give a writable file path") from None
+
+
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors raise :class:`UsageError` instead of exiting."""
 

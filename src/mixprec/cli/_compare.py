@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Any
 
-from ._common import UsageError, add_workload, parse_option, resolve_workload
+from ._common import ArgError, UsageError, add_workload, check_output_paths, parse_option, resolve_workload
 
 __all__ = ["add_compare"]
 
@@ -126,6 +126,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         from ..bench._runner import check_compile_backend
 
         check_compile_backend(args.compile)
+        try:
+            check_output_paths(args.out, args.json)
+        except ArgError as e:
+            raise BenchError(str(e)) from None
         if args.out is not None:
             try:
                 import matplotlib  # noqa: F401

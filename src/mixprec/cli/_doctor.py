@@ -202,6 +202,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                 _pyplot()
             except ImportError as e:
                 raise ArgError(f"{e} (or pass --no-plot)") from None
+        _common.check_output_paths(args.out, args.json)
         w = _common.load(args.workload, opts)
     except ArgError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
