@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="where the rows run (default cpu; cuda on a GPU)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    from mixprec.bench._timing import device_or_exit
+
+    device_or_exit(a.device)  # (a clear exit here, not a traceback from every child)
     if a.child:
         fn = child_step if a.optimizer_step else child
         print(json.dumps(fn(a.child, int(a.layers), a.width, a.steps, a.device)))

@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-down", type=float, default=1.0, help="divide the parameter count by about this")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    from mixprec.bench._timing import device_or_exit
+
+    device = device_or_exit(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     g = torch.Generator().manual_seed(0)
     masters = [(torch.randn(s, generator=g) * 0.02).to(device) for s in gpt2_shapes(args.scale_down)]

@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated preset names to keep")
     ap.add_argument("--json", default="", help="write the rows and the environment to this file")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    from mixprec.bench._timing import device_or_exit
+
+    device = device_or_exit(args.device)
     keep = {s.strip() for s in args.only.split(",") if s.strip()}
     rows = [measure(cfg, args, device) for cfg in CONFIGS if not keep or cfg.preset in keep]
     print(f"# torch {torch.__version__}, {device}, {platform.processor() or platform.machine()}, "

@@ -42,7 +42,9 @@ def shapes(width: int, blocks: int) -> list[tuple[int, ...]]:
 
 def build(storage: str, fused: bool, args: argparse.Namespace) -> tuple[list[torch.Tensor], MasterWeightOptimizer]:
     torch.manual_seed(0)
-    dev = torch.device(args.device)
+    from mixprec.bench._timing import device_or_exit
+
+    dev = device_or_exit(args.device)
     masters = [torch.randn(s, device=dev) * 0.02 for s in shapes(args.width, args.blocks)]
     params = [torch.nn.Parameter(m.to(torch.bfloat16)) for m in masters]
     opt = MasterWeightOptimizer(

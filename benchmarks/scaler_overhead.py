@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
 
-    device = torch.device(args.device)
+    from mixprec.bench._timing import device_or_exit
+
+    device = device_or_exit(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     scale_down = args.scale_down if args.scale_down is not None else (1.0 if device.type == "cuda" else 16.0)

@@ -356,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         from mixprec.optim import _fused_step
 
         _fused_step._DIRECT_CALLS = False
-    device = torch.device(args.device)
+    from mixprec.bench._timing import device_or_exit
+
+    device = device_or_exit(args.device)
     rows: dict[str, Callable[[], TorchLoop | MixprecLoop | OptimizerLoop]] = {}
     baseline: dict[str, str] = {}
     if not args.only_compensated:

@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                          "split_with_sizes_copy (one-op, a CPU's), _foreach_copy_ through two shared buffers "
                          "(foreach, a GPU's), or each packed row both ways (both)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    from mixprec.bench._timing import device_or_exit
+
+    device = device_or_exit(args.device)
     torch.set_num_threads(1)
     print(f"tile_host_cost: torch {torch.__version__}, {device}, 1 thread; {args.tiles} tiles of {args.tile} elements, "
           "fused Kahan AdamW (BF16 weights, FP32 states), median step")

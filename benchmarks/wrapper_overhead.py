@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # GradScaler on CPU, fp16-mixed without autocast: not what is measured
-    device = torch.device(args.device)
+    from mixprec.bench._timing import device_or_exit
+
+    device = device_or_exit(args.device)
     loops = make_loops(args.optimizer, args.tensors, args.width, device)
     region, whole = measure(loops, args.rounds, args.reps, device)
     print(f"wrapper overhead, {args.tensors} tensors, {args.optimizer}, {device} ({platform.processor() or platform.machine()}, "

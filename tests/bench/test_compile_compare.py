@@ -169,6 +169,13 @@ def test_compile_cold_reports_ratios_and_the_goal_per_preset(capsys: pytest.Capt
         capsys.readouterr().out
     assert set(devices) == {"cpu"}
     devices.clear()
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exit_info:  # a clear refusal here, not a traceback from every child
+            module.main(["--presets", "bf16-mixed", "--layers", "2", "--device", "cuda"])
+        assert exit_info.value.code == 2 and "this machine has no CUDA device" in capsys.readouterr().err
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the children are stubbed: check the forwarding
     assert module.main(["--presets", "bf16-mixed", "--layers", "2", "--device", "cuda"]) == 0
     assert devices == ["cuda"] * 4 and "# cuda;" in capsys.readouterr().out  # every child, cold and warm, on the GPU
 

@@ -18,9 +18,26 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DENSE_PEAK_TFLOPS", "OpCounter", "peak_tflops", "percentile", "summarize", "synchronize", "timed"]
+__all__ = ["DENSE_PEAK_TFLOPS", "OpCounter", "device_or_exit", "peak_tflops", "percentile", "summarize", "synchronize",
+           "timed"]
 
 T = TypeVar("T")
+
+
+def device_or_exit(name: str) -> torch.device:
+    """A benchmark's ``--device``: the device, or exit 2 with a clear line when this machine has none such (no traceback)."""
+    import sys
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        print(f"--device {name!r}: not a device ({e}); use cpu or cuda", file=sys.stderr)
+        raise SystemExit(2) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"--device {name}: this machine has no CUDA device (torch {torch.__version__}); run it on a GPU, or with "
+              "--device cpu", file=sys.stderr)
+        raise SystemExit(2)
+    return device
 
 
 def synchronize(device: torch.device) -> None:
