@@ -119,7 +119,8 @@ def policies(draw):
     o = draw(_dt)
     m = draw(st.sampled_from([None, F32])) if p != F32 else None
     ls = draw(st.sampled_from(["none", "static", "dynamic"]))
-    scale = None if ls == "none" else draw(st.sampled_from([None, 1.0, 0.25, 2.0 ** 15, 1000.0]))
+    # (a dynamic scale starts inside the scaler's [1, 2**24]; a static one may be any positive number)
+    scale = None if ls == "none" else draw(st.sampled_from([None, 1.0, 2.0 ** 15, 1000.0] + ([0.25] if ls == "static" else [])))
     islands = draw(st.lists(st.sampled_from(["norm", "Embedding", "Linear", "name:*.head", "name:blocks.?.attn"]),
                             unique=True, max_size=3))
     comp = draw(st.sampled_from(["none", "kahan", "stochastic"])) if (p != F32 and m is None) else "none"
