@@ -161,6 +161,14 @@ def _ratios(times: dict[str, list[float]]) -> tuple[dict[str, float], float, flo
             statistics.median(ratios) if ratios else float("nan"), total)
 
 
+def _fmt_ratio(ratio: float, over: dict[str, float]) -> str:
+    """The overhead ratio, or why there is none (a negative overhead: that loop cost less than the plain one)."""
+    if over["mixprec"] <= 0 or over["torch.amp"] <= 0:
+        who = [n for n in ("mixprec", "torch.amp") if over[n] <= 0]
+        return f"n/a ({' and '.join(who)} cost less than the plain loop in the median round: no overhead to compare)"
+    return f"{ratio:.2f}x"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
@@ -189,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         extra_w = "" if n == "plain" else f"{w_over[n] * 1e6:10.1f}"
         print(f"{n:12s} {statistics.median(region[n]) * 1e6:10.1f} {extra_r:>11s} "
               f"{statistics.median(whole[n]) * 1e6:13.1f} {extra_w:>11s}")
-    print(f"mixprec / torch.amp, backward + step: {r_total:.3f}x, fixed overhead {r_ratio:.2f}x (goal <= 1.00)")
+    print(f"mixprec / torch.amp, backward + step: {r_total:.3f}x, fixed overhead {_fmt_ratio(r_ratio, r_over)} "
+          "(goal <= 1.00)")
     print(f"mixprec / torch.amp, whole iteration (forward, zero_grad too): {w_total:.3f}x, "
-          f"fixed overhead {w_ratio:.2f}x")
+          f"fixed overhead {_fmt_ratio(w_ratio, w_over)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"region_median_s": {n: statistics.median(v) for n, v in region.items()},
