@@ -7,7 +7,7 @@
 
 The check is ``master = where(weight == round(master), master, weight)`` over every (FP32 master,
 half weight) pair before each ``*-master`` step (``_master.carry_edits_``). Rows: ``foreach`` (four
-ops per group and 32M elements, ~38 bytes of traffic per element) and, where
+flat ops per group and 32M elements, ~48 bytes of traffic per element) and, where
 ``mixprec._edit_kernel`` runs (CUDA with Triton), ``triton`` (one launch per group, 6 bytes read
 per element). Each row: the median of ``--reps`` timed calls (CUDA events on a GPU), the bytes
 that row moves per call divided by that time, and the ratio to the foreach row measured in the
@@ -35,7 +35,7 @@ from mixprec._master import EditViews, _carry_edits
 from mixprec.optim._rounding import with_edits
 
 #: Bytes per element each route moves: foreach (two copies, a compare, a lerp); the kernel's reads.
-BYTES = {"foreach": 38, "triton": 6}
+BYTES = {"foreach": 48, "triton": 6}
 
 
 def gpt2_shapes(scale_down: float) -> list[tuple[int, ...]]:

@@ -393,3 +393,28 @@ def test_compute_accumulation_with_a_grad_scaler():
         warnings.simplefilter("ignore")  # torch.amp.GradScaler on a CPU
         with pytest.raises(ValueError, match="With grad_accumulation='compute' the FP32 master gradients exist only"):
             run("compute", functools.partial(torch.amp.GradScaler, "cpu", init_scale=1024.0))
+
+
+@pytest.mark.parametrize("accumulation,storage", [("compute", "full"), ("fp32", "remainder"), ("compute", "remainder")])
+def test_lbfgs_with_model_zero_grad_and_remainder_masters(accumulation, storage):
+    """A closure that clears with model.zero_grad() under grad_accumulation="compute" (each evaluation's gradient used
+    to pile onto the last: LBFGS diverged), and closures with remainder masters (they crashed on the placeholders):
+    LBFGS converges as with FP32 accumulation and full masters."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    y = x @ torch.randn(8, 1)
+    model = nn.Linear(8, 1)
+    cast_module(model, "p=bf16,c=bf16")
+    opt = MasterWeightOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5),
+                                grad_accumulation=accumulation, master_storage=storage)
+
+    def closure():
+        model.zero_grad()
+        loss = (model(x.to(torch.bfloat16)).float() - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    first = float(closure())
+    for _ in range(3):
+        opt.step(closure)
+    assert float(closure()) < 1e-3 * first

@@ -250,14 +250,37 @@ def test_the_norm_island_is_normalization_layers_only():
 
 
 @pytest.mark.parametrize("scale", ["0.5", "33554432"])
-def test_a_dynamic_initial_scale_outside_the_scalers_range_is_refused_at_parse(scale):
-    """ls=dynamic:S must start inside the dynamic scaler's floor and ceiling: refused where the policy is parsed (it
-    used to parse, run numerics.check, and then fail in MixedPrecision naming constructor arguments never passed)."""
+def test_a_dynamic_initial_scale_outside_the_default_range_widens_it(scale):
+    """ls=dynamic:S outside the dynamic scaler's default [1, 2**24]: the run's scaler starts at S with its floor or
+    ceiling moved to S (it used to parse, then fail in MixedPrecision naming constructor arguments never passed;
+    a numerics report may recommend such a scale)."""
+    from mixprec import MixedPrecision
     from mixprec._policy import DYNAMIC_SCALE_RANGE
     from mixprec._scaler import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE
 
     assert (DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE) == DYNAMIC_SCALE_RANGE
-    with pytest.raises(ValueError, match=rf"ls=dynamic:{scale} in policy .* must lie in its range \[1, 16777216\].*"
-                                         r"scaler=DynamicScaler\(init_scale=\.\.\., min_scale=\.\.\., max_scale=\.\.\.\)"):
-        Policy.parse(f"p=f32,c=f16,ls=dynamic:{scale}")
-    assert Policy.parse(f"p=f32,c=f16,ls=static:{scale}").init_scale == float(scale)
+    prec = MixedPrecision(f"p=f32,c=f16,ls=dynamic:{scale}")
+    assert float(prec.scaler.loss_scale) == float(scale)
+    cfg = prec.scaler._core.cfg
+    assert cfg.min_scale == min(1.0, float(scale)) and cfg.max_scale == max(2.0 ** 24, float(scale))
+
+
+def test_the_norm_island_keeps_parametrized_norms_and_norms_around_norms():
+    from torch import nn
+    from torch.nn.utils import parametrize
+
+    class Positive(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w.abs()
+
+    class SandwichNorm(nn.Module):  # its own gain around an inner LayerNorm
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.LayerNorm(4)
+            self.g = nn.Parameter(torch.ones(4))
+
+    ln = nn.LayerNorm(4)
+    parametrize.register_parametrization(ln, "weight", Positive())
+    policy = Policy.parse("bf16-master")
+    assert policy.is_fp32_island(ln)
+    assert policy.is_fp32_island(SandwichNorm())

@@ -406,19 +406,14 @@ def test_for_inference_halves_weights_keeps_islands():
 
 
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-master", "bf16-master", "bf16-pure"])
-def test_for_inference_of_a_live_run_takes_its_best_weights_and_closes_it(preset):
-    """for_inference on the model of a run still training: each weight is its best value (master, or param + Kahan
-    compensation) rounded once to BF16; then the run is closed, and training on raises instead of training the cast
-    model (bf16-master and bf16-pure used to train on silently, *-mixed failed with a dtype error)."""
+def test_for_inference_of_a_live_run_casts_its_weights_and_closes_it(preset):
+    """for_inference on the model of a run still training: the weights it holds are cast; the run is closed, and
+    training on raises instead of training the cast model (bf16-master and bf16-pure used to train on silently,
+    *-mixed failed with a dtype error)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 on a CPU
         prec, model, opt, _ = train(preset, steps=3)
-    if isinstance(opt, MasterWeightOptimizer):
-        best = {id(p): v.clone() for p, v in zip(opt.model_params, opt.master_values())}
-    elif hasattr(opt, "full_precision_params"):
-        best = {id(p): v.clone() for p, v in opt.full_precision_params().items()}
-    else:
-        best = {id(p): p.detach().clone() for p in model.parameters()}
+    best = {id(p): p.detach().clone() for p in model.parameters()}  # what the model holds is what gets cast
     for_inference(model, "bf16")
     islands = 0
     for p in model.parameters():
@@ -741,3 +736,35 @@ def test_stepping_the_optimizer_bf16_pure_converted_says_it_was_converted():
     with pytest.raises(RuntimeError, match=re.escape("which prepare() converted into mixprec.optim.AdamW (compensated")):
         raw.step()
     prec.step(opt)  # the returned one steps
+
+
+
+@pytest.mark.parametrize("weight_edits", ["values", "versions"])
+def test_for_inference_keeps_edits_made_since_the_last_step(weight_edits):
+    """Pruning through .data, then for_inference: the pruned weights stay 0 (the masters are taken after the
+    value-based edit check, whatever weight_edits says)."""
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision("bf16-master", weight_edits=weight_edits)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with prec.autocast():
+        loss = loss_fn(model, batch("mlp", 0))
+    prec.backward(loss)
+    prec.step(opt)
+    w = next(p for p in model.parameters() if p.dim() == 2)
+    with torch.no_grad():
+        w.data[:, ::2] = 0
+    for_inference(model, "fp16")
+    assert (w[:, ::2] == 0).all()
+
+
+def test_for_inference_of_a_submodule_or_a_wrapper_closes_the_run():
+    """Casting a module inside the run's model (or a module around it) casts the run's weights too: the run closes."""
+    for pick in (lambda m: m[0], lambda m: nn.Sequential(m)):
+        torch.manual_seed(0)
+        model = make("mlp")
+        prec = MixedPrecision("bf16-master")
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        for_inference(pick(model), "bf16")
+        with pytest.raises(ValueError, match=re.escape("cast for inference by for_inference()")):
+            prec.step(opt)

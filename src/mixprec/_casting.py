@@ -468,9 +468,9 @@ def for_inference(
     Weight memory halves; normalization layers (or the islands given) stay FP32. Floating
     inputs are cast to ``dtype`` on the way in and outputs come back in FP32. The model is
     put in ``eval()`` mode. A model prepared for training has its hooks replaced, and its run
-    ends here: the model first takes the run's best weights (the FP32 masters of ``*-master``,
-    ``param + compensation`` of ``bf16-pure``), so each is rounded once, and the
-    ``MixedPrecision`` is closed (its ``backward``, ``step``, ... then raise a ``ValueError``
+    ends here (also when ``model`` is a module inside the run's model or around it): the weights
+    it holds are cast (for the FP32 masters' precision, cast an FP32 model loaded from
+    ``mixprec.checkpoint.fp32_state_dict(prec)``), and the ``MixedPrecision`` is closed (its ``backward``, ``step``, ... then raise a ``ValueError``
     saying so: training on would train the cast model). To evaluate in the middle of training use
     ``with torch.no_grad(), prec.autocast(): model(x)`` instead.
 
@@ -491,14 +491,18 @@ def for_inference(
     # (a str is one entry, as Policy reads it: tuple("norm") would be four one-letter islands)
     islands = (fp32_islands,) if isinstance(fp32_islands, str) else tuple(fp32_islands)
     policy = Policy(dt, dt, torch.float32, fp32_islands=islands)
-    policy.check_islands(model)
-    for m in {id(m): m for m in (model, getattr(model, "_orig_mod", None)) if isinstance(m, nn.Module)}.values():
-        ref = _RUN_CLOSERS.pop(m, None)
-        close = ref() if ref is not None else None
-        if close is not None:
-            close()
-    if is_prepared(model):
-        uncast_module(model)
-    revert_linears(model)  # FP8 linears (f8= policies) evaluate as the plain linears they were
-    cast_module(model, policy)
+    target = _compile_target(model)  # a torch.compile'd model: the module it wraps
+    policy.check_islands(target)
+    # Every live run whose model this cast touches (the model itself, a module around it, one inside it).
+    inside = set(map(id, target.modules()))
+    for run_model, ref in list(_RUN_CLOSERS.items()):
+        if id(run_model) in inside or any(m is target for m in run_model.modules()):
+            _RUN_CLOSERS.pop(run_model, None)
+            close = ref()
+            if close is not None:
+                close()
+    if is_prepared(target):
+        uncast_module(target)
+    revert_linears(target)  # FP8 linears (f8= policies) evaluate as the plain linears they were
+    cast_module(target, policy)
     return model.eval()

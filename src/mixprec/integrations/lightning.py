@@ -23,8 +23,9 @@ A scheduler attached to a prepared optimizer (``interval="step"`` in the Trainer
 ``scheduler=`` of :meth:`MixprecFabricPrecision.setup`) is made skip-aware: its ``step()`` does
 nothing when the latest step of its optimizer was skipped (inf/NaN gradients), so the learning
 rate schedule counts applied steps only. That costs one host read of ``skipped`` per scheduler
-step. ``interval="epoch"`` schedulers are left alone (they advance once per epoch), except under
-manual optimization, where every scheduler is stepped by hand and so every one is gated.
+step. ``interval="epoch"`` schedulers are left alone (they advance once per epoch), also under manual
+optimization: a scheduler you step per batch by hand is skip-aware when you declare it
+``{"scheduler": s, "interval": "step"}`` (a list return means ``"epoch"``).
 
 Strategies: single device only (``SingleDeviceStrategy``, what ``devices=1`` gives). Other
 strategies (DDP, FSDP, DeepSpeed, ...) raise a ``ValueError`` naming the supported one; for
@@ -223,10 +224,10 @@ class MixprecPrecision(_Adapter, _TrainerPrecisionBase):
             )
         if type(model).__name__ == "DistributedDataParallel" or not isinstance(model, nn.Module):
             raise ValueError(f"Trainer: mixprec's Lightning plugin supports {SUPPORTED_STRATEGIES}, got a {type(model).__name__}.")
-        # Manual optimization steps every scheduler by hand (Lightning steps none), whatever its interval: all are
-        # gated; automatic optimization steps interval="epoch" ones once per epoch, and those are left alone.
-        manual = not getattr(model, "automatic_optimization", True)
-        step_schedulers = [c.scheduler for c in lr_schedulers if manual or getattr(c, "interval", "step") == "step"]
+        # Only interval="step" schedulers are gated: an "epoch" one (the list return's default) advances once per
+        # epoch, also when stepped by hand in manual optimization, where gating it on the epoch's last optimizer
+        # step would lose the epoch's step whenever that one was skipped.
+        step_schedulers = [c.scheduler for c in lr_schedulers if getattr(c, "interval", "step") == "step"]
         wrapped = self._prepare(model, list(optimizers), step_schedulers)
         return model, wrapped, lr_schedulers
 

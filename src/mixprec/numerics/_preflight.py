@@ -253,7 +253,8 @@ def _run(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch
     model.zero_grad(set_to_none=True)
     box, handle = _capture_output(model)
     try:
-        with _seeded(seed, device):
+        # (gradients on even when check() is called under torch.no_grad(): the check compares them)
+        with _seeded(seed, device), torch.enable_grad():
             with region:
                 out = loss_fn(model, batch) if loss_fn is not None else _forward_only(model, batch)
             loss: float | None = None
