@@ -284,3 +284,26 @@ def test_the_norm_island_keeps_parametrized_norms_and_norms_around_norms():
     policy = Policy.parse("bf16-master")
     assert policy.is_fp32_island(ln)
     assert policy.is_fp32_island(SandwichNorm())
+
+
+def test_a_norm_named_block_inside_a_norm_named_block_is_not_an_island():
+    from torch import nn
+
+    class PreNorm(nn.Module):
+        def __init__(self, fn: nn.Module) -> None:
+            super().__init__()
+            self.norm, self.fn = nn.LayerNorm(4), fn
+
+    class AdaLayerNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.norm = nn.Linear(4, 8), nn.LayerNorm(4)
+
+    class OuterNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ada = AdaLayerNorm()
+
+    policy = Policy.parse("bf16-master")
+    assert not policy.is_fp32_island(PreNorm(PreNorm(nn.Linear(4, 4))))
+    assert not policy.is_fp32_island(OuterNorm())

@@ -768,3 +768,16 @@ def test_for_inference_of_a_submodule_or_a_wrapper_closes_the_run():
         for_inference(pick(model), "bf16")
         with pytest.raises(ValueError, match=re.escape("cast for inference by for_inference()")):
             prec.step(opt)
+
+
+def test_for_inference_of_a_wrapper_in_another_dtype_runs():
+    """A module around a run's model cast to another dtype: the run's own casts come off too, so the forward runs."""
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    wrapper = nn.Sequential(model)
+    for_inference(wrapper, "fp16")
+    with torch.no_grad():
+        out = wrapper(batch("mlp", 0)[0])
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()

@@ -501,8 +501,9 @@ def for_inference(
             close = ref()
             if close is not None:
                 close()
-    if is_prepared(target):
-        uncast_module(target)
+    for m in list(target.modules()):  # the model and any prepared model inside it (a wrapper of a run's model)
+        if is_prepared(m):
+            uncast_module(m)
     revert_linears(target)  # FP8 linears (f8= policies) evaluate as the plain linears they were
     cast_module(target, policy)
     return model.eval()

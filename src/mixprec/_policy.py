@@ -289,7 +289,7 @@ class Policy:
         mro_names = {cls.__name__ for cls in type(module).__mro__}
         for island in self.fp32_islands:
             if island == "norm":
-                if any(_NORM_NAME.search(n) for n in mro_names) and not _has_parametrised_child(module):
+                if _is_norm_layer(module):
                     return True
             elif island.startswith("name:"):
                 if fnmatch.fnmatchcase(qualified_name, island[5:]):
@@ -506,9 +506,14 @@ def _has_parametrised_child(module: nn.Module) -> bool:
     ``parametrizations`` container (the parametrized norm's own weight lives there).
     """
     for name, child in module.named_children():
-        if name == "parametrizations" or any(_NORM_NAME.search(c.__name__) for c in type(child).__mro__):
+        if name == "parametrizations" or _is_norm_layer(child):
             continue
         if any(True for _ in child.parameters()):
             return True
     return False
+
+
+def _is_norm_layer(module: nn.Module) -> bool:
+    """A normalization layer: named like one, with no parametrised child but norms of its own (recursive)."""
+    return any(_NORM_NAME.search(c.__name__) for c in type(module).__mro__) and not _has_parametrised_child(module)
 

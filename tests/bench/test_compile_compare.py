@@ -176,6 +176,10 @@ def test_compile_cold_reports_ratios_and_the_goal_per_preset(capsys: pytest.Capt
             module.main(["--presets", "bf16-mixed", "--layers", "2", "--device", "cuda"])
         assert exit_info.value.code == 2 and "this machine has no CUDA device" in capsys.readouterr().err
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the children are stubbed: check the forwarding
+        monkeypatch.setattr(module, "device_or_exit", lambda name: torch.device(name), raising=False)
+        import mixprec.bench._timing as timing
+
+        monkeypatch.setattr(timing, "device_or_exit", lambda name: torch.device(name))
     assert module.main(["--presets", "bf16-mixed", "--layers", "2", "--device", "cuda"]) == 0
     assert devices == ["cuda"] * 4 and "# cuda;" in capsys.readouterr().out  # every child, cold and warm, on the GPU
 

@@ -264,3 +264,9 @@ def test_no_precision_verdict_when_the_traced_step_ran_in_fp32() -> None:
     assert r.found and r.module == "0"
     assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause is False and r.fp32_rerun.finite is None
     assert "already ran in FP32" in str(r) and "precision is the cause" not in str(r)
+
+
+def test_a_trace_under_no_grad_still_runs_its_backward() -> None:
+    with torch.no_grad():
+        r = trace_nonfinite(PlantedBackward(), X, _loss, FP16, loss_scale=2.0**10)
+    assert (r.found, r.phase, r.module) == (True, "backward", "blowup")

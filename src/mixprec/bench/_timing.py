@@ -37,10 +37,14 @@ def device_or_exit(name: str) -> torch.device:
         print(f"--device {name}: this machine has no CUDA device (torch {torch.__version__}); run it on a GPU, or with "
               "--device cpu", file=sys.stderr)
         raise SystemExit(2)
+    if device.type not in ("cpu", "cuda", "xpu"):
+        print(f"--device {name}: the benchmarks run on cpu, cuda or xpu, got {device.type}", file=sys.stderr)
+        raise SystemExit(2)
     try:
-        torch.empty(1, device=device)  # mps/xla/meta, cuda:N past the device count: fails here, not mid-benchmark
-    except (RuntimeError, AssertionError, ValueError) as e:
-        print(f"--device {name}: not usable on this machine ({type(e).__name__}: {e}); use cpu or cuda", file=sys.stderr)
+        torch.empty(1, device=device)  # cuda:N past the device count, xpu without one: fails here, not mid-benchmark
+    except Exception as e:  # whatever the backend raises: one line, not its dispatch table
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"--device {name}: not usable on this machine ({type(e).__name__}: {first}); use cpu or cuda", file=sys.stderr)
         raise SystemExit(2) from None
     return device
 

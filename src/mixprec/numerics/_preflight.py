@@ -265,6 +265,9 @@ def _run(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch
                 if not out.dtype.is_floating_point:
                     raise ValueError(f"loss_fn must return a scalar floating loss (what prec.backward takes), got "
                                      f"{out.dtype}; return the loss before any .long()/.item().")
+                if not out.requires_grad and torch.is_inference_mode_enabled():
+                    raise ValueError("check() under torch.inference_mode(): its tensors record no graph, so no "
+                                     "gradient could be compared; call it outside inference_mode.")
                 if not out.requires_grad and any(p.requires_grad for p in model.parameters()):
                     raise ValueError(
                         "loss_fn returned a loss that does not require grad (computed under torch.no_grad(), or from "

@@ -544,7 +544,8 @@ def trace_nonfinite(
     region = autocast(pol, device_type) if pol is not None else contextlib.nullcontext()
     try:
         try:
-            with region:
+            # (gradients on even when called under torch.no_grad(): the backward is part of the trace)
+            with region, (torch.enable_grad() if do_backward else contextlib.nullcontext()):
                 out = loss_fn(work, batch) if loss_fn is not None else _call_model(work, batch)
             if loss_fn is not None:
                 if not isinstance(out, torch.Tensor) or out.numel() != 1:
@@ -554,7 +555,8 @@ def trace_nonfinite(
                 if not math.isfinite(loss_value):
                     tracer.stop(_Event("forward", None, "loss", "the loss function", [out.detach()], [], None))
                 if do_backward:
-                    (out.float() * loss_scale).backward()
+                    with torch.enable_grad():  # (the scaling multiply too, under a caller's no_grad)
+                        (out.float() * loss_scale).backward()
         except _Stop:
             pass
     finally:
