@@ -781,3 +781,15 @@ def test_for_inference_of_a_wrapper_in_another_dtype_runs():
     with torch.no_grad():
         out = wrapper(batch("mlp", 0)[0])
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_for_inference_of_a_wrapper_around_a_compiled_run_model():
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    wrapper = nn.Sequential(torch.compile(model, backend="eager"))
+    for_inference(wrapper, "fp16")  # (raised AttributeError on the compiled module, after closing the run)
+    assert {p.dtype for p in model.parameters()} == {torch.float16, torch.float32}
+    with pytest.raises(ValueError, match=re.escape("cast for inference by for_inference()")):
+        prec.step(opt)

@@ -502,7 +502,7 @@ def for_inference(
             if close is not None:
                 close()
     for m in list(target.modules()):  # the model and any prepared model inside it (a wrapper of a run's model)
-        if is_prepared(m):
+        if _compile_target(m) is m and is_prepared(m):  # (a compiled module: its _orig_mod is visited itself)
             uncast_module(m)
     revert_linears(target)  # FP8 linears (f8= policies) evaluate as the plain linears they were
     cast_module(target, policy)

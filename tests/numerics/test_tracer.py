@@ -270,3 +270,25 @@ def test_a_trace_under_no_grad_still_runs_its_backward() -> None:
     with torch.no_grad():
         r = trace_nonfinite(PlantedBackward(), X, _loss, FP16, loss_scale=2.0**10)
     assert (r.found, r.phase, r.module) == (True, "backward", "blowup")
+
+
+def test_tracing_a_live_master_run_in_place_keeps_its_pending_master_gradients() -> None:
+    """copy_model=False between backward and step of a bf16-master run: the trace's backward runs the run's
+    accumulation hooks; the FP32 master gradients are restored with the parameters' own."""
+    import warnings
+
+    import mixprec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    prec = mixprec.MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with prec.autocast():
+        prec.backward(model(X).float().pow(2).mean())
+    before = [m.grad.clone() for m in opt.masters]
+    with warnings.catch_warnings(), prec.autocast():
+        warnings.simplefilter("ignore")
+        trace_nonfinite(model, X * 3, _loss, copy_model=False)
+    assert all(torch.equal(m.grad, b) for m, b in zip(opt.masters, before))
+    with pytest.raises(ValueError, match="under torch.inference_mode"), torch.inference_mode():
+        trace_nonfinite(model, X, _loss)

@@ -532,9 +532,16 @@ def trace_nonfinite(
     stats_name = thresholds(stats_dtype).dtype
     do_backward = backward and loss_fn is not None
 
+    if do_backward and torch.is_inference_mode_enabled():
+        raise ValueError("trace_nonfinite under torch.inference_mode() cannot run its backward (no graph is recorded "
+                         "there); call it outside inference_mode, or pass backward=False for the forward only.")
     saved_grads = None
     if not copy_model and pol is None:
         saved_grads = [(p, p.grad) for p in work.parameters()]
+        # A live master-weight run's FP32 master gradients too: its accumulation hooks run in the trace's backward.
+        run = run_of(model)
+        saved_grads += [(m, m.grad) for opt in getattr(run, "optimizers", ()) or ()
+                        for m in getattr(opt, "masters", ()) if m.grad is not None]
         for p, _ in saved_grads:
             p.grad = None
 
