@@ -9,7 +9,6 @@ applied step the masters are copied back into the model's half-precision paramet
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import warnings
 from collections import OrderedDict
@@ -595,14 +594,7 @@ class MasterWeightOptimizer(Optimizer):
                     # is stale, rather than adding to it (as _AccumulateInto does for "fp32").
                     m.grad = b
                     p.grad = self._views[id(p)]  # torch code reading p.grad now sees the FP32 gradient
-        elif self._hooks and any(map(operator.is_, map(_GRAD, self._pair_lists[0]), itertools.repeat(None))):
-            # A dropped view (model.zero_grad() after an earlier backward) with no new gradient since: the master's
-            # gradient is stale; torch's optimizers skip a parameter whose gradient is None, so drop it too.
-            for p, m in zip(*self._pair_lists):
-                if p.grad is None:
-                    m.grad = None
-        if self._hooks and self.grad_accumulation == "fp32" and not _ONLY_VIEWS.issuperset(
-                map(type, map(_GRAD, self._pair_lists[0]))):
+        elif self._hooks and not _ONLY_VIEWS.issuperset(map(type, map(_GRAD, self._pair_lists[0]))):
             # The hooks moved every half gradient into its master and cleared it, so something wrote
             # .grad afterwards: DDP's reducer does (it reduced the gradient the hook had already taken,
             # and the masters hold this rank's unreduced gradient: the replicas would drift apart).
