@@ -157,15 +157,19 @@ class EditTables:
         self.masters, self.weights = masters, weights
         self.run: Callable[[], Any] | None = None
 
+    def bound(self, kernel: Any) -> Callable[[], Any]:
+        """Triton's launcher of ``kernel`` over every block of the group, every argument bound."""
+        return functools.partial(
+            kernel[(self.block_tensor.numel(),)], self.m_ptrs, self.w_ptrs, self.numels, self.first_block,
+            self.block_tensor, BLOCK=BLOCK, W_BF16=self.weights[0].dtype == torch.bfloat16)
+
     def launch(self) -> None:
         """One launch over every block of the group, on the tables' device (no host sync)."""
         kernel = _kernel[0] if _kernel else _build()
         if kernel is None:
             raise RuntimeError("triton does not import")
         with on_device(self.device_index):
-            kernel[(self.block_tensor.numel(),)](
-                self.m_ptrs, self.w_ptrs, self.numels, self.first_block, self.block_tensor,
-                BLOCK=BLOCK, W_BF16=self.weights[0].dtype == torch.bfloat16)
+            self.bound(kernel)()
 
 
 def on_device(index: int | None) -> Any:
@@ -196,12 +200,9 @@ def carry_edits_triton_(tables: EditTables) -> bool:
         ok = _state[key] = torch._dynamo.disable(_first_check)(device, tables.weights[0].dtype)
     if not ok:
         return False
-    kernel = _kernel[0]
     # Never traced: called from a frame dynamo runs eagerly (a graph break in a compiled train step), Triton's
     # launcher would otherwise be compiled frame by frame; under a trace the caller takes the foreach ops.
-    tables.run = torch._dynamo.disable(functools.partial(
-        kernel[(tables.block_tensor.numel(),)], tables.m_ptrs, tables.w_ptrs, tables.numels, tables.first_block,
-        tables.block_tensor, BLOCK=BLOCK, W_BF16=tables.weights[0].dtype == torch.bfloat16))
+    tables.run = torch._dynamo.disable(tables.bound(_kernel[0]))
     with on_device(tables.device_index):
         tables.run()
     return True

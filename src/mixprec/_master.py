@@ -245,7 +245,7 @@ class MasterWeightOptimizer(Optimizer):
             d.pop(key, None)
         d.update(_before_read=None, _shadow=None, _hooks=[], _views={}, _inner_guard=None, _pairs=None, _pair_lists=([], []),
                  _rem_list=[], _bank=None, _edit_views=None)
-        # pickle drops a tensor's .grad (deepcopy keeps it): pending master gradients travel by name
+        # pickle drops a tensor's .grad (deepcopy keeps it): pending master gradients travel beside their masters
         d["_pending_master_grads"] = [(m, m.grad) for m in self._masters if m.grad is not None]
         return d
 
@@ -1260,25 +1260,25 @@ def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor], views
     v = (views or EditViews()).get(masters, weights)
     for m, w in v.odd:  # optim._rounding.with_edits, inline (this module stays below mixprec.optim)
         torch.where(w == m.to(w.dtype), m, w.to(m.dtype), out=m)
-    for ms, ws, sizes, n in v.passes:
-        _carry_edits_pass(ms, ws, sizes, n)
-    for tables, passes in v.kernels:
-        if torch.compiler.is_dynamo_compiling():
-            # traced (a compiled train step around prec.step): the foreach ops, which dynamo understands; a
-            # launch through raw pointers hides its writes from Inductor's mutation analysis
-            for ms, ws, sizes, n in passes:
-                _carry_edits_pass(ms, ws, sizes, n)
-        elif tables.run is not None:
-            # Triton's launcher, arguments bound (no frame of _edit_kernel.py on the step's path). It launches on
-            # the current CUDA device: the tables' device is made current first when it is another (a second GPU).
-            if tables.device_index is None or tables.device_index == torch.cuda.current_device():
-                tables.run()
-            else:
-                with torch.cuda.device(tables.device_index):
+    passes = list(v.passes)
+    for tables, group_passes in v.kernels:
+        # Traced (a compiled train step around prec.step): the foreach passes, which dynamo understands; a launch
+        # through raw pointers hides its writes from Inductor's mutation analysis.
+        if not torch.compiler.is_dynamo_compiling():
+            if tables.run is not None:
+                # Triton's launcher, arguments bound (no frame of _edit_kernel.py on the step's path). It launches
+                # on the current CUDA device: the tables' device is made current first when it is another.
+                if tables.device_index is None or tables.device_index == torch.cuda.current_device():
                     tables.run()
-        elif not _edit_kernel.carry_edits_triton_(tables):
-            for ms, ws, sizes, n in passes:
-                _carry_edits_pass(ms, ws, sizes, n)
+                else:
+                    with torch.cuda.device(tables.device_index):
+                        tables.run()
+                continue
+            if _edit_kernel.carry_edits_triton_(tables):
+                continue
+        passes += group_passes  # the kernel is off (or traced): its group's foreach passes
+    for ms, ws, sizes, n in passes:
+        _carry_edits_pass(ms, ws, sizes, n)
 
 
 def _carry_edits_pass(ms: list[torch.Tensor], ws: list[torch.Tensor], sizes: list[int], n: int) -> None:

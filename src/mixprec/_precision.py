@@ -658,12 +658,9 @@ class MixedPrecision(RunCheckpoint):
         optimizer._opt_called = True  # type: ignore[attr-defined]
         if schedulers and info.applied():
             for s in schedulers:
-                # A torch LRScheduler asks its optimizer whether step() ran (the mark its step wrapper sets): this
-                # step reached the optimizer below that wrapper, so set the mark, or torch warns "lr_scheduler.step()
-                # before optimizer.step()" at the first scheduler step.
                 sched_opt = getattr(s, "optimizer", None)
-                if sched_opt is not None:
-                    sched_opt._opt_called = True
+                if sched_opt is not None and sched_opt is not optimizer:
+                    sched_opt._opt_called = True  # (the same mark, for a scheduler on the optimizer the user built)
                 s.step()
         return info
 

@@ -7,6 +7,7 @@ file format, its checks and conversions are ``_checkpoint.py``'s.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 from typing import cast as typing_cast
@@ -226,8 +227,6 @@ def _warn_stateless_entries(optimizers: list[Any], entries: list[Any], applied_s
     applied = int(applied_steps) if isinstance(applied_steps, torch.Tensor) else int(applied_steps or 0)
     if applied <= 0:
         return
-    import warnings
-
     from .optim import LowPrecisionOptimizer
 
     for i, (opt, entry) in enumerate(zip(optimizers, entries)):
