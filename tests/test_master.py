@@ -407,3 +407,42 @@ def test_lbfgs_with_model_zero_grad_and_remainder_masters(accumulation, storage)
     to pile onto the last: LBFGS diverged), and closures with remainder masters (they crashed on the placeholders):
     LBFGS converges as with FP32 accumulation and full masters."""
     assert _lbfgs_loss_drop(torch.bfloat16, "model", grad_accumulation=accumulation, master_storage=storage) < 1e-3
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+@pytest.mark.parametrize("accumulation", ["fp32", "compute"])
+def test_model_zero_grad_then_no_gradient_leaves_the_parameter_alone(preset, accumulation):
+    """After model.zero_grad(), a parameter that gets no gradient in the next backward is not stepped (as torch skips a
+    parameter whose .grad is None); it used to be stepped with its master's old gradient under FP32 accumulation."""
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    prec = MixedPrecision(preset, grad_accumulation=accumulation)
+    model, opt = prec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.0))
+    x = torch.randn(2, 4)
+    with prec.autocast():
+        loss = model["a"](x).float().mean() + model["b"](x).float().mean()
+    prec.backward(loss)
+    prec.step(opt)
+    model.zero_grad()
+    before_a, before_b = model["a"].weight.detach().clone(), model["b"].weight.detach().clone()
+    with prec.autocast():
+        loss = model["a"](x).float().mean()
+    prec.backward(loss)
+    prec.step(opt)
+    assert not torch.equal(model["a"].weight, before_a)  # the used layer trained
+    assert torch.equal(model["b"].weight, before_b)
+
+
+def test_a_master_gradient_set_directly_survives_a_dropped_view():
+    """Only a gradient the FP32 accumulation wrote is dropped as stale: one the user put on a master is stepped."""
+    model = nn.Linear(4, 2)
+    cast_module(model, "p=bf16,c=bf16")
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    before = [m.detach().clone() for m in opt.masters]
+    for m in opt.masters:
+        m.grad = torch.ones_like(m)
+    opt.step()
+    for m, b in zip(opt.masters, before):
+        torch.testing.assert_close(m.detach(), b - 1.0)

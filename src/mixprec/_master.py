@@ -27,7 +27,7 @@ from ._dtypes import dtype_name, parse_dtype
 from ._errors import check_fused
 from ._finite import unscale_and_check_
 from ._fused import FUSABLE, FusedShadow
-from ._master_grad import MasterGradView
+from ._master_grad import FROM_VIEW, MasterGradView
 from ._remainder import (
     RemainderBank,
     join_edited,
@@ -594,7 +594,7 @@ class MasterWeightOptimizer(Optimizer):
                     # is stale, rather than adding to it (as _AccumulateInto does for "fp32").
                     m.grad = b
                     p.grad = self._views[id(p)]  # torch code reading p.grad now sees the FP32 gradient
-        elif self._hooks and not _ONLY_VIEWS.issuperset(map(type, map(_GRAD, self._pair_lists[0]))):
+        elif self._hooks and not _ONLY_VIEWS.issuperset(kinds := set(map(type, map(_GRAD, self._pair_lists[0])))):
             # The hooks moved every half gradient into its master and cleared it, so something wrote
             # .grad afterwards: DDP's reducer does (it reduced the gradient the hook had already taken,
             # and the masters hold this rank's unreduced gradient: the replicas would drift apart).
@@ -604,6 +604,8 @@ class MasterWeightOptimizer(Optimizer):
                 "mixprec.distributed.wrap_ddp(prec, model) instead (it reduces before accumulating), or use "
                 "grad_accumulation='compute'."
             )
+        elif self._hooks and _NONE_TYPE in kinds:
+            self._drop_stale_grads()
         elif not self._hooks and self.grad_accumulation == "fp32":
             # mixprec.distributed.wrap_ddp owns the accumulation: DDP wrote its reduced half copy into
             # p.grad, the master holds the same gradient in FP32. Show the view from here on, so that
@@ -613,6 +615,20 @@ class MasterWeightOptimizer(Optimizer):
                     p.grad = self._views[id(p)]
         self._grads_checked = True  # step() need not do this again before the next step
         return [*filter(_NOT_NONE, map(_GRAD, self._masters))]  # C loops: no Python call per tensor
+
+    def _drop_stale_grads(self) -> None:
+        """Drop a master gradient whose view was dropped (``model.zero_grad()``) and that no backward has refilled.
+
+        ``param.grad = None`` drops the view but leaves the master's gradient: the next backward
+        replaces it (:class:`_AccumulateInto`), but a parameter that gets no gradient in that
+        backward would be stepped with the old one, where torch skips a parameter without a
+        gradient. Only a gradient the accumulation wrote is dropped (it carries the ``FROM_VIEW`` mark): a
+        master gradient set directly (``opt.masters[i].grad = g``) stays.
+        """
+        for p, m in self._half_pairs():
+            g = m.grad
+            if p.grad is None and g is not None and g.__dict__.get(FROM_VIEW):
+                m.grad = None
 
     def _shard_grads(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """FSDP2 shards (``bf16-master-r16``): each master's FP32 gradient from its shard's BF16 one, once per step.
@@ -1134,7 +1150,8 @@ REMAINDERS_IN_KERNEL: frozenset[str] = frozenset({"cuda", "xpu"})
 
 _GRAD = operator.attrgetter("grad")
 _NOT_NONE = functools.partial(operator.is_not, None)
-_ONLY_VIEWS = frozenset({MasterGradView, type(None)})
+_NONE_TYPE = type(None)
+_ONLY_VIEWS = frozenset({MasterGradView, _NONE_TYPE})
 #: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (11 bytes per
 #: element) to 352 MiB whatever the model's size.
 EDIT_CHUNK = 1 << 25
@@ -1343,8 +1360,9 @@ class _AccumulateInto:
         # autograd runs hooks with grad mode off anyway unless create_graph=True.
         if torch.is_grad_enabled():
             with torch.no_grad():
-                self.master.grad = g.to(self.master.dtype)
+                g32 = self.master.grad = g.to(self.master.dtype)
         else:
-            self.master.grad = g.to(self.master.dtype)
+            g32 = self.master.grad = g.to(self.master.dtype)
+        setattr(g32, FROM_VIEW, True)
         param.grad = self.view
 

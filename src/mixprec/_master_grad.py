@@ -33,7 +33,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["MasterGradView", "is_view"]
+__all__ = ["FROM_VIEW", "MasterGradView", "is_view"]
+
+# A tensor attribute marking a master gradient that FP32 accumulation wrote (set without a Python
+# call on the backward path): model.zero_grad() drops the view and makes it stale, while a master
+# gradient set directly carries no mark (MasterWeightOptimizer._drop_stale_grads).
+FROM_VIEW = "_mixprec_from_view"
 
 _ADD_ = torch.ops.aten.add_.Tensor
 # Operations that neither read the gradient's values nor depend on its scale.
@@ -89,7 +94,8 @@ class MasterGradView(torch.Tensor):
             master, new = args[0]._master, args[1]
             alpha = kwargs.get("alpha", 1)
             if master.grad is None:
-                master.grad = new.to(master.dtype) if alpha == 1 else new.to(master.dtype).mul_(alpha)
+                g = master.grad = new.to(master.dtype) if alpha == 1 else new.to(master.dtype).mul_(alpha)
+                setattr(g, FROM_VIEW, True)
             else:
                 master.grad.add_(new, alpha=alpha)
             return args[0]
