@@ -446,3 +446,72 @@ def test_a_master_gradient_set_directly_survives_a_dropped_view():
     opt.step()
     for m, b in zip(opt.masters, before):
         torch.testing.assert_close(m.detach(), b - 1.0)
+
+
+def test_create_graph_backward_is_refused_by_fp32_accumulation_and_works_with_compute():
+    """A plain loss.backward(create_graph=True) would leave p.grad without its graph under FP32 accumulation (the
+    copy into the master is outside autograd): the hook says so; "compute" keeps the graph and the penalty trains."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    cast_module(model, "p=bf16,c=bf16")
+    MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).sum().backward(create_graph=True)
+    model = nn.Linear(4, 2)
+    cast_module(model, "p=bf16,c=bf16")
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grad_accumulation="compute")
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).sum().backward(create_graph=True)
+    assert all(p.grad.requires_grad for p in model.parameters())
+    penalty = sum(p.grad.float().pow(2).sum() for p in model.parameters())
+    before = [m.detach().clone() for m in opt.masters]
+    penalty.backward()
+    opt.step()
+    assert all(not torch.equal(m, b) for m, b in zip(opt.masters, before))
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+@pytest.mark.parametrize("accumulation", ["fp32", "compute"])
+@pytest.mark.parametrize("how", ["none", "zeros"])
+def test_a_gradient_dropped_or_zeroed_after_unscale_is_what_the_step_uses(preset, accumulation, how):
+    """p.grad = None or p.grad = zeros after prec.unscale_ (freezing a layer for one step): the layer does not move,
+    as in torch (the step used to read the master gradient unscale_ had already gathered)."""
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    prec = MixedPrecision(preset, grad_accumulation=accumulation)
+    model, opt = prec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(3, 4)
+    for _ in range(2):  # the second iteration runs after the scale settled (fp16: no skipped step)
+        with prec.autocast():
+            loss = model(x).float().pow(2).mean()
+        prec.backward(loss)
+        prec.unscale_(opt)
+        before = model[0].weight.detach().clone()
+        model[0].weight.grad = None if how == "none" else torch.zeros_like(model[0].weight)
+        info = prec.step(opt)
+        opt.zero_grad()
+    assert float(info.found_inf) == 0.0
+    assert torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-master-r16"])
+def test_gradients_assigned_from_autograd_grad_are_stepped(preset):
+    """A functional loop: grads = torch.autograd.grad(loss, params); p.grad = g. The step uses them exactly as the
+    FP32 masters' gradients (it used to raise an error about DistributedDataParallel)."""
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    masters = [m.clone() for m in opt.master_values()]
+    with prec.autocast():
+        loss = model(torch.randn(3, 4)).float().pow(2).mean()
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss, params)
+    for p, g in zip(params, grads):
+        p.grad = g
+    prec.step(opt)
+    for m, before, g in zip(opt.master_values(), masters, grads):
+        torch.testing.assert_close(m, before - 0.5 * g.float())

@@ -245,6 +245,11 @@ MISUSES = [
     Misuse("closure-optimizer", "fresh", "bf16-master",
            lambda c: c.prec.prepare(c.model, torch.optim.LBFGS(c.model.parameters())), ValueError,
            "optimizer 0 (LBFGS) needs a closure at every step (it re-evaluates the model inside its step"),
+    Misuse("lazy-parameters", "fresh", "bf16-master",
+           lambda c: (lambda m: c.prec.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1)))(
+               nn.Sequential(nn.LazyLinear(8), c.model)), ValueError,
+           "the model has 2 uninitialised lazy parameter(s) (first: '0.weight', from a Lazy* module), which policy "
+           "'bf16-master' must cast and copy before they have a shape"),
     Misuse("compensation-mismatch", "fresh", "bf16-pure",
            lambda c: c.prec.prepare(c.model, mp_optim.AdamW(c.model.parameters(), compensation="stochastic")), ValueError,
            "optimizer 0 uses compensation='stochastic' but the policy says comp=kahan"),
@@ -264,6 +269,9 @@ MISUSES = [
     Misuse("float64-model", "fresh", "fp16-mixed", lambda c: c.prec.prepare(c.model, c.raw_opt), ValueError,
            "the model has f64 parameters but policy 'fp16-mixed' keeps parameters in FP32",
            arrange=lambda c: c.model.double()),
+    Misuse("create-graph-fp32-accumulation", "trained", "bf16-master",
+           lambda c: c.prec.backward(c.loss(), create_graph=True), ValueError,
+           "backward(create_graph=True) under FP32 master weights with grad_accumulation='fp32'"),
     Misuse("integer-loss", "trained", "bf16-mixed", lambda c: c.prec.backward(Y.sum()), ValueError,
            "backward(loss) needs a scalar floating loss, got shape () torch.int64"),
     Misuse("non-scalar-loss", "trained", "fp16-master",

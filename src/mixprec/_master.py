@@ -592,18 +592,18 @@ class MasterWeightOptimizer(Optimizer):
                     # A plain half gradient means the view was dropped since the last gather (p.grad = None:
                     # zero_grad, or model.zero_grad() inside a closure): it replaces the master gradient, which
                     # is stale, rather than adding to it (as _AccumulateInto does for "fp32").
+                    setattr(b, FROM_VIEW, True)
                     m.grad = b
                     p.grad = self._views[id(p)]  # torch code reading p.grad now sees the FP32 gradient
+            if _NONE_TYPE in set(map(type, map(_GRAD, self._pair_lists[0]))):
+                self._drop_stale_grads()  # a view dropped after the gather (p.grad = None after unscale_)
         elif self._hooks and not _ONLY_VIEWS.issuperset(kinds := set(map(type, map(_GRAD, self._pair_lists[0])))):
-            # The hooks moved every half gradient into its master and cleared it, so something wrote
-            # .grad afterwards: DDP's reducer does (it reduced the gradient the hook had already taken,
-            # and the masters hold this rank's unreduced gradient: the replicas would drift apart).
-            raise ValueError(
-                "a half-precision parameter received a gradient after it was accumulated into its FP32 master; this "
-                "happens when the model is wrapped in DistributedDataParallel directly. Wrap it with "
-                "mixprec.distributed.wrap_ddp(prec, model) instead (it reduces before accumulating), or use "
-                "grad_accumulation='compute'."
-            )
+            # The hooks moved every half gradient into its master and left the view, so something
+            # assigned .grad afterwards: user code (p.grad = g from torch.autograd.grad, p.grad =
+            # torch.zeros_like(p)), or DDP's reducer, which reduced the gradient the hook had taken.
+            self._adopt_assigned_grads()
+            if _NONE_TYPE in kinds:
+                self._drop_stale_grads()
         elif self._hooks and _NONE_TYPE in kinds:
             self._drop_stale_grads()
         elif not self._hooks and self.grad_accumulation == "fp32":
@@ -613,8 +613,36 @@ class MasterWeightOptimizer(Optimizer):
             for p, m in self._half_pairs():
                 if m.grad is not None and p.grad is not None and not isinstance(p.grad, MasterGradView):
                     p.grad = self._views[id(p)]
-        self._grads_checked = True  # step() need not do this again before the next step
         return [*filter(_NOT_NONE, map(_GRAD, self._masters))]  # C loops: no Python call per tensor
+
+    def _adopt_assigned_grads(self) -> None:
+        """Take a half gradient assigned to ``param.grad`` after the accumulation as the master's new gradient.
+
+        As in torch, assigning ``p.grad`` sets the gradient the step uses: its FP32 copy replaces the
+        master's gradient (loss-scaled or not, as the gradient it replaces) and ``p.grad`` shows the
+        view again. Under ``torch.distributed`` with more than one process the assignment is almost
+        surely DDP's reducer writing the reduced gradient of the last micro-batch only (the masters
+        hold the local sums of earlier ones), so there it raises instead.
+
+        Raises:
+            ValueError: a plain gradient appeared while a process group of more than one rank runs.
+        """
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                "a half-precision parameter received a gradient after it was accumulated into its FP32 master; this "
+                "happens when the model is wrapped in DistributedDataParallel directly (or when code assigns p.grad "
+                "after backward). Wrap the model with mixprec.distributed.wrap_ddp(prec, model) instead (it reduces "
+                "before accumulating), or use grad_accumulation='compute'; to change a gradient, write into it in "
+                "place (p.grad.copy_(g), p.grad.zero_())."
+            )
+        with torch.no_grad():
+            for p, m in self._half_pairs():
+                g = p.grad
+                if g is not None and not isinstance(g, MasterGradView):
+                    g32 = m.grad = g.to(m.dtype, copy=True)
+                    setattr(g32, FROM_VIEW, True)
+                    p.grad = self._views[id(p)]
 
     def _drop_stale_grads(self) -> None:
         """Drop a master gradient whose view was dropped (``model.zero_grad()``) and that no backward has refilled.
@@ -674,7 +702,6 @@ class MasterWeightOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the masters' gradients and any gradient left on the model's parameters."""
-        self._grads_checked = False
         for t in (*self._masters, *self._model_params):
             if t.grad is not None:
                 if set_to_none:
@@ -830,8 +857,7 @@ class MasterWeightOptimizer(Optimizer):
                    "grad_accumulation='fp32', mixprec.GradScaler (which materialises them), or MixedPrecision."
                    if self.grad_accumulation == "compute" else "Call backward on the scaled loss before step().")
             )
-        if not self.__dict__.get("_grads_checked") or self.grad_accumulation == "compute":
-            self.master_grads()  # MixedPrecision's unscale already did, for this step
+        self.master_grads()  # again after an unscale: p.grad may have been assigned or dropped since
         if self._grad_versions:
             self._check_shard_grads()
         if closure is not None:
@@ -843,7 +869,6 @@ class MasterWeightOptimizer(Optimizer):
             result = self._step(args, grad_scale, found_inf)
         finally:
             torch._C._set_grad_enabled(grad_mode)
-        self._grads_checked = False
         if self.grad_accumulation == "compute":
             # The FP32 gradient buffers were transient: drop them so only the half gradients'
             # 2 bytes per parameter persist between steps (16 B/param with AdamW, not 20).
@@ -1150,6 +1175,13 @@ REMAINDERS_IN_KERNEL: frozenset[str] = frozenset({"cuda", "xpu"})
 
 _GRAD = operator.attrgetter("grad")
 _NOT_NONE = functools.partial(operator.is_not, None)
+CREATE_GRAPH_FP32_ACCUMULATION = (
+    "backward(create_graph=True) under FP32 master weights with grad_accumulation='fp32': the half gradient is added "
+    "into the FP32 master's gradient outside autograd, so p.grad would lose its graph (a penalty on p.grad, a "
+    "Hessian-vector product, would silently get no gradient). Use MixedPrecision(policy, grad_accumulation='compute') "
+    "(the half gradients keep their graph until the step), or compute the penalty with torch.autograd.grad(loss, "
+    "params, create_graph=True)."
+)
 _NONE_TYPE = type(None)
 _ONLY_VIEWS = frozenset({MasterGradView, _NONE_TYPE})
 #: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (11 bytes per
@@ -1356,6 +1388,8 @@ class _AccumulateInto:
         g = param.grad
         if g is None or g is self.view:
             return
+        if g.requires_grad:  # backward(create_graph=True): the FP32 copy would cut the gradient's graph
+            raise RuntimeError(CREATE_GRAPH_FP32_ACCUMULATION)
         # Runs once per parameter per backward: torch.no_grad()'s decorator costs ~7 Python calls, and
         # autograd runs hooks with grad mode off anyway unless create_graph=True.
         if torch.is_grad_enabled():

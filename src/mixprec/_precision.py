@@ -24,7 +24,14 @@ from ._dist import local_grad
 from ._errors import check_fused
 from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
-from ._master import GradAccumulation, MasterWeightOptimizer, WeightEdits, check_grad_accumulation, check_weight_edits
+from ._master import (
+    CREATE_GRAPH_FP32_ACCUMULATION,
+    GradAccumulation,
+    MasterWeightOptimizer,
+    WeightEdits,
+    check_grad_accumulation,
+    check_weight_edits,
+)
 from ._master_grad import MasterGradView
 from ._policy import DYNAMIC_SCALE_RANGE, Policy
 from ._prepare import (
@@ -429,12 +436,16 @@ class MixedPrecision(RunCheckpoint):
 
         Raises:
             ValueError: before ``prepare``; ``loss`` not a scalar with a graph; backward after the
-                gradients were already unscaled in this iteration, before any step (call ``step`` first).
+                gradients were already unscaled in this iteration, before any step (call ``step`` first);
+                ``create_graph=True`` under master weights with ``grad_accumulation="fp32"``.
         """
         self._require_prepared("backward()")
         # One cheap test for the usual loss; the detailed messages only when it fails (hot path).
         if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.is_floating_point() and loss.numel() == 1):
             _check_loss(loss)
+        if backward_kwargs and backward_kwargs.get("create_graph") and self.policy.has_masters \
+                and self.grad_accumulation == "fp32":
+            raise ValueError(CREATE_GRAPH_FP32_ACCUMULATION)
         if self._iteration_flags and self.scale_update == "auto":
             self._end_iteration()
         records = self._records.values()

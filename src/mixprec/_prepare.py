@@ -63,7 +63,8 @@ def check_prepare(
             already a ``MasterWeightOptimizer``; an optimizer a compensated policy cannot convert.
         ValueError: no optimizer; a model already prepared; tensors that are not the model's
             parameters; a parameter in two optimizers; half-precision parameters under a policy
-            with FP32 parameters; a dtype the device cannot compute in.
+            with FP32 parameters; uninitialised lazy parameters under a policy that casts or copies
+            them; a dtype the device cannot compute in.
     """
     from ._casting import is_prepared, island_modules
     from ._dist import check_prepare_target
@@ -108,6 +109,13 @@ def check_prepare(
                 "prepare()."
             )
     check_disjoint(optimizers)
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy and (policy.param_dtype != torch.float32 or policy.has_masters or policy.compensation != "none"):
+        raise ValueError(
+            f"the model has {len(lazy)} uninitialised lazy parameter(s) (first: {lazy[0]!r}, from a Lazy* module), "
+            f"which policy {policy.label!r} must cast and copy before they have a shape; run one forward pass on a "
+            "sample batch first, then build the optimizer and call prepare(). Nothing was changed."
+        )
     floating = [p for p in model_params if p.dtype.is_floating_point]
     half = sorted({dtype_name(p.dtype) for p in floating if p.dtype != torch.float32})
     if half and policy.param_dtype == torch.float32 and not keep_dtypes:
