@@ -1,4 +1,5 @@
 import collections
+import copy
 import dataclasses
 import re
 
@@ -214,3 +215,29 @@ def test_double_prepare_raises_and_uncast_allows_again():
 def test_cast_module_type_error():
     with pytest.raises(TypeError, match="cast_module needs an nn.Module, got str"):
         cast_module("model", "fp32")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+def test_a_mixed_model_runs_as_fp32_outside_autocast(preset):
+    """Under FP32 parameters a norm island casts its output to the compute dtype only inside autocast: outside (an eval
+    loop, torch.optim.swa_utils.update_bn) the next FP32 Linear got a half input and torch raised a dtype mismatch."""
+    import warnings
+
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.LayerNorm(16), nn.Linear(16, 4))
+    reference = copy.deepcopy(net).eval()
+    prec = MixedPrecision(preset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU
+        model, _ = prec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    model.eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        out = model(x)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, reference(x))
+        with prec.autocast():
+            assert model[2](model[1](model[0](x))).dtype == prec.policy.compute_dtype  # inside: as before
+    torch.optim.swa_utils.update_bn([torch.randn(16, 8) for _ in range(2)], torch.optim.swa_utils.AveragedModel(model))

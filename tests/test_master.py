@@ -515,3 +515,38 @@ def test_gradients_assigned_from_autograd_grad_are_stepped(preset):
     prec.step(opt)
     for m, before, g in zip(opt.master_values(), masters, grads):
         torch.testing.assert_close(m, before - 0.5 * g.float())
+
+
+def test_optimizer_state_dict_hooks_run_on_the_master_state():
+    """torch.optim.Optimizer's four state-dict hooks run on MasterWeightOptimizer's state dict as on torch's (they
+    were registered and silently never called); a post hook's return value is what state_dict() returns."""
+    model = nn.Linear(4, 2)
+    cast_module(model, "p=bf16,c=bf16")
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("post") or {**sd, "extra": 7})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre") or {k: v for k, v in sd.items()
+                                                                                    if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 7
+    opt.load_state_dict(sd)
+    assert calls == ["pre", "post", "load_pre", "load_post"]
+    assert "extra" in sd  # the caller's dict is not edited by the load hooks
+
+
+def test_a_model_cast_after_the_wrap_is_refused_at_the_step():
+    """Wrapping the FP32 model's optimizer and casting the model afterwards leaves no FP32 masters (FP32 parameters are
+    their own masters): the step says so instead of training the half weights as if they were masters."""
+    model = nn.Linear(4, 2)
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model.half()
+    model(torch.randn(3, 4).half()).float().sum().backward()
+    with pytest.raises(ValueError, match=r"2 parameter\(s\) were f32 when MasterWeightOptimizer wrapped the optimizer"):
+        opt.step()
+    model = nn.Linear(4, 2)  # the docstring's way: cast first, FP32 values as initial masters
+    fp32 = {p: p.detach().clone() for p in model.parameters()}
+    model.half()
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), initial_masters=fp32)
+    assert all(m.dtype == torch.float32 and torch.equal(m, fp32[p]) for p, m in zip(model.parameters(), opt.masters))

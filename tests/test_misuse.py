@@ -256,6 +256,9 @@ MISUSES = [
     # --- the wrong optimizer at step time ---
     Misuse("step-with-unwrapped-optimizer", "mid_step", "fp16-master", lambda c: c.prec.step(c.raw_opt), ValueError,
            "You passed the optimizer you gave prepare(); use the one prepare() returned (it holds the masters)."),
+    Misuse("plateau-in-schedulers", "mid_step", "fp16-master",
+           lambda c: c.prec.step(c.opt, schedulers=[torch.optim.lr_scheduler.ReduceLROnPlateau(c.opt)]), TypeError,
+           "step(schedulers=...): scheduler 0 is a ReduceLROnPlateau, whose step needs the metric it watches"),
     Misuse("step-with-foreign-optimizer", "mid_step", "bf16-mixed", lambda c: c.prec.step(c.other_run().opt),
            ValueError, "step(): this optimizer was not returned by prepare()."),
     # --- dtype surprises ---

@@ -339,8 +339,7 @@ def test_clip_under_a_loss_scale_unscales_first():
 
 
 def test_fp32_checkpoint_loads_into_master_run_and_exports_back():
-    torch.manual_seed(5)
-    donor = make("mlp")
+    donor = make("mlp", seed=5)  # other weights than the run's
     fp32 = {k: v.clone() for k, v in donor.state_dict().items()}
     model = make("mlp")
     prec = MixedPrecision("bf16-master")
@@ -351,6 +350,24 @@ def test_fp32_checkpoint_loads_into_master_run_and_exports_back():
         assert torch.equal(out[k], v), k  # exact: masters were not rounded through bf16
     assert model[0].weight.dtype == torch.bfloat16
     assert torch.equal(model[0].weight, fp32["0.weight"].to(torch.bfloat16))
+
+
+def test_fp32_checkpoint_loads_into_a_compensated_run_with_its_low_bits():
+    """bf16-pure: load_model_state_dict seeds each weight's Kahan compensation with what its cast drops, as prepare
+    does (it kept the compensation of the weights from before the load: up to 1.4e-3 off the checkpoint)."""
+    donor = make("mlp", seed=5)
+    fp32 = {k: v.clone() for k, v in donor.state_dict().items()}
+    model = make("mlp")
+    prec = MixedPrecision("bf16-pure")
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    prec.load_model_state_dict(fp32)
+    halves = 0
+    for name, p in model.named_parameters():
+        if p.dtype == torch.bfloat16:  # (norm layers stay FP32, without compensation)
+            halves += 1
+            weight = p.float() + opt.state[p]["kahan_comp"].float()  # what the next step continues from
+            torch.testing.assert_close(weight, fp32[name], rtol=2**-16, atol=1e-9)
+    assert halves >= 2
 
 
 def test_other_policy_checkpoint_raises_or_converts():

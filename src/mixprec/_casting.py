@@ -177,9 +177,15 @@ def allow_autocast_in_aot_cache() -> None:
 
 
 def _island_forward(
-    module: nn.Module, previous: Any, compute_dtype: torch.dtype, device_types: tuple[str, ...], *args: Any, **kwargs: Any
+    module: nn.Module, previous: Any, compute_dtype: torch.dtype, device_types: tuple[str, ...], always: bool,
+    *args: Any, **kwargs: Any
 ) -> Any:
     """An FP32 island's ``forward``: FP32 inputs, autocast off inside, outputs in the compute dtype.
+
+    ``always``: cast the outputs even outside autocast (the model's other parameters are half,
+    so the next layer computes in the compute dtype whatever the context); ``False`` under FP32
+    parameters (``*-mixed``), where the model run outside ``prec.autocast()`` (an evaluation loop,
+    ``torch.optim.swa_utils.update_bn``) is an FP32 model and the outputs stay FP32.
 
     Installed as the module's instance ``forward`` (a ``functools.partial`` of this function),
     not as forward hooks: hooks would have to enter and leave the autocast context in two
@@ -211,10 +217,10 @@ def _island_forward(
         finally:
             for d in on:
                 torch.set_autocast_enabled(d, True)
+    if out is None or not (on or always):
+        return out
     if type(out) is torch.Tensor:
         return out.to(compute_dtype) if out.dtype != compute_dtype and out.dtype in _CASTABLE else out
-    if out is None:
-        return out
     return tree_map(functools.partial(_to_dtype, compute_dtype), out)
 
 
@@ -378,7 +384,8 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
     devices = tuple(sorted(_device_types(model)))
     if policy.compute_dtype != torch.float32:
         for module in islands.values():
-            handles.append(_patched_forward(module, _island_forward, policy.compute_dtype, devices))
+            always = policy.param_dtype != torch.float32
+            handles.append(_patched_forward(module, _island_forward, policy.compute_dtype, devices, always))
         if islands:
             allow_autocast_in_aot_cache()
     half_inputs = policy.param_dtype != torch.float32 and root not in islands.values() and not keep_dtypes

@@ -134,6 +134,7 @@ class MasterWeightOptimizer(Optimizer):
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is already wrapped.
         ValueError: unknown ``grad_accumulation``, ``weight_edits`` or ``master_storage``;
+            (at ``step``/``unscale_``) a parameter that was FP32 at the wrap was cast to half since;
             ``fused=True`` for an optimizer other than torch's AdamW, Adam or SGD;
             ``master_storage="remainder"`` with FP16 parameters or non-FP32 masters.
 
@@ -143,8 +144,9 @@ class MasterWeightOptimizer(Optimizer):
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
-        >>> opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        >>> _ = model.half()  # masters were taken before the cast
+        >>> fp32 = {p: p.detach().clone() for p in model.parameters()}
+        >>> _ = model.half()  # in place: the parameter objects stay, their FP32 values are in fp32
+        >>> opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), initial_masters=fp32)
         >>> model(torch.randn(3, 4).half()).float().sum().backward()
         >>> opt.step(); opt.zero_grad()
     """
@@ -219,6 +221,7 @@ class MasterWeightOptimizer(Optimizer):
         self._hooks: list[Any] = []
         self._views: dict[int, MasterGradView] = {}  # id(model param) -> its .grad view
         self._frozen: list[torch.Tensor] = []  # half params adopted while frozen (no master yet)
+        self._own32: tuple[torch.Tensor, ...] = ()  # params of the master dtype at adoption (their own masters)
         self._before_read: Callable[[], None] | None = None
         for group in optimizer.param_groups:
             group["params"] = [self._adopt(p) for p in group["params"]]
@@ -274,6 +277,8 @@ class MasterWeightOptimizer(Optimizer):
             self._model_params.append(p)
             self._masters.append(p)
             self._rems.append(None)
+            if p.dtype.is_floating_point:
+                self._own32 = (*self._own32, p)
             return p
         if not p.requires_grad:
             # Frozen: no master (no memory) until unfrozen; the optimizer skips it without a gradient.
@@ -581,6 +586,8 @@ class MasterWeightOptimizer(Optimizer):
         """
         if self._frozen:
             self._promote_unfrozen()
+        if self._own32 and set(map(_DTYPE, self._own32)) != {self.master_dtype}:
+            self._refuse_cast_after_wrap()
         if self.grad_accumulation == "compute":
             pending = [(p, m) for p, m in self._half_pairs() if p.grad is not None and not isinstance(p.grad, MasterGradView)]
             if pending and id(pending[0][0]) not in self._views:
@@ -614,6 +621,22 @@ class MasterWeightOptimizer(Optimizer):
                 if m.grad is not None and p.grad is not None and not isinstance(p.grad, MasterGradView):
                     p.grad = self._views[id(p)]
         return [*filter(_NOT_NONE, map(_GRAD, self._masters))]  # C loops: no Python call per tensor
+
+    def _refuse_cast_after_wrap(self) -> None:
+        """Raise: a parameter that was its own (FP32) master was cast to half precision after the wrap.
+
+        Its FP32 digits are gone and the wrapped optimizer would step the half weight itself
+        (plain half-precision training, silently); with a loss scaler its scaled gradients would
+        also overflow.
+        """
+        cast = [p for p in self._own32 if p.dtype != self.master_dtype]
+        raise ValueError(
+            f"{len(cast)} parameter(s) were {dtype_name(self.master_dtype)} when MasterWeightOptimizer wrapped the "
+            f"optimizer (so they were their own masters) and are {dtype_name(cast[0].dtype)} now (first has shape "
+            f"{tuple(cast[0].shape)}): the model was cast after the wrap, so there are no FP32 masters for them. Cast the "
+            "model first and wrap an optimizer built on its half parameters, passing the FP32 weights as "
+            "initial_masters={param: fp32_tensor} to keep their digits (MixedPrecision.prepare does all of this)."
+        )
 
     def _adopt_assigned_grads(self) -> None:
         """Take a half gradient assigned to ``param.grad`` after the accumulation as the master's new gradient.
@@ -1037,16 +1060,25 @@ class MasterWeightOptimizer(Optimizer):
             parameter is its own master), ``master_dtype`` (``"f32"``), ``grad_accumulation``.
             Under ``master_storage="remainder"`` the masters are the joined exact FP32 values (new
             tensors): the same format, so the state loads under ``"full"`` and back bit for bit.
+            ``torch.optim.Optimizer``'s state-dict hooks (``register_state_dict_pre_hook``, ...) run on
+            this outer dict, as torch runs them on its own.
         """
+        for pre_hook in self.__dict__.get("_optimizer_state_dict_pre_hooks", {}).values():
+            pre_hook(self)  # torch.optim.Optimizer's hooks, on this (outer) state dict
         self.sync_edits_()
         masters = self._joined() if self.master_storage == "remainder" else self._masters
-        return {
+        state_dict = {
             "version": _STATE_VERSION,
             "optimizer": self.optimizer.state_dict(),
             "masters": [m if p is not m else None for p, m in zip(self._model_params, masters)],
             "master_dtype": dtype_name(self.master_dtype),
             "grad_accumulation": self.grad_accumulation,
         }
+        for post_hook in self.__dict__.get("_optimizer_state_dict_post_hooks", {}).values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -1056,6 +1088,12 @@ class MasterWeightOptimizer(Optimizer):
             ValueError: not a MasterWeightOptimizer state (e.g. a plain optimizer's state dict),
                 a newer version, or masters that do not match this model's parameters.
         """
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)  # as torch's: a hook may edit it, the caller's stays as it was
+            for pre_hook in self.__dict__.get("_optimizer_load_state_dict_pre_hooks", {}).values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
         if not isinstance(state_dict, Mapping) or "masters" not in state_dict or "optimizer" not in state_dict:
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
             raise ValueError(
@@ -1080,6 +1118,8 @@ class MasterWeightOptimizer(Optimizer):
                 raise ValueError(f"parameter {i}: master of shape {tuple(src.shape)} in the checkpoint, {tuple(m.shape)} here.")
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._set_masters(masters)
+        for post_hook in self.__dict__.get("_optimizer_load_state_dict_post_hooks", {}).values():
+            post_hook(self)
 
     def _set_masters(self, values: list[torch.Tensor | None]) -> None:
         """Give each master the value at its position (``None``: keep it), then copy the masters to the model."""
@@ -1182,6 +1222,7 @@ CREATE_GRAPH_FP32_ACCUMULATION = (
     "(the half gradients keep their graph until the step), or compute the penalty with torch.autograd.grad(loss, "
     "params, create_graph=True)."
 )
+_DTYPE = operator.attrgetter("dtype")
 _NONE_TYPE = type(None)
 _ONLY_VIEWS = frozenset({MasterGradView, _NONE_TYPE})
 #: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (11 bytes per

@@ -624,12 +624,16 @@ class MixedPrecision(RunCheckpoint):
         Raises:
             ValueError: before ``prepare``, for an optimizer not returned by ``prepare``, or
                 without a ``backward`` since the last step.
+            TypeError: a scheduler whose ``step`` needs an argument (``ReduceLROnPlateau``), or one
+                without ``step``: checked before anything steps.
             NumericsError: the scaler's escalation (persistent inf/NaN), after the step's
                 bookkeeping is complete.
         """
         # The per-step hot path: its Python cost is what mixprec adds to every step of a small model
         # (issue 14: no more than torch.amp's), so lookups are inlined and nothing is validated twice.
         rec = self._record(optimizer, "step()")
+        if schedulers:
+            _check_schedulers(schedulers)
         auto = self.scale_update == "auto"
         if rec.stepped and auto:
             self._end_iteration()  # rule 3: a second step of the same optimizer starts a new iteration
@@ -775,3 +779,27 @@ def _follow_param_groups(given: Optimizer, converted: Optimizer) -> None:
             target.param_groups = optimizer.param_groups
 
     converted.register_load_state_dict_post_hook(relink)
+
+
+def _check_schedulers(schedulers: Sequence[Any]) -> None:
+    """Raise ``TypeError`` for a ``schedulers=`` entry that ``step()`` cannot advance with no argument.
+
+    Checked before the optimizer steps, so a refused call changes nothing.
+    """
+    if not isinstance(schedulers, (list, tuple)):
+        raise TypeError(
+            f"step(schedulers=...) takes a list of LR schedulers, got {type(schedulers).__name__}; pass "
+            "schedulers=[scheduler]. Nothing was stepped."
+        )
+    for i, s in enumerate(schedulers):
+        if isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                f"step(schedulers=...): scheduler {i} is a ReduceLROnPlateau, whose step needs the metric it watches; "
+                "step it yourself after validation, when the step was applied: "
+                "info = prec.step(optimizer); if info.applied(): scheduler.step(val_loss). Nothing was stepped."
+            )
+        if not callable(getattr(s, "step", None)):
+            raise TypeError(
+                f"step(schedulers=...): entry {i} ({type(s).__name__}) has no step() method; pass a list of LR "
+                "schedulers (torch.optim.lr_scheduler.*). Nothing was stepped."
+            )

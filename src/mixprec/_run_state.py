@@ -156,6 +156,9 @@ class RunCheckpoint:
     def load_model_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a plain FP32 model checkpoint into the prepared run; masters take the exact FP32 values.
 
+        Under a compensated policy (``bf16-pure``) each weight's compensation takes what its cast
+        drops, as at ``prepare`` (``param + compensation`` is the loaded value to ~17 bits).
+
         Args:
             state_dict: ``model.state_dict()`` of an FP32 model (any dtype is accepted; values are
                 cast into the model's dtypes).
@@ -191,6 +194,13 @@ class RunCheckpoint:
         for opt in self.optimizers:
             if isinstance(opt, MasterWeightOptimizer):
                 opt.load_master_values_({named[n]: v for n, v in state_dict.items() if n in named})
+            elif hasattr(opt, "load_full_precision_params_"):
+                # a compensated optimizer (bf16-pure): the compensation takes what the cast of each loaded
+                # value drops; the one from before the load belongs to other weights
+                mine = {id(p) for g in opt.param_groups for p in g["params"]}
+                opt.load_full_precision_params_(
+                    {named[n]: v for n, v in state_dict.items() if n in named and id(named[n]) in mine}
+                )
 
 
 def _unalias_state(optimizer: Optimizer, entry: Any) -> None:
