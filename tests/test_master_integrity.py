@@ -557,3 +557,19 @@ def test_llama_export_convert_and_reload_into_fp32_equal_the_masters(preset: str
         converted = checkpoint.convert_state_dict(run.prec.state_dict(), "fp32")
         for n, v in masters.items():
             assert torch.equal(converted["model"][n], v), n
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master"])
+def test_a_half_param_group_added_after_prepare_warns_once_that_its_digits_are_gone(preset: str, monkeypatch) -> None:
+    """A head that was in no optimizer at prepare() was cast without its FP32 digits: add_param_group says so (once),
+    as unfreezing does, instead of silently starting its masters from the rounded weights."""
+    import mixprec._master as master_mod
+
+    monkeypatch.setattr(master_mod, "_WARNED_ADDED", False)
+    with pytest.warns(UserWarning, match=r"add_param_group: 2 (bf16|f16) parameter\(s\) get FP32 masters from"):
+        model, opt, _ = _run_with_head_group_added_after_prepare(preset)
+    head = model["head"].weight
+    assert torch.equal(_master_of(Run(model, opt, opt, None), head), head.float())  # from the rounded weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run_with_head_group_added_after_prepare(preset)  # once only

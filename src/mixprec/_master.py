@@ -54,6 +54,7 @@ WeightEdits = Literal["values", "versions"]
 MasterStorage = Literal["full", "remainder"]
 _STATE_VERSION = 1
 _WARNED_UNFROZEN = False
+_WARNED_ADDED = False  # add_param_group of half parameters: warned once per process
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -482,9 +483,27 @@ class MasterWeightOptimizer(Optimizer):
                 _carry_edits(masters, params, self._edit_views)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group: its half-precision parameters get FP32 masters (taken from their current values)."""
+        """Add a param group: its half-precision parameters get FP32 masters (taken from their current values).
+
+        Their FP32 digits are gone by then (the model was cast without them): a one-time warning
+        says so. Keep them exact by putting the parameters in the optimizer before ``prepare``
+        (with ``lr=0`` until they should train), or by adding them while still FP32.
+        """
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        rounded = [p for p in params if isinstance(p, torch.Tensor) and p.dtype.is_floating_point
+                   and p.dtype != self.master_dtype and p.requires_grad and p not in self._initial]
+        global _WARNED_ADDED
+        if rounded and not _WARNED_ADDED:
+            _WARNED_ADDED = True
+            warnings.warn(
+                f"add_param_group: {len(rounded)} {dtype_name(rounded[0].dtype)} parameter(s) get FP32 masters from "
+                "their half-precision values (the FP32 digits were not kept for parameters outside the optimizer at "
+                "prepare()). To keep them exact, put them in the optimizer before prepare(), e.g. in a group with "
+                "lr=0 until they should train.",
+                UserWarning,
+                stacklevel=2,
+            )
         group = dict(param_group)
         group["params"] = params
         n_before = len(self.optimizer.param_groups)
