@@ -111,6 +111,37 @@ class _DDPState:
         # those whose .grad this module set to None itself (so a None there is not the user's clear).
         self.pairs: list[tuple[Tensor, Tensor, Tensor]] = []
         self.cleared_by_us: set[int] = set()
+        self.views_queued = False  # show_views is queued for the end of this backward
+
+    def queue_show_views(self) -> None:
+        """Have :meth:`show_views` run at the end of this backward, after DDP wrote ``param.grad``.
+
+        DDP queues its own end-of-backward callback (which waits for the reductions and copies
+        them into ``param.grad``) when the last bucket is ready, after this module's comm hook
+        first ran: a callback queued from the hook would run before it. The autograd engine runs
+        callbacks queued by a callback after those already queued, so this queues one that
+        queues :meth:`show_views`.
+        """
+        if self.views_queued or not self.pairs:
+            return
+        self.views_queued = True
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self.show_views))
+
+    def show_views(self) -> None:
+        """Put each reduced master's gradient view in ``param.grad`` in place of DDP's half copy.
+
+        Right after backward, so that in-place edits of ``param.grad`` between backward and the
+        step (torch's ``clip_grad_norm_``, ``p.grad.zero_()``, masking) act on the FP32 gradient the
+        step uses, and reads of a still loss-scaled gradient raise, as without DDP (the half copy
+        took the edits and the step never saw them).
+        """
+        self.views_queued = False
+        for p, m, view in self.pairs:
+            g = p.grad
+            if g is not None and g is not view and m.grad is not None:
+                p.grad = view
+                self.cleared_by_us.discard(id(p))
 
     @torch.no_grad()
     def before_forward(self) -> None:
@@ -155,6 +186,7 @@ def _reduce_hook(state, bucket):
     buf: Tensor = bucket.buffer()
     accum: list[tuple[int, int, Tensor]] = []
     if state.masters:
+        state.queue_show_views()
         offset = 0
         for p in bucket.parameters():
             m = state.masters.get(id(p))

@@ -94,6 +94,37 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             str(i): p.detach().float().flatten().tolist() for i, p in enumerate(c.make_model().parameters())
         }
         results[f"plain_ddp_{policy}"] = {"diff": c.max_diff(finals["plain"], finals["wrap"]), "moved": finals["wrap"]}
+    # In-place edits of p.grad between backward and the step under wrap_ddp (torch's clip_grad_norm_, zeroing) act on
+    # the FP32 gradients the step uses, as without DDP (they edited DDP's half copy, which the step never read).
+    for policy in ("bf16-mixed", "bf16-master", "fp16-master"):
+        for how in ("prec", "torch", "zero"):
+            prec = c.make_prec(policy)
+            model = c.make_model()
+            model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+            fwd = wrap_ddp(prec, model)
+            with prec.autocast():
+                loss = fwd(c.rows(0, 0, 1, rank, c.WORLD)[0]).float().square().mean()
+            prec.backward(loss)
+            before = [p.detach().float().clone() for p in model.parameters()]
+            if how == "prec":
+                prec.clip_grad_norm_(1e-3)
+            elif how == "torch":
+                if policy == "fp16-master":  # a read of a gradient that still carries the loss scale raises
+                    try:
+                        torch.nn.utils.clip_grad_norm_(fwd.parameters(), 1e-3)
+                        results["ddp_scaled_read_error"] = None
+                    except ValueError as e:
+                        results["ddp_scaled_read_error"] = str(e)
+                    prec.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(fwd.parameters(), 1e-3)
+            else:
+                for p in fwd.parameters():
+                    p.grad.zero_()
+            prec.step(opt)
+            results[f"grad_edit/{policy}/{how}"] = {
+                "params": {str(i): p.detach().float().flatten().tolist() for i, p in enumerate(model.parameters())},
+                "moved": max((p.detach().float() - b).abs().max().item() for p, b in zip(model.parameters(), before)),
+            }
     # Misuse: prepare() on a DDP-wrapped model.
     try:
         MixedPrecision("bf16-mixed").prepare(DistributedDataParallel(c.make_model()), torch.optim.SGD([torch.zeros(1)], lr=1))
@@ -155,3 +186,15 @@ def test_plain_ddp_around_masters_trains_like_wrap_ddp(ranks: list[dict[str, Any
 def test_prepare_on_ddp_model_is_refused(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["prepare_ddp_error"] is not None and "prepare the plain model, then wrap it" in r["prepare_ddp_error"]
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-master", "fp16-master"])
+def test_gradient_edits_between_backward_and_step_reach_the_step_under_wrap_ddp(
+    ranks: list[dict[str, Any]], policy: str
+) -> None:
+    for r in ranks:
+        clipped, torch_clipped = r[f"grad_edit/{policy}/prec"], r[f"grad_edit/{policy}/torch"]
+        assert c.max_diff(torch_clipped["params"], clipped["params"]) <= 1e-6  # torch's clip = prec.clip_grad_norm_
+        assert 0 < clipped["moved"] < 2e-3  # clipped to a 1e-3 norm: a small step, not the raw one (~0.4)
+        assert r[f"grad_edit/{policy}/zero"]["moved"] == 0.0  # zeroed gradients: no step at all
+    assert "still carries the loss scale" in (ranks[0]["ddp_scaled_read_error"] or "")

@@ -86,3 +86,59 @@ def test_fp16_parameters_are_compensated_too():
     assert finals["none"] == 0.0
     assert finals["kahan"] == pytest.approx(100 * LR, rel=0.1)
     assert finals["stochastic"] == pytest.approx(100 * LR, rel=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_compensation_bound_holds_after_every_step_and_an_edit_breaks_it(dtype):
+    """comp_of_weight's clamp is a no-op on the compensation the step itself stores (|c| <= half an ulp of the weight),
+    so it changes no result; after the weight is pruned or clipped through .data it removes the stale remainder."""
+    from mixprec.optim import AdamW
+    from mixprec.optim._rounding import comp_of_weight
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(4096) * torch.logspace(-3, 1, 4096)).to(dtype))
+    opt = AdamW([p], lr=1e-3, compensation="kahan")
+    for _ in range(5):
+        p.grad = torch.randn_like(p)
+        opt.step()
+        c = opt.state[p]["kahan_comp"]
+        assert torch.equal(comp_of_weight(p.detach().float(), c, dtype), c.float())
+    with torch.no_grad():
+        p.data[:2048] = 0  # pruned
+        p.data.clamp_(-1e-3, 1e-3)  # clipped
+    c = opt.state[p]["kahan_comp"]
+    kept = comp_of_weight(p.detach().float(), c, dtype)
+    # The pruned half: every stale remainder dropped, but (FP16) those within FP16's smallest subnormal, which a
+    # remainder of a zero weight can also be (BF16's is 2**-133: none).
+    assert kept[:2048].abs().max() <= (0.0 if dtype == torch.bfloat16 else 2.0**-24)
+    assert not torch.equal(kept, c.float())
+    w = p.detach().float() + kept
+    # The edits are what the weights round to, but at exact ties (a remainder of exactly half an ulp) and the
+    # subnormal remainders above.
+    assert (w.to(dtype) != p.detach()).sum() <= (4 if dtype == torch.bfloat16 else 4096 // 10)
+
+
+def test_a_pruned_bf16_pure_weight_stays_zero():
+    """bf16-pure with p.data.mul_(mask) and no gradient at the pruned entries: they stay exactly 0 (the stale Kahan
+    remainder of the old value used to bring them back, up to ~6e-3)."""
+    import warnings
+
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(16, 8)
+    prec = mp.MixedPrecision("bf16-pure")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = prec.prepare(emb, torch.optim.SGD(emb.parameters(), lr=0.1))
+    for step in range(3):
+        ids = torch.tensor([0, 1]) if step else torch.arange(16)
+        with prec.autocast():
+            loss = model(ids).float().pow(2).sum()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+        if step == 0:
+            with torch.no_grad():
+                model.weight.data[2:].mul_(0)
+    assert torch.count_nonzero(model.weight[2:]) == 0

@@ -119,6 +119,7 @@ from ._parts import (
     _Tile,
 )
 from ._rounding import (
+    comp_of_weight,
     counter_bits,
     counter_bits32,
     step_keys,
@@ -526,9 +527,9 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         c_old = None
         if kahan:
             c_old = _gather(tile, _COMP_KEY)
-            # In place on the fresh upcast (Kahan weights are half: .to made a copy): the same single
-            # rounding as w + c_old.to(acc), without a converted copy of the buffer (a pass saved).
-            w = w.add_(c_old) if w is not p_old else w + c_old.to(acc)
+            # Limited to half an ulp of the weight: a no-op after our own steps, and an edit of the weight
+            # since (pruning, clipping through p.data) is not undone by its stale compensation.
+            w = w + comp_of_weight(w, c_old, pdt)
         s_old = {k: _gather(tile, k) for k in keys}
         s_acc = {k: v.to(acc) for k, v in s_old.items()}
         w_new, s_new = self._update(group, w, grad, s_acc, scalars, expand)

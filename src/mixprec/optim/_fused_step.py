@@ -65,7 +65,7 @@ from ._parts import (
     _Segment,
     _Tile,
 )
-from ._rounding import counter_bits, step_keys, stochastic_round, stream_key, with_edits
+from ._rounding import comp_of_weight, counter_bits, step_keys, stochastic_round, stream_key, with_edits
 
 __all__ = ["FusedStep"]
 
@@ -760,7 +760,7 @@ class FusedStep(OptimizerParts):
                 w = torch.where(expand(cast(Tensor, flags)), edited, w)  # segments with a mirror only
                 p_old = w.to(pdt)  # what a skipped step keeps: the master with the edits
             if comp is not None:
-                w = w + comp.to(acc)
+                w = w + comp_of_weight(w, comp, pdt)  # (see the eager step)
             s_old = dict(zip(keys, states))
             w_new, s_new = update(group, w, g, {k: v.to(acc) for k, v in s_old.items()},
                                   dict(zip(scalar_keys, scalars)), expand)

@@ -35,7 +35,9 @@ from torch import Tensor
 
 from .._dtypes import parse_dtype
 
-__all__ = ["compensated_split", "counter_bits", "counter_bits32", "kahan_add_", "stochastic_round", "with_edits"]
+__all__ = [
+    "comp_of_weight", "compensated_split", "counter_bits", "counter_bits32", "kahan_add_", "stochastic_round", "with_edits",
+]
 
 _HALF = (torch.bfloat16, torch.float16)
 _M32 = 0xFFFFFFFF
@@ -396,6 +398,37 @@ def with_edits(master: Tensor, weight: Tensor, *, out: Tensor | None = None) -> 
         The result (``out`` when given).
     """
     return torch.where(weight == master.to(weight.dtype), master, weight.to(master.dtype), out=out)
+
+
+#: Per half dtype: (half an ulp relative to the power of two below the value, 2**-(mantissa bits + 1);
+#: the smallest subnormal, the finest step a compensation in that dtype can take).
+_HALF_ULP = {torch.bfloat16: (2.0**-8, 2.0**-133), torch.float16: (2.0**-11, 2.0**-24)}
+
+
+def comp_of_weight(weight: Tensor, comp: Tensor, dtype: torch.dtype) -> Tensor:
+    """The Kahan compensation ``comp`` where it can belong to the ``dtype`` weight, else 0, in ``weight``'s dtype.
+
+    After a step ``weight = round(w)`` (to nearest) and ``comp`` is the remainder ``w - weight``
+    rounded stochastically, so ``|comp| <= max(ulp(weight) / 2, min_subnormal)`` (the bound is a
+    power of two, representable, so the rounding of ``comp`` cannot cross it): nothing is dropped
+    then. A weight edited outside the step (``p.data.mul_(mask)``, ``p.data.clamp_``) usually
+    breaks the bound: the compensation belongs to the old value, and adding it back would undo
+    the edit (a pruned zero would come back as the old remainder), so it is dropped. ``ulp/2`` is
+    ``2**(e - m - 1)`` for a weight in ``[2**e, 2**(e+1))`` with ``m`` mantissa bits: the FP32
+    exponent bits of ``|weight|`` with the mantissa cleared, scaled (no transcendental op).
+
+    Args:
+        weight: The weight upcast to FP32.
+        comp: The compensation buffer (``dtype``).
+        dtype: The weight's storage dtype (BF16 or FP16).
+
+    Returns:
+        A new FP32 tensor of ``weight``'s shape.
+    """
+    rel, finest = _HALF_ULP[dtype]
+    bound = weight.abs().view(torch.int32).bitwise_and_(0x7F800000).view(torch.float32).mul_(rel).clamp_min_(finest)
+    c = comp.to(weight.dtype)
+    return torch.where(c.abs() <= bound, c, 0.0)
 
 
 def compensated_split(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -24,6 +24,7 @@ from ._parts import (
     _nbytes,
     _zeros_like,
 )
+from ._rounding import comp_of_weight
 
 __all__ = ["StateIO"]
 
@@ -208,6 +209,9 @@ class StateIO(OptimizerParts):
     def full_precision_params(self) -> dict[Tensor, Tensor]:
         """The weights as the optimizer sees them: ``param + compensation`` in FP32 (a new tensor each).
 
+        The compensation counts up to half an ulp of its weight, as in the step
+        (:func:`~mixprec.optim._rounding.comp_of_weight`: an edited weight's stale one does not).
+
         For parameters without a compensation buffer this is ``param`` upcast to FP32 (FP64
         parameters stay FP64). Use it to export or evaluate the run's best estimate of the weights.
 
@@ -220,7 +224,7 @@ class StateIO(OptimizerParts):
                 acc = torch.promote_types(p.dtype, torch.float32)
                 w = p.detach().to(acc)
                 comp = self.state.get(p, {}).get(_COMP_KEY)
-                out[p] = w + comp.to(acc) if comp is not None else w.clone()
+                out[p] = w + comp_of_weight(w, comp, p.dtype) if comp is not None else w.clone()
         return out
 
     def memory_bytes(self) -> dict[str, int]:
