@@ -72,6 +72,7 @@ FORMAT_VERSION = 1
 
 PathLike = Union[str, "os.PathLike[str]"]
 _LEAVES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 class CheckpointError(ValueError):
@@ -598,7 +599,9 @@ def fp32_state_dict(source: Any, *, compensation: bool = False) -> dict[str, tor
         compensation: Compensated runs (``bf16-pure``): add each parameter's Kahan buffer to its
             BF16/FP16 weight (about 16 significant bits instead of 8; what the optimizer steps
             from). Off by default: after a direct edit of the weights (pruning, a
-            ``model.load_state_dict``) the buffer still holds the old remainder.
+            ``model.load_state_dict``) the buffer still holds the old remainder (dropped where it
+            exceeds half an ulp of the edited weight, as the step drops it, which catches pruning
+            to zero but not every edit).
 
     Returns:
         A model state dict (new tensors) with floating entries in FP32; load it into an FP32
@@ -617,7 +620,14 @@ def fp32_state_dict(source: Any, *, compensation: bool = False) -> dict[str, tor
             st = per_param.get(i)
             comp = st.get("kahan_comp") if isinstance(st, Mapping) else None
             if comp is not None and name in out:  # BF16/FP16 weight + Kahan remainder: ~16 significant bits
-                out[name] = out[name] + comp.detach().float()
+                comp = comp.detach()
+                if type(comp) is torch.Tensor and type(out[name]) is torch.Tensor and comp.dtype in _HALF:
+                    from .optim._rounding import comp_of_weight  # (lazy: optim imports this module's neighbours)
+
+                    # as the step adds it: a remainder beyond half an ulp of the weight is stale (an edit)
+                    out[name] = out[name] + comp_of_weight(out[name], comp, comp.dtype)
+                else:  # a DTensor shard: the plain sum
+                    out[name] = out[name] + comp.float()
         if masters is None:
             continue
         for name, master in zip(pnames, masters):

@@ -296,6 +296,11 @@ def wrap_ddp(
             "model and let wrap_ddp build the DDP module (it must register its gradient hooks first)."
         )
     if model is not prec.model:
+        if getattr(model, "_orig_mod", None) is prec.model:
+            raise ValueError(
+                "wrap_ddp(prec, model) got the torch.compile'd model; wrap the model prec.prepare() returned and "
+                "compile the result instead: torch.compile(wrap_ddp(prec, model)) (DDP's hooks must see the plain module)."
+            )
         raise ValueError("wrap_ddp(prec, model): model is not the model prec.prepare() returned; pass that one.")
     if _is_fsdp2(model):
         raise ValueError("wrap_ddp: this model is sharded with FSDP2 (fully_shard); FSDP2 and DDP do not combine.")

@@ -125,6 +125,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 "params": {str(i): p.detach().float().flatten().tolist() for i, p in enumerate(model.parameters())},
                 "moved": max((p.detach().float() - b).abs().max().item() for p, b in zip(model.parameters(), before)),
             }
+    # Misuse: wrap_ddp on the torch.compile'd model (compile the DDP module instead).
+    prec = c.make_prec("bf16-mixed")
+    m = c.make_model()
+    model, _ = prec.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    try:
+        wrap_ddp(prec, torch.compile(model))
+        results["wrap_compiled_error"] = None
+    except ValueError as e:
+        results["wrap_compiled_error"] = str(e)
     # Misuse: prepare() on a DDP-wrapped model.
     try:
         MixedPrecision("bf16-mixed").prepare(DistributedDataParallel(c.make_model()), torch.optim.SGD([torch.zeros(1)], lr=1))
@@ -198,3 +207,7 @@ def test_gradient_edits_between_backward_and_step_reach_the_step_under_wrap_ddp(
         assert 0 < clipped["moved"] < 2e-3  # clipped to a 1e-3 norm: a small step, not the raw one (~0.4)
         assert r[f"grad_edit/{policy}/zero"]["moved"] == 0.0  # zeroed gradients: no step at all
     assert "still carries the loss scale" in (ranks[0]["ddp_scaled_read_error"] or "")
+
+
+def test_wrap_ddp_of_a_compiled_model_says_to_compile_the_ddp_module(ranks: list[dict[str, Any]]) -> None:
+    assert "compile the result instead: torch.compile(wrap_ddp(prec, model))" in (ranks[0]["wrap_compiled_error"] or "")
