@@ -245,6 +245,10 @@ MISUSES = [
     Misuse("closure-optimizer", "fresh", "bf16-master",
            lambda c: c.prec.prepare(c.model, torch.optim.LBFGS(c.model.parameters())), ValueError,
            "optimizer 0 (LBFGS) needs a closure at every step (it re-evaluates the model inside its step"),
+    Misuse("batchnorm-outside-islands", "fresh", "bf16-master",
+           lambda c: (lambda m: MixedPrecision("p=bf16,c=bf16,o=f32,m=f32,i=none").prepare(
+               m, torch.optim.SGD(m.parameters(), lr=0.1)))(nn.Sequential(c.model, nn.BatchNorm1d(4))), ValueError,
+           "casts BatchNorm '1' (BatchNorm1d) to bf16 but keeps its FP32 running statistics (b=keep)"),
     Misuse("lazy-parameters", "fresh", "bf16-master",
            lambda c: (lambda m: c.prec.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1)))(
                nn.Sequential(nn.LazyLinear(8), c.model)), ValueError,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -125,6 +126,8 @@ def check_prepare(
             "with half-precision parameters such as 'bf16-master' or 'fp16-master'."
         )
     policy.check_islands(model)
+    if policy.param_dtype != torch.float32 and policy.buffers == "keep" and not keep_dtypes:
+        _check_batch_norms(model, policy, island_modules)
     device = model_device(model)
     check_device_support(policy.compute_dtype, device)
     if half and policy.has_masters and not keep_dtypes:
@@ -140,6 +143,26 @@ def check_prepare(
     elif not policy.has_masters and policy.param_dtype != torch.float32:
         warn_tiny_eps(optimizers, policy.param_dtype)
     return PrepareFacts(device, fsdp, floating)
+
+
+def _check_batch_norms(model: nn.Module, policy: Policy, island_modules: Any) -> None:
+    """Raise for a BatchNorm outside the FP32 islands whose running statistics would stay FP32 (``b=keep``).
+
+    Its weight would take the half parameter dtype while its running mean and variance keep
+    FP32, a mix torch's ``batch_norm`` refuses at the first forward ("expected scalar type ...").
+    """
+    inside = [name + "." for name, _ in island_modules(model, policy)]
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.modules.batchnorm._BatchNorm) or any((name + ".").startswith(p) for p in inside):
+            continue
+        stats = m.running_mean
+        if m.affine and stats is not None and stats.dtype == torch.float32 and m.weight.dtype.is_floating_point:
+            raise ValueError(
+                f"policy {policy.label!r} casts BatchNorm {name!r} ({type(m).__name__}) to "
+                f"{dtype_name(policy.param_dtype)} but keeps its FP32 running statistics (b=keep), a mix torch's "
+                "batch_norm refuses at the first forward. Keep norm layers in FP32 (add the island 'norm': i=norm), "
+                "or cast floating buffers too (b=param)."
+            )
 
 
 def _needs_closure(opt: Optimizer) -> bool:
