@@ -241,3 +241,25 @@ def test_a_mixed_model_runs_as_fp32_outside_autocast(preset):
         with prec.autocast():
             assert model[2](model[1](model[0](x))).dtype == prec.policy.compute_dtype  # inside: as before
     torch.optim.swa_utils.update_bn([torch.randn(16, 8) for _ in range(2)], torch.optim.swa_utils.AveragedModel(model))
+
+
+@pytest.mark.parametrize("preset,cast", [("bf16-master", "float"), ("bf16-master", "half"), ("bf16-mixed", "half"),
+                                         ("bf16-pure", "float"), ("bf16-master", "bfloat16")])
+def test_a_model_cast_again_after_prepare_is_refused_at_the_next_forward(preset, cast):
+    """model.half()/.float()/.to(dtype) after prepare() raises a mixprec error naming the parameter at the next forward
+    (it failed inside torch on a dtype mismatch, or trained silently in another precision than the policy's)."""
+    import warnings
+
+    from mixprec import MixedPrecision
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    prec = MixedPrecision(preset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = prec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with prec.autocast():
+        model(torch.randn(3, 4))  # fine before
+    getattr(model, cast)()
+    with pytest.raises(RuntimeError, match=r"parameter '[0-9]\.weight' is (f32|f16|bf16) but mixprec's cast made it"), \
+            prec.autocast():
+        model(torch.randn(3, 4))

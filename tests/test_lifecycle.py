@@ -426,3 +426,30 @@ def test_scheduler_built_before_prepare_keeps_driving_a_converted_optimizer_afte
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a framework loading the optimizer directly
     step()
     assert opt.param_groups[0]["lr"] == 0.125
+
+
+def test_schedulers_take_any_iterable_and_refuse_a_lone_scheduler_before_stepping() -> None:
+    """step(schedulers=...) accepts dict.values() and generators (as before the ReduceLROnPlateau check); a lone
+    scheduler or a ReduceLROnPlateau is refused before the optimizer steps."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    prec = mp.MixedPrecision("bf16-mixed")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    scheds = {"a": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
+
+    def backward() -> None:
+        with prec.autocast():
+            prec.backward(model(torch.ones(2, 4)).float().sum())
+
+    backward()
+    prec.step(opt, schedulers=scheds.values())
+    opt.zero_grad()
+    backward()
+    prec.step(opt, schedulers=(s for s in scheds.values()))
+    assert opt.param_groups[0]["lr"] == 0.25
+    opt.zero_grad()
+    backward()
+    before = model.weight.detach().clone()
+    with pytest.raises(TypeError, match="got one StepLR; pass schedulers=\\[scheduler\\]"):
+        prec.step(opt, schedulers=scheds["a"])  # type: ignore[arg-type]
+    assert torch.equal(model.weight, before) and int(prec.applied_steps) == 2

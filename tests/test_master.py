@@ -550,3 +550,31 @@ def test_a_model_cast_after_the_wrap_is_refused_at_the_step():
     model.half()
     opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), initial_masters=fp32)
     assert all(m.dtype == torch.float32 and torch.equal(m, fp32[p]) for p, m in zip(model.parameters(), opt.masters))
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-master-r16", "bf16-pure", "bf16-mixed"])
+def test_a_parameter_resized_after_prepare_gets_a_clear_error(preset):
+    """resize_token_embeddings-style growth of a parameter after prepare(): a mixprec error that says the parameter
+    changed shape (torch-internal size errors before; under *-mixed torch's fused kernel, picked for a foreach
+    optimizer, corrupted memory once the state existed)."""
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 4))
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1))
+    ids = torch.randint(0, 16, (5,))
+
+    def step() -> None:
+        with prec.autocast():
+            loss = model(ids).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+
+    step()  # the optimizer's state exists now
+    emb = model[0].weight
+    with torch.no_grad():
+        emb.data = torch.cat([emb.data, emb.data[:4]])  # what resize_token_embeddings does to the parameter
+    with pytest.raises(RuntimeError, match=r"changed shape after"):
+        step()

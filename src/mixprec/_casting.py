@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dtypes import parse_dtype
+from ._dtypes import dtype_name, parse_dtype
 from ._fp8 import revert_linears
 from ._policy import Policy
 from ._tree import tree_map
@@ -238,9 +238,15 @@ def _outputs_to(dtype: torch.dtype, output: Any) -> Any:
 
 
 def _root_forward(
-    module: nn.Module, previous: Any, input_dtype: torch.dtype | None, output_dtype: torch.dtype, *args: Any, **kwargs: Any
+    module: nn.Module, previous: Any, input_dtype: torch.dtype | None, output_dtype: torch.dtype,
+    sentinels: tuple[tuple[torch.Tensor, torch.dtype], ...], *args: Any, **kwargs: Any
 ) -> Any:
     """The prepared root's ``forward``: floating inputs to ``input_dtype`` (if any), outputs to ``output_dtype``.
+
+    ``sentinels``: ``(parameter, dtype)`` pairs (one FP32-island parameter, one other) whose
+    dtype the cast gave them; a different dtype means the model was cast again afterwards
+    (``model.half()``, ``.float()``, ``.to(dtype)``), which raises here, at the first forward,
+    instead of a dtype error deep inside torch or a run that silently trains in another precision.
 
     Installed as the root's instance ``forward`` (a ``functools.partial`` of this function that
     carries the original ``forward``'s ``__signature__``, so Hugging Face's Trainer and
@@ -249,6 +255,9 @@ def _root_forward(
     extra graphs, cache lookups and launches per step); inside ``forward`` the casts are part of
     the model's one graph. Hooks registered on the root run around it, as around any ``forward``.
     """
+    for p, dt in sentinels:
+        if p.dtype is not dt:
+            _recast_error(module, p, dt)
     if input_dtype is not None:
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one tensor: no tree walk (hot path)
             x = args[0]
@@ -257,6 +266,18 @@ def _root_forward(
             args, kwargs = _cast_inputs(input_dtype, module, args, kwargs)
     out = previous(*args, **kwargs) if previous is not None else type(module).forward(module, *args, **kwargs)
     return _outputs_to(output_dtype, out)
+
+
+def _recast_error(root: nn.Module, p: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise: ``p`` had ``dtype`` after mixprec's cast and has another now (the model was cast again)."""
+    name = next((n for n, q in root.named_parameters() if q is p), "a parameter")
+    raise RuntimeError(
+        f"parameter {name!r} is {dtype_name(p.dtype)} but mixprec's cast made it {dtype_name(dtype)}: the model was cast "
+        "again after prepare() (model.half(), model.float(), model.to(dtype)), which would train it in another "
+        "precision than the policy's (or fail inside torch on a dtype mismatch). prepare() does the casting: drop the "
+        "cast; to change precision, export with mixprec.checkpoint.fp32_state_dict(prec) and prepare a fresh FP32 "
+        "model under the other policy, or call mixprec.uncast_module(model) first."
+    )
 
 
 def _patched_forward(module: nn.Module, function: Callable[..., Any], *extra: Any) -> _ForwardPatch:
@@ -390,7 +411,12 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
             allow_autocast_in_aot_cache()
     half_inputs = policy.param_dtype != torch.float32 and root not in islands.values() and not keep_dtypes
     input_dtype = policy.param_dtype if half_inputs else None
-    handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype))
+    sentinels: list[tuple[torch.Tensor, torch.dtype]] = []
+    if not keep_dtypes:
+        inside = next((p for m in islands.values() for p in m.parameters() if p.dtype in _CASTABLE), None)
+        outside = next((p for p in model.parameters() if id(p) not in island_tensor_ids and p.dtype in _CASTABLE), None)
+        sentinels = [(p, p.dtype) for p in (inside, outside) if p is not None]
+    handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, tuple(sentinels)))
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model
@@ -407,7 +433,7 @@ def cast_root(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = Fal
     policy = Policy.parse(policy)
     root = _compile_target(model)
     half = policy.param_dtype != torch.float32 and not policy.is_fp32_island(root, "")
-    return _patched_forward(root, _root_forward, policy.param_dtype if half else None, policy.output_dtype)
+    return _patched_forward(root, _root_forward, policy.param_dtype if half else None, policy.output_dtype, ())
 
 
 def uncast_module(model: nn.Module) -> nn.Module:

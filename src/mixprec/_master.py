@@ -612,6 +612,9 @@ class MasterWeightOptimizer(Optimizer):
             if pending and id(pending[0][0]) not in self._views:
                 self._shard_grads(pending)
             elif pending:
+                for p, m in pending:
+                    if p.shape != m.shape:
+                        raise RuntimeError(reshaped_message(p.shape, m.shape))
                 bufs = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for _, m in pending]  # m may be a placeholder
                 torch._foreach_copy_(bufs, [p.grad for p, _ in pending if p.grad is not None])
                 for (p, m), b in zip(pending, bufs):
@@ -633,11 +636,17 @@ class MasterWeightOptimizer(Optimizer):
         elif self._hooks and _NONE_TYPE in kinds:
             self._drop_stale_grads()
         elif not self._hooks and self.grad_accumulation == "fp32":
-            # mixprec.distributed.wrap_ddp owns the accumulation: DDP wrote its reduced half copy into
-            # p.grad, the master holds the same gradient in FP32. Show the view from here on, so that
-            # model.zero_grad() (to None or to zeros) and torch's clipping act on the master's.
+            # mixprec.distributed.wrap_ddp owns the accumulation and shows each reduced master gradient's view
+            # at the end of backward (in place of DDP's half copy). Anything else in p.grad now is the user's:
+            # None (p.grad = None, model.zero_grad()) drops the master gradient, a plain tensor replaces it.
             for p, m in self._half_pairs():
-                if m.grad is not None and p.grad is not None and not isinstance(p.grad, MasterGradView):
+                g = p.grad
+                if g is None:
+                    if m.grad is not None:
+                        m.grad = None
+                elif not isinstance(g, MasterGradView) and id(p) in self._views:
+                    with torch.no_grad():
+                        m.grad = g.to(m.dtype, copy=True)
                     p.grad = self._views[id(p)]
         return [*filter(_NOT_NONE, map(_GRAD, self._masters))]  # C loops: no Python call per tensor
 
@@ -1234,6 +1243,16 @@ REMAINDERS_IN_KERNEL: frozenset[str] = frozenset({"cuda", "xpu"})
 
 _GRAD = operator.attrgetter("grad")
 _NOT_NONE = functools.partial(operator.is_not, None)
+def reshaped_message(param_shape: Any, master_shape: Any) -> str:
+    """The error for a half parameter whose shape no longer matches its FP32 master's."""
+    return (
+        f"a half-precision parameter of shape {tuple(param_shape)} has an FP32 master of shape {tuple(master_shape)}: "
+        "the model's parameter changed shape after prepare() (resize_token_embeddings, a parameter's .data replaced "
+        "by a tensor of another shape). Resize the model before prepare(), or prepare the resized model again with a "
+        "fresh MixedPrecision and optimizer (mixprec.checkpoint.fp32_state_dict(prec) exports the trained weights)."
+    )
+
+
 CREATE_GRAPH_FP32_ACCUMULATION = (
     "backward(create_graph=True) under FP32 master weights with grad_accumulation='fp32': the half gradient is added "
     "into the FP32 master's gradient outside autograd, so p.grad would lose its graph (a penalty on p.grad, a "
@@ -1450,6 +1469,8 @@ class _AccumulateInto:
             return
         if g.requires_grad:  # backward(create_graph=True): the FP32 copy would cut the gradient's graph
             raise RuntimeError(CREATE_GRAPH_FP32_ACCUMULATION)
+        if g.shape != self.master.shape:
+            raise RuntimeError(reshaped_message(g.shape, self.master.shape))
         # Runs once per parameter per backward: torch.no_grad()'s decorator costs ~7 Python calls, and
         # autograd runs hooks with grad mode off anyway unless create_graph=True.
         if torch.is_grad_enabled():

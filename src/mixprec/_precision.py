@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 from typing import cast as typing_cast
 
@@ -608,7 +608,7 @@ class MixedPrecision(RunCheckpoint):
                 return None
         return rec, grads
 
-    def step(self, optimizer: Optimizer, *, schedulers: Sequence[Any] = ()) -> StepInfo:
+    def step(self, optimizer: Optimizer, *, schedulers: Iterable[Any] = ()) -> StepInfo:
         """Unscale, check, and step ``optimizer`` unless a gradient is inf/NaN; update the loss scale.
 
         ``optimizer.step()`` on an optimizer ``prepare`` returned does the same.
@@ -633,7 +633,7 @@ class MixedPrecision(RunCheckpoint):
         # (issue 14: no more than torch.amp's), so lookups are inlined and nothing is validated twice.
         rec = self._record(optimizer, "step()")
         if schedulers:
-            _check_schedulers(schedulers)
+            schedulers = _check_schedulers(schedulers)
         auto = self.scale_update == "auto"
         if rec.stepped and auto:
             self._end_iteration()  # rule 3: a second step of the same optimizer starts a new iteration
@@ -781,17 +781,25 @@ def _follow_param_groups(given: Optimizer, converted: Optimizer) -> None:
     converted.register_load_state_dict_post_hook(relink)
 
 
-def _check_schedulers(schedulers: Sequence[Any]) -> None:
-    """Raise ``TypeError`` for a ``schedulers=`` entry that ``step()`` cannot advance with no argument.
+def _check_schedulers(schedulers: Any) -> list[Any]:
+    """The ``schedulers=`` argument of ``step()`` as a list; ``TypeError`` for what it cannot advance.
 
-    Checked before the optimizer steps, so a refused call changes nothing.
+    Checked before the optimizer steps, so a refused call changes nothing. Any iterable of
+    schedulers is accepted (a list, ``dict.values()``, a generator).
     """
-    if not isinstance(schedulers, (list, tuple)):
+    if callable(getattr(schedulers, "step", None)):
+        raise TypeError(
+            f"step(schedulers=...) takes a list of LR schedulers, got one {type(schedulers).__name__}; pass "
+            "schedulers=[scheduler]. Nothing was stepped."
+        )
+    try:
+        listed = list(schedulers)
+    except TypeError:
         raise TypeError(
             f"step(schedulers=...) takes a list of LR schedulers, got {type(schedulers).__name__}; pass "
             "schedulers=[scheduler]. Nothing was stepped."
-        )
-    for i, s in enumerate(schedulers):
+        ) from None
+    for i, s in enumerate(listed):
         if isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise TypeError(
                 f"step(schedulers=...): scheduler {i} is a ReduceLROnPlateau, whose step needs the metric it watches; "
@@ -803,3 +811,4 @@ def _check_schedulers(schedulers: Sequence[Any]) -> None:
                 f"step(schedulers=...): entry {i} ({type(s).__name__}) has no step() method; pass a list of LR "
                 "schedulers (torch.optim.lr_scheduler.*). Nothing was stepped."
             )
+    return listed

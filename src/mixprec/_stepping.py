@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -22,6 +23,8 @@ import torch
 from torch import Tensor
 
 from ._finite import unscale_and_check_
+
+_SHAPE = operator.attrgetter("shape")
 
 __all__ = [
     "FUSED_TWINS",
@@ -98,6 +101,10 @@ class FusedTwin:
         self._groups = -1  # len(param_groups) when last made ready (add_param_group makes it unready)
         self._damped = False  # SGD with dampening != 0 whose momentum buffers do not exist yet
         self.sparse = False  # a step met sparse gradients (the fused SGD refuses them): host reads from then on
+        # Every parameter and its shape when last made ready: torch's fused kernels do not check that a state
+        # tensor matches its parameter (a parameter resized after its state exists corrupts memory there).
+        self._params: list[Tensor] = []
+        self._shapes: list[Any] = []
         optimizer.register_load_state_dict_post_hook(_unready)
 
     @staticmethod
@@ -124,13 +131,27 @@ class FusedTwin:
         return None
 
     def _make_ready(self) -> None:
-        """Step counters onto their parameters' devices; zero momentum buffers (SGD, ``dampening=0``)."""
+        """Step counters onto their parameters' devices; zero momentum buffers (SGD, ``dampening=0``).
+
+        Raises:
+            RuntimeError: a state tensor whose shape is not its parameter's (the parameter was resized
+                after its state was made), which torch's fused kernel would not notice.
+        """
         opt = self.optimizer
         is_sgd = isinstance(opt, torch.optim.SGD)
         for g in opt.param_groups:
             make_buffers = is_sgd and g.get("momentum", 0) and not g.get("dampening", 0)
             for p in g["params"]:
                 st = opt.state.get(p)
+                for k, v in (st or {}).items():
+                    if isinstance(v, Tensor) and v.dim() and v.shape != p.shape:
+                        raise RuntimeError(
+                            f"{type(opt).__name__}: a parameter of shape {tuple(p.shape)} has optimizer state {k!r} of "
+                            f"shape {tuple(v.shape)}: the parameter changed shape after its state was created "
+                            "(resize_token_embeddings, a parameter's .data replaced by a tensor of another shape). "
+                            "Resize before the first step, or drop that parameter's state (del optimizer.state[p]) "
+                            "to start it afresh."
+                        )
                 if st:
                     step = st.get("step")
                     if isinstance(step, Tensor) and step.device != p.device:
@@ -139,6 +160,8 @@ class FusedTwin:
                     opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         self._ready = True
         self._groups = len(opt.param_groups)
+        self._params = [p for g in opt.param_groups for p in g["params"]]
+        self._shapes = list(map(_SHAPE, self._params))
         self._damped = is_sgd and self._missing_damped_buffers()
 
     def _missing_damped_buffers(self) -> bool:
@@ -153,7 +176,8 @@ class FusedTwin:
         dampened zero buffer). No host sync to answer."""
         if self.sparse:
             return True
-        if not self._ready or self._groups != len(self.optimizer.param_groups):
+        if not self._ready or self._groups != len(self.optimizer.param_groups) \
+                or list(map(_SHAPE, self._params)) != self._shapes:  # C-level: no Python call per parameter
             self._make_ready()
         if self._damped:
             self._damped = self._missing_damped_buffers()

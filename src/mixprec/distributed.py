@@ -138,8 +138,9 @@ class _DDPState:
         """
         self.views_queued = False
         for p, m, view in self.pairs:
-            g = p.grad
-            if g is not None and g is not view and m.grad is not None:
+            if m.grad is not None and p.grad is not view:
+                # (also where DDP left p.grad None: a parameter unused in this backward whose master holds
+                # the reduced sum of earlier micro-batches; None at the step then means the user cleared it)
                 p.grad = view
                 self.cleared_by_us.discard(id(p))
 

@@ -49,6 +49,7 @@ _DYNAMIC_GROUP_KEYS = frozenset({"params", "lr", "param_names", "initial_lr"})
 _COMP_KEY = "kahan_comp"
 _STEP_KEY = "step"
 _GRAD = operator.attrgetter("grad")
+_SHAPE = operator.attrgetter("shape")
 _DISPATCH_STACK_LEN = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
@@ -318,6 +319,10 @@ class OptimizerParts(Optimizer):
             locals_, grads = params, list(map(_GRAD, params))
             comps = list(map(operator.itemgetter(_COMP_KEY), sts)) if kahan else []
             states = {k: list(map(operator.itemgetter(k), sts)) for k in keys}
+        shapes = list(map(_SHAPE, locals_))
+        for kind, held in (("kahan_comp", comps), *states.items()):
+            if held and list(map(_SHAPE, held)) != shapes:
+                _refuse_reshaped(params, kind, held)
         ids = list(map(id, params))
         return _Bucket(
             locals_, grads, comps, states,
@@ -500,3 +505,13 @@ def lr_on(lr: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
         return torch.full(lr.shape, float(lr), dtype=dtype, device=device)
     return lr.to(device=device, dtype=dtype)
 
+
+def _refuse_reshaped(params: list[Tensor], kind: str, held: list[Tensor]) -> None:
+    """Raise: a parameter's shape differs from its ``kind`` state's (it changed shape after the state was made)."""
+    i = next(i for i, (p, t) in enumerate(zip(params, held)) if _local(p).shape != t.shape)
+    raise RuntimeError(
+        f"a parameter of shape {tuple(_local(params[i]).shape)} has optimizer state {kind!r} of shape "
+        f"{tuple(held[i].shape)}: the parameter changed shape after its state was created (resize_token_embeddings, "
+        "a parameter's .data replaced by a tensor of another shape). Resize before prepare() and before the first "
+        "step, or prepare the resized model with a fresh optimizer."
+    )
