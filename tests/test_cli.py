@@ -53,6 +53,15 @@ def test_compare_f8_layers_reaches_the_fp8_rows(capsys: pytest.CaptureFixture[st
     assert rows["fp8-rowwise"]["policy"].endswith("f8_layers=none") and "f8" not in rows["bf16-mixed"]["policy"]
 
 
+def test_compare_f8_layers_glob_that_matches_nothing_is_an_argument_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A --f8-layers typo used to become an 'unavailable' row and exit 0; it is the user's argument: exit 2."""
+    pytest.importorskip("torchao")
+    lm = [a if a != "n_embd=16" else "n_embd=32" for a in TINY_LM]
+    line = _one_line_error(capsys, main(["compare", *lm, *FAST, "-p", "bf16-mixed,fp8-rowwise", "--baseline", "none",
+                                         "--f8-layers", "nomatch.*"]))
+    assert line.startswith("mixprec compare: error: --f8-layers 'nomatch.*': f8_layers glob 'nomatch.*' of policy")
+
+
 def test_compare_cnn_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["compare", "-w", "cnn", "-o", "width=4", "-o", "batch_size=16", *FAST, "-p", "fp32,bf16-master",
                "--baseline", "bf16"])
@@ -155,6 +164,7 @@ def test_compare_workload_given_twice_and_disagreeing_is_one_line(capsys: pytest
         (["-o", "nlayer=2"], "unknown gpt workload option 'nlayer'"),
         (["-o", "n_layer"], "-o/--option expects KEY=VALUE"),
         (["--steps", "1"], "--steps 1: need at least 2"),
+        (["-p", "bf16-mixed", "--f8-layers", "auto"], "--f8-layers 'auto' applies to the FP8 rows"),
         (["--device", "cuda:0"] if not __import__("torch").cuda.is_available() else ["--device", "tpu"], "device"),
         (["--baseline", "fp8"], "argument --baseline: invalid choice: 'fp8'"),
         (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
@@ -198,8 +208,8 @@ def test_console_entry_point_errors_without_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "mixprec compare: error: unknown preset 'fp16-mixd'; Did you mean 'fp16-mixed'? choose from: fp32, tf32, "
-        "bf16-mixed, fp16-mixed, bf16-master, bf16-master-r16, fp16-master, bf16-pure, fp16-pure, or 'all' (the torch-amp baseline is "
-        "set with --baseline)"
+        "bf16-mixed, fp16-mixed, bf16-master, bf16-master-r16, fp16-master, bf16-pure, fp16-pure, fp8-tensorwise, fp8-rowwise, or "
+        "'all' (the torch-amp baseline is set with --baseline)"
     )
 
 

@@ -112,10 +112,11 @@ def parse_presets(spec: str | Sequence[str] | None, device: torch.device | str =
             if pol is not None and pol.name in PRESETS:
                 names = [pol.name]
             else:
-                near = closest(item, [*ALL_PRESETS, BASELINE, "all"])
+                near = closest(item, [*ALL_PRESETS, *PRESETS, BASELINE, "all"])
                 hint = f" Did you mean {near!r}?" if near else ""
+                fp8 = [n for n in PRESETS if n not in ALL_PRESETS and PRESETS[n].fp8 != "none"]
                 raise BenchError(
-                    f"unknown preset {item!r};{hint} choose from: {', '.join(ALL_PRESETS)}, or 'all' "
+                    f"unknown preset {item!r};{hint} choose from: {', '.join([*ALL_PRESETS, *fp8])}, or 'all' "
                     f"(the {BASELINE} baseline is set with --baseline)"
                 )
         for n in names:
@@ -668,6 +669,11 @@ def run_compare(
         except ValueError as e:
             raise BenchError(str(e)) from None
     names = parse_presets(presets, dev)
+    if f8_layers is not None and not any(PRESETS[n].fp8 != "none" for n in names):
+        raise BenchError(
+            f"--f8-layers {f8_layers!r} applies to the FP8 rows (fp8-tensorwise, fp8-rowwise), and none of the presets "
+            f"({', '.join(names)}) is one; add an FP8 preset or drop --f8-layers"
+        )
     steps = steps if steps is not None else (300 if dev.type == "cuda" else 200)
     if steps < 2:
         raise BenchError(f"--steps {steps}: need at least 2 steps (one warm-up, one timed)")
@@ -732,6 +738,8 @@ def run_compare(
         except BenchError:
             raise
         except Exception as e:  # MixedPrecision rejected the preset here (or is not built yet)
+            if pol is not PRESETS[name] and str(e).startswith("f8_layers glob"):
+                raise BenchError(f"--f8-layers {f8_layers!r}: {_one_line(e)}") from None  # the user's argument
             row.status, row.reason = "unavailable", _one_line(e)
     for amp_dtype in amp_dtypes:
         emu_row = emulate and amp_dtype == torch.float16
