@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -115,7 +116,9 @@ def test_gradients_are_unscaled_by_the_loss_scale() -> None:
     assert mon.report().loss_scale == 512.0
 
 
-def test_overflow_risk_names_the_module_and_recommends_an_island() -> None:
+def test_output_overflow_names_the_module_and_advises_bf16_not_an_island() -> None:
+    # An FP32 island hands its outputs back in the compute dtype (_casting._island_forward): a module whose
+    # output itself exceeds FP16's maximum still overflows inside one, so no island and no FP16 policy.
     model = _mlp()
     with torch.no_grad():
         model[0].weight.mul_(5e4)  # activations ~1e5: beyond FP16's 65504
@@ -123,12 +126,28 @@ def test_overflow_risk_names_the_module_and_recommends_an_island() -> None:
         model(torch.randn(32, 8)).sum().backward()
     rep = mon.report()
     assert rep.overflow_risk[:2] == ["0", "1"]  # the Linear and the ReLU that passes its values on
-    assert "name:0" in rep.recommended_islands
     assert rep.module("0").act_overflow_f16 > 0 and rep.module("0").fp16_headroom_bits < 0
-    assert "LayerNorm" not in " ".join(rep.recommended_islands)  # norms are islands already
+    assert rep.recommended_islands == []
     assert rep.module("2").norm_island
-    assert any("beyond the FP16 maximum" in f for f in rep.findings)
-    assert rep.fp16_policy is not None and "i=norm+name:0+name:1" in rep.fp16_policy
+    finding = next(f for f in rep.findings if f.startswith("0 (Linear)"))
+    assert "beyond the FP16 maximum" in finding and "island would not help" in finding and "BF16" in finding
+    assert rep.fp16_policy is None
+
+
+def test_island_recommended_when_the_output_fits_fp16() -> None:
+    # activations ~1e4: within FP16's range but inside the 16x margin: the output fits, an island keeps what
+    # runs inside the module (and its backward) in FP32
+    model = _mlp()
+    with torch.no_grad():
+        model[0].weight.mul_(4e3)
+    with NumericsMonitor(model) as mon:
+        model(torch.randn(32, 8)).sum().backward()
+    rep = mon.report()
+    m0 = rep.module("0")
+    assert m0.act_overflow_f16 == 0 and 65504 / 16 <= m0.act_absmax < 65504
+    assert "name:0" in rep.recommended_islands
+    assert "LayerNorm" not in " ".join(rep.recommended_islands)  # norms are islands already
+    assert rep.fp16_policy is not None and "i=norm+name:0" in rep.fp16_policy
 
 
 def test_bf16_stagnation_of_tiny_updates() -> None:
@@ -373,3 +392,120 @@ def test_activation_checkpointing_does_not_count_activations_twice(reentrant: bo
         h = mon.histograms
         counts.append((h["activations"].total, h["activation_grads"].total, h["param_grads"].total))
     assert counts[0] == counts[1]
+
+
+def _tiny_loss_run(policy: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One step of a loss x1e-6 (gradients ~1e-8, below FP16's normal range) under ``policy``, monitored.
+
+    Returns the report and the FP32 reference gradients of the same step.
+    """
+    import mixprec as mp
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+    ref = build()
+    (F.mse_loss(ref(x), y) * 1e-6).backward()
+    prec = mp.MixedPrecision(policy)
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fp16 on CPU is slow: prepare warns (once per process)
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    with NumericsMonitor(model, optimizer=opt, loss_scale=prec) as mon:
+        with prec.autocast():
+            loss = F.mse_loss(model(x), y) * 1e-6
+        prec.backward(loss)
+        prec.step(opt)
+    return mon.report(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def test_gradients_flushed_in_fp16_are_reported_though_they_arrive_as_zeros() -> None:
+    rep, ref = _tiny_loss_run("p=f32,c=f16,ls=static:1")
+    # the reference: most of these FP32 gradients flush to zero in FP16 (|g| <= 2**-25)
+    g = torch.cat([t.flatten() for t in ref.values()])
+    assert float(((g.abs() <= 2.0**-25) & (g != 0)).sum() / (g != 0).sum()) > 0.5
+    # the flushed ones arrive as exact zeros: the underflow figure (non-zero values only) cannot see them ...
+    assert rep.param_grad_underflow["f16"]["current_scale"] == 0.0
+    assert rep.params[0].grad_zero > 0.5 and rep.params[0].grad_subnormal_f16_at_scale > 0.5
+    # ... so a finding names them, says why, and what to do
+    finding = next(f for f in rep.findings if "exact zeros" in f)
+    assert "0.weight" in finding and "modules 0, 2" in finding and "underflow" in finding
+    assert "larger loss scale" in finding and "bf16" in finding
+
+
+def test_no_flushed_gradient_finding_at_a_good_scale_or_in_fp32() -> None:
+    for policy in ("p=f32,c=f16,ls=static:65536", "fp32"):
+        rep, _ = _tiny_loss_run(policy)
+        assert max(p.grad_zero for p in rep.params) == 0.0, policy
+        assert not any("exact zeros" in f for f in rep.findings), policy
+    # zeros of ReLUs in an FP32 model are not underflow
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-3.0)  # most hidden units dead: many exact-zero gradients
+    with NumericsMonitor(model) as mon:
+        model(torch.randn(32, 8)).sum().backward()
+    rep = mon.report()
+    assert max(p.grad_zero for p in rep.params) > 0.1
+    assert not any("exact zeros" in f for f in rep.findings)
+
+
+class _Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def test_nan_made_in_fp32_is_not_a_precision_problem_and_propagators_are_not_blamed() -> None:
+    model = nn.Sequential(_Log(), nn.Linear(16, 4), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NumericsMonitor(model, optimizer=opt) as mon:
+        for i in range(3):
+            x = torch.rand(8, 16) + 0.5
+            if i == 1:
+                x[0, 0] = -1.0  # log(-1) = NaN, in FP32 as in any format
+            F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
+            opt.step()  # step 1's NaN gradient makes the Linear's weights NaN: step 2 it outputs NaN from finite inputs
+            opt.zero_grad()
+    rep = mon.report()
+    assert all(m.act_dtypes == ["f32"] for m in rep.modules)
+    assert rep.module("0").act_nonfinite > 0 and not rep.module("0").nonfinite_input
+    assert rep.module("1").act_nonfinite > 0 and rep.module("1").nonfinite_input  # NaN inputs, then NaN weights
+    assert rep.overflow_risk == [] and rep.recommended_islands == []
+    assert rep.fp16_policy is not None and "name:" not in rep.fp16_policy
+    blamed = [f for f in rep.findings if "inf/NaN" in f]
+    assert len(blamed) == 1 and blamed[0].startswith("0 (_Log)") and "not a precision problem" in blamed[0]
+    assert not any(f.startswith(("1 (Linear)", "2 (ReLU)")) for f in rep.findings)
+    assert not any("FP16 overflows" in f for f in rep.findings)
+
+
+def test_nan_made_in_fp16_activations_still_gets_an_island() -> None:
+    # the same NaN made in a half-precision run: the monitor cannot tell an intermediate overflow from bad
+    # data, so the module gets its island (the tracer's FP32 re-run decides which it is)
+    model = nn.Sequential(nn.Linear(16, 16), _Log(), nn.Linear(16, 4))
+    with NumericsMonitor(model) as mon, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(-torch.rand(8, 16) - 1.0).float().sum().backward()
+    rep = mon.report()
+    assert rep.module("1").act_dtypes == ["bf16"] and rep.module("1").act_nonfinite > 0
+    assert "1" in rep.overflow_risk and "2" not in rep.overflow_risk  # 2 only passed the NaN on
+    assert "name:1" in rep.recommended_islands
+
+
+def test_a_compiled_model_is_reported_under_plain_names() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(4e3)  # at risk in FP16: an island is recommended
+    cm = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(cm.parameters(), lr=0.0)
+    with NumericsMonitor(cm, optimizer=opt) as mon:
+        cm(torch.randn(32, 8)).sum().backward()
+        opt.step()
+    rep = mon.report()
+    assert [m.name for m in rep.modules] == ["0", "1", "2"]  # as the uncompiled model names them
+    assert [p.name for p in rep.params] == [n for n, _ in model.named_parameters()]
+    assert rep.recommended_islands and all("_orig_mod" not in i for i in rep.recommended_islands)
+    assert rep.fp16_policy is not None and "_orig_mod" not in rep.fp16_policy
+    # qualified names are given as users know them (a compiled model's own names still work)
+    assert [n for n, _ in NumericsMonitor._select(cm, ["2", "_orig_mod.0"])] == ["2", "0"]

@@ -77,8 +77,39 @@ def test_planted_forward_overflow_is_named_in_forward() -> None:
     rr = r.fp32_rerun
     assert rr is not None and rr.finite and rr.precision_is_cause and rr.exceeds == ["f16"] and rr.absmax > 65504
     assert "'big' (Linear)" in r.explanation and "precision is the cause" in r.explanation
-    assert "i=norm+name:big" in str(r)
+    # big's output itself (~1e6 in FP32) exceeds FP16: an island would hand it back in FP16 (see below)
+    assert r.output_exceeds_range and "name:big" not in str(r)
+    assert "island would not help" in r.advice and "bf16" in r.advice and "rescale" in r.advice
     assert r.to_dict()["module"] == "big"
+
+
+def test_an_fp32_island_does_not_fix_an_output_beyond_fp16() -> None:
+    # The reference for the advice above: with big an FP32 island its output is still inf in FP16.
+    r = trace_nonfinite(Planted(), X, _loss, FP16 + ",i=norm+name:big")
+    assert (r.module, r.where) == ("big", "output") and r.kind in ("inf", "nan", "inf and nan")
+    assert r.fp32_rerun is not None and r.fp32_rerun.absmax is not None and r.fp32_rerun.absmax > 65504
+    assert "island would not help" in r.advice
+
+
+class _Intermediate(nn.Module):
+    """Scales up then down in its own code: the intermediate (~1e6) overflows FP16, the output (~1) fits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 1e6) / 1e6
+
+
+def _intermediate_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), _Intermediate(), nn.Linear(8, 1))
+
+
+def test_an_intermediate_overflow_gets_island_advice_and_the_island_fixes_it() -> None:
+    r = trace_nonfinite(_intermediate_model(), X, _loss, FP16)
+    assert (r.module, r.where) == ("1", "output") and r.fp32_rerun is not None
+    assert r.fp32_rerun.precision_is_cause and r.fp32_rerun.exceeds == [] and not r.output_exceeds_range
+    assert "i=norm+name:1" in r.advice
+    # and following the advice helps: the island computes the intermediate in FP32
+    assert not trace_nonfinite(_intermediate_model(), X, _loss, FP16 + ",i=norm+name:1").found
 
 
 def test_the_same_model_is_clean_in_bf16_and_fp32() -> None:
@@ -292,3 +323,44 @@ def test_tracing_a_live_master_run_in_place_keeps_its_pending_master_gradients()
     assert all(torch.equal(m.grad, b) for m, b in zip(opt.masters, before))
     with pytest.raises(ValueError, match="under torch.inference_mode"), torch.inference_mode():
         trace_nonfinite(model, X, _loss)
+
+
+def _compiled(model: nn.Module, calls: list[int]) -> nn.Module:
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        calls.append(1)  # counts the graphs dynamo compiles
+        return gm.forward
+
+    return torch.compile(model, backend=backend)
+
+
+def test_a_compiled_model_is_traced_under_plain_names_without_compiling() -> None:
+    calls: list[int] = []
+    cm = _compiled(_intermediate_model(), calls)
+    r = trace_nonfinite(cm, X, _loss, FP16)
+    assert (r.module, r.where) == ("1", "output")  # not '_orig_mod.1'
+    assert "_orig_mod" not in r.advice and "i=norm+name:1" in r.advice
+    assert calls == []  # the inner module ran eagerly: no dynamo frames, so no graph breaks
+    # the advised island is accepted by a compiled model's policy and fixes it
+    assert not trace_nonfinite(_compiled(_intermediate_model(), calls), X, _loss, FP16 + ",i=norm+name:1").found
+    # the same without a policy, in place, on a compiled model of FP16 weights
+    cm16 = _compiled(_intermediate_model().half(), calls)
+    r16 = trace_nonfinite(cm16, X.half(), _loss, copy_model=False)
+    assert (r16.module, r16.where) == ("1", "output") and calls == []
+    assert r16.fp32_rerun is not None and r16.fp32_rerun.precision_is_cause
+
+
+def test_input_statistics_are_labelled_with_the_dtype_the_step_ran_in() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), _Log())
+    x = -X.abs() - 1.0  # log of negatives: NaN in any format
+    r = trace_nonfinite(m, x, _loss)  # a plain FP32 model, no policy
+    assert r.found and r.module == "1" and r.stats_dtype == "f32"
+    assert r.input_stats[0].dtype == "f32" and r.input_stats[0].source_dtype == "f32"
+    assert " in f32." in r.explanation and " in f16" not in r.explanation
+    # under an FP16 policy the statistics are for FP16, the compute dtype
+    assert trace_nonfinite(m, x, _loss, FP16).stats_dtype == "f16"
+
+
+class _Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)

@@ -38,6 +38,13 @@ MAX_RECOMMENDED_SCALE = 2.0**24
 HEADROOM_BITS = 4
 #: BF16 stagnation above this fraction of updated elements is reported as a problem.
 STAGNATION_WARN = 0.01
+#: A parameter whose gradient was computed in FP16 is flagged as possibly flushed when at least this
+#: fraction of its gradient values are exact zeros (pre-flight ``check`` fails above 10% lost, too) ...
+FLUSHED_ZERO_WARN = 0.1
+#: ... and at least this fraction of its non-zero values are FP16 subnormals at the loss scale: the values sit
+#: at the bottom of FP16's range, where the missing ones were flushed. (Zeros from ReLUs, unused embedding
+#: rows or masks come with gradients in FP16's normal range and are not flagged.)
+FLUSHED_SUBNORMAL_HINT = 0.05
 
 
 # ----- small formatting helpers ---------------------------------------------------------------------
@@ -183,6 +190,9 @@ class ModuleNumerics:
         grad_lost_f16_at_scale: The same at the report's loss scale.
         samples: Output tensors recorded.
         norm_island: The module is a normalization layer, an FP32 island under every preset (``i=norm``).
+        nonfinite_input: Every call of the module that returned inf/NaN had received inf/NaN
+            inputs or held inf/NaN parameters already (left by an earlier non-finite update): it
+            only passed them on (``False`` when none returned inf/NaN).
     """
 
     name: str
@@ -198,11 +208,22 @@ class ModuleNumerics:
     grad_lost_f16_at_scale: float
     samples: int
     norm_island: bool = False
+    nonfinite_input: bool = False
 
     @classmethod
     def from_histograms(cls, name: str, type_name: str, act: Log2Histogram, grad: Log2Histogram,
                         act_dtypes: list[str], grad_dtypes: list[str], scale: float,
-                        norm_island: bool = False) -> ModuleNumerics:
+                        norm_island: bool = False, *, nonfinite_input: bool = False) -> ModuleNumerics:
+        """Summarise one module's histograms.
+
+        Args:
+            name / type_name / act_dtypes / grad_dtypes / norm_island / nonfinite_input: As the attributes.
+            act / grad: Histograms of its outputs and (unscaled) output gradients.
+            scale: The report's loss scale.
+
+        Returns:
+            The module's :class:`ModuleNumerics`.
+        """
         a = act.summary()
         fa = act.fractions("f16", 1.0)
         gsum = grad.summary()
@@ -213,7 +234,13 @@ class ModuleNumerics:
             fp16_headroom_bits=math.log2(F16.max / amax) if amax > 0 else None,
             grad_absmax=gsum["absmax"], grad_lost_f16=grad.lost_fraction("f16", 1.0),
             grad_lost_f16_at_scale=grad.lost_fraction("f16", scale), samples=act.samples, norm_island=norm_island,
+            nonfinite_input=nonfinite_input,
         )
+
+    @property
+    def computed_in_half(self) -> bool:
+        """Whether its outputs were half-precision (FP16, BF16 or FP8) values."""
+        return any(d in ("f16", "bf16") or d.startswith("float8") for d in self.act_dtypes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +260,8 @@ class ParamNumerics:
         fp32_island: The parameter belongs to an FP32 island of the monitor's policy (a norm
             layer by default): it is stored in FP32 under that policy, so the report's stagnation
             figures and finding leave it out.
+        grad_subnormal_f16_at_scale: Fraction of the non-zero finite gradient values that are
+            FP16 subnormals at the report's loss scale (values at the bottom of FP16's range).
     """
 
     name: str
@@ -248,11 +277,25 @@ class ParamNumerics:
     stagnant_bf16: float | None
     stagnant_f16: float | None
     fp32_island: bool = False
+    grad_subnormal_f16_at_scale: float = 0.0
 
     @classmethod
     def from_record(cls, name: str, module: str, dtype: str, numel: int, grad: Log2Histogram, grad_dtypes: list[str],
                     update_counts: list[int] | None, scale: float, *, fp32_island: bool = False) -> ParamNumerics:
+        """Summarise one parameter's gradient histogram and update counts.
+
+        Args:
+            name / module / dtype / numel / grad_dtypes / fp32_island: As the attributes.
+            grad: Histogram of its (unscaled) gradients.
+            update_counts: ``[updated, below half a BF16 ulp, below half an FP16 ulp]`` or ``None``.
+            scale: The report's loss scale.
+
+        Returns:
+            The parameter's :class:`ParamNumerics`.
+        """
         s = grad.summary()
+        fr = grad.fractions("f16", scale)
+        nonzero = 1.0 - fr["zero"] - fr["nonfinite"]
         updated = stag_b = stag_h = None
         if update_counts is not None:
             updated = int(update_counts[0])
@@ -263,6 +306,7 @@ class ParamNumerics:
             grad_zero=s["zero"] / s["total"] if s["total"] else 0.0, grad_lost_f16=grad.lost_fraction("f16", 1.0),
             grad_lost_f16_at_scale=grad.lost_fraction("f16", scale), updated=updated, stagnant_bf16=stag_b,
             stagnant_f16=stag_h, fp32_island=fp32_island,
+            grad_subnormal_f16_at_scale=fr["subnormal"] / nonzero if nonzero > 0 else 0.0,
         )
 
 
@@ -460,18 +504,63 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
                  param_grads: Log2Histogram, loss_scale: float, max_lost: float, sampled_steps: int, every: int,
                  overflow_margin: float, bf16_supported: bool, device: str, update_measured: bool,
                  activations: Log2Histogram | None = None) -> NumericsReport:
-    """Turn the monitor's statistics into findings and recommendations (see :class:`NumericsReport`)."""
+    """Turn the monitor's statistics into findings and recommendations (see :class:`NumericsReport`).
+
+    Algorithm (overflow and islands):
+        1. A module that returned inf/NaN only when its inputs already held inf/NaN passed them
+           on: it is not blamed (``ModuleNumerics.nonfinite_input``).
+        2. inf/NaN made in FP32 activations is not a precision problem: a finding says so, and
+           no FP32 island is advised for it.
+        3. A module whose FP32/BF16 outputs exceed FP16's maximum overflows in FP16 whatever
+           runs inside it: an FP32 island hands its outputs back in the compute dtype, so the
+           advice is BF16 or rescaling, and no FP16 policy is offered (``fp16_policy=None``).
+        4. The other modules at risk (inf/NaN made in half precision, or outputs within
+           ``overflow_margin`` of FP16's maximum) get an FP32 island: it helps where the
+           overflow is inside the module or in its backward.
+
+    Exact zeros in gradients computed in FP16 can be values that already flushed (the underflow
+    figures count non-zero values only): a parameter with at least ``FLUSHED_ZERO_WARN`` zeros
+    whose non-zero values are FP16 subnormals at the loss scale (at least
+    ``FLUSHED_SUBNORMAL_HINT``) is named in a finding.
+
+    Args:
+        modules / params: Per-module and per-parameter statistics.
+        act_grads / param_grads / activations: Pooled histograms (gradients unscaled).
+        loss_scale: The scale "at the current scale" figures refer to.
+        max_lost: Fraction of non-zero gradients a recommended loss scale may flush.
+        sampled_steps / every / device: Recorded as they are.
+        overflow_margin: Headroom factor under FP16's maximum below which a module is at risk.
+        bf16_supported: The device computes in BF16 (decides the preset).
+        update_measured: Stagnation was measured.
+
+    Returns:
+        The :class:`NumericsReport`.
+    """
     findings: list[str] = []
+    # (1) a module counts as making inf/NaN only when some call of it had finite inputs
+    makes_nonfinite = [m for m in modules if m.act_nonfinite > 0 and not m.nonfinite_input]
+    # (2) made in FP32 (or FP64): the data, a bug or a diverged model, whatever the precision
+    fp32_nonfinite = [m for m in makes_nonfinite if not m.computed_in_half]
     risk = sorted(
-        (m for m in modules if m.act_nonfinite > 0 or m.act_absmax * overflow_margin >= F16.max),
+        (m for m in modules if (m in makes_nonfinite and m.computed_in_half) or m.act_absmax * overflow_margin >= F16.max),
         key=lambda m: -m.act_absmax,
     )
+    # (3) the output itself beyond FP16's range (seen finite in FP32/BF16): an island cannot help
+    output_overflow = [m for m in risk if m.act_overflow_f16 > 0]
+    for m in fp32_nonfinite:
+        findings.append(f"{m.name or '(root)'} ({m.type}) produced inf/NaN in FP32 activations ({_pct(m.act_nonfinite)}) "
+                        "from finite inputs: not a precision problem (no format or FP32 island changes it); check the "
+                        "data, the operation's domain (log, sqrt, division) and the learning rate.")
     for m in risk:
-        if m.act_nonfinite > 0:
-            findings.append(f"{m.name or '(root)'} ({m.type}) produced inf/NaN activations ({_pct(m.act_nonfinite)}).")
+        if m in makes_nonfinite:
+            findings.append(f"{m.name or '(root)'} ({m.type}) produced inf/NaN activations in "
+                            f"{'/'.join(m.act_dtypes)} ({_pct(m.act_nonfinite)}).")
         elif m.act_overflow_f16 > 0:
             findings.append(f"{m.name or '(root)'} ({m.type}) has activations up to {_g(m.act_absmax)}, beyond the FP16 "
-                            f"maximum 65504: it overflows in FP16.")
+                            f"maximum 65504: its output overflows in FP16. An FP32 island would not help (it computes "
+                            f"in FP32 inside but hands its outputs back in FP16): use BF16 (the range of FP32), or "
+                            f"rescale so the output fits (e.g. smaller weights in {m.name or 'it'!s}, or a "
+                            f"normalization after it).")
         else:
             findings.append(f"{m.name or '(root)'} ({m.type}) has activations up to {_g(m.act_absmax)}, within "
                             f"{overflow_margin:g}x of the FP16 maximum 65504: at risk of overflow in FP16.")
@@ -496,6 +585,22 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
         findings.append(f"The gradients span more than FP16 can hold: any scale that keeps the largest ({_g(gmax)}) "
                         f"finite (<= {_pow2(sr.high)}) still flushes more than {_pct(max_lost)} of the small ones.")
 
+    # Flushed values arrive as exact zeros, which the underflow figures above (non-zero values only) cannot
+    # count: name the FP16-computed gradients that are mostly zeros with their other values at FP16's bottom.
+    f16_modules = {m.name for m in modules if "f16" in m.act_dtypes or "f16" in m.grad_dtypes}
+    flushed = [p for p in params if ("f16" in p.grad_dtypes or p.module in f16_modules)
+               and p.grad_zero >= FLUSHED_ZERO_WARN and p.grad_subnormal_f16_at_scale >= FLUSHED_SUBNORMAL_HINT]
+    if flushed:
+        flushed.sort(key=lambda p: -p.grad_zero)
+        names = ", ".join(f"{p.name} {_pct(p.grad_zero)}" for p in flushed[:5]) + (", ..." if len(flushed) > 5 else "")
+        mods = ", ".join(dict.fromkeys(p.module or "(root)" for p in flushed))
+        findings.append(
+            f"Gradients computed in FP16 are largely exact zeros (zero fraction: {names}; modules {mods}) while their "
+            f"non-zero values are FP16 subnormals at the loss scale {_pow2(loss_scale)}: zeros in FP16 gradients can be "
+            "underflow, values flushed to zero before the monitor saw them, which the underflow figures (non-zero "
+            "values only) do not count. Use a larger loss scale, dynamic scaling (ls=dynamic) or bf16; monitoring an "
+            "FP32 run (as mixprec doctor does) measures what FP16 loses.")
+
     # stagnation, over the weights a half-precision preset would store in half precision: an FP32
     # island's weights (norm layers under every preset) stay FP32, so their small updates are kept.
     half = [p for p in params if not p.fp32_island]
@@ -517,11 +622,12 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
             )
 
     # islands and presets
+    # (4) islands where they can help: not for a module whose output itself exceeds FP16's range
     islands: list[str] = []
     for m in risk:
-        if m.name and not m.norm_island:
+        if m.name and not m.norm_island and m not in output_overflow:
             islands.append(f"name:{m.name}")
-    fp16_ok = sr.feasible and all(m.name or m.norm_island for m in risk)
+    fp16_ok = sr.feasible and not output_overflow and all(m.name or m.norm_island for m in risk)
     fp16_policy = None
     if fp16_ok:
         island_spec = "+".join(["norm", *islands])
@@ -538,7 +644,10 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
                         "dynamic scaling starting there" + (f", FP32 islands {', '.join(islands)})." if islands else ")."))
     else:
         preset = "fp32"
-        findings.append("This device has no BF16 and FP16 cannot hold this model's values: stay in FP32 (or TF32).")
+        rescale = (f" (or rescale the outputs of {', '.join(m.name or '(root)' for m in output_overflow)} into FP16's "
+                   "range)" if output_overflow else "")
+        findings.append(f"This device has no BF16 and FP16 cannot hold this model's values: stay in FP32 (or TF32)"
+                        f"{rescale}.")
     if not findings:
         findings.append("No numerical problems seen.")
 

@@ -19,7 +19,16 @@ Hooks (installed by :meth:`NumericsMonitor.attach`, removed by :meth:`detach`):
   gradient) are counted as the recipe casts them to E4M3/E5M2: saturated, flushed, subnormal,
   SQNR (:meth:`NumericsMonitor.fp8_stats`, :meth:`NumericsMonitor.fp8_table`).
 
-On steps that are not sampled every hook returns after one attribute check. Gradients are
+On steps that are not sampled every hook returns after one attribute check. On a
+``torch.compile``'d model modules and parameters are named as in the uncompiled model (no
+``_orig_mod.``), as checkpoints and ``name:`` islands name them.
+
+Underflow that already happened is invisible to the histograms: a gradient computed in FP16
+that flushed to zero arrives as an exact zero, and the underflow figures count non-zero values
+only. The report therefore also flags parameters whose FP16-computed gradients are largely exact
+zeros while their non-zero values sit near FP16's smallest magnitudes (see
+:func:`~mixprec.numerics._findings.build_report`); to measure what FP16 would lose, monitor an FP32
+run (as ``mixprec doctor`` does), where the small values are still there. Gradients are
 divided by the loss scale in use (read from ``loss_scale``) so the histograms hold true,
 unscaled magnitudes. Statistics stay on the device; :meth:`report` reads them back (host
 syncs happen there, and when taking the loss scale from a ``torch.amp.GradScaler``).
@@ -37,7 +46,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._casting import island_modules
+from .._casting import _compile_target, island_modules
+from .._checkpoint import canonical_name
 from .._dtypes import device_supports
 from .._fp8 import eligible_reason, is_fp8_linear, linear_weight
 from .._policy import FP8_RECIPES, Policy
@@ -63,6 +73,8 @@ class _ModuleRecord:
     act_grad: Log2Histogram = dataclasses.field(default_factory=Log2Histogram)
     act_dtypes: set[str] = dataclasses.field(default_factory=set)
     grad_dtypes: set[str] = dataclasses.field(default_factory=set)
+    # [calls that returned inf/NaN, those of them whose inputs already held inf/NaN] (on the device)
+    nonfinite_calls: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -197,10 +209,11 @@ class NumericsMonitor:
         self._wrapped_step: Any = None
         island_policy = _NORM_POLICY if policy is None else Policy.parse(policy)
         island_ids = {id(p) for _, m in island_modules(model, island_policy) for p in m.parameters()}
-        self._island_params = {n for n, p in model.named_parameters() if id(p) in island_ids}
+        self._island_params = {canonical_name(n) for n, p in model.named_parameters() if id(p) in island_ids}
         self._fp8: dict[str, _Fp8Record] = {}
         self._fp8_targets: list[tuple[str, nn.Module, str]] = []
-        for n, m in model.named_modules():
+        for n, m in _compile_target(model).named_modules():
+            n = canonical_name(n)
             if is_fp8_linear(m):
                 self._fp8_targets.append((n, m, str(m.mixprec_recipe)))
             elif fp8 is not None and n and eligible_reason(m, n, island_policy) is None:
@@ -209,7 +222,10 @@ class NumericsMonitor:
     # ----- selection and attachment ------------------------------------------------------------
     @staticmethod
     def _select(model: nn.Module, modules: ModuleSelection) -> list[tuple[str, nn.Module]]:
-        named = list(model.named_modules())
+        # A torch.compile'd model: its modules under the names users and policies know (no '_orig_mod.';
+        # the compile wrappers themselves are not layers), as checkpoints name them.
+        named = [(canonical_name(n), m) for n, m in _compile_target(model).named_modules()
+                 if not isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
         if modules == "leaves":
             chosen = [(n, m) for n, m in named if not any(True for _ in m.children())]
         elif modules == "all":
@@ -217,7 +233,7 @@ class NumericsMonitor:
         elif callable(modules):
             chosen = [(n, m) for n, m in named if modules(n, m)]
         elif isinstance(modules, Iterable) and not isinstance(modules, str):
-            wanted = list(modules)
+            wanted = [canonical_name(w) for w in modules]  # '_orig_mod.2' (a compiled model's) is '2'
             by_name = dict(named)
             missing = [w for w in wanted if w not in by_name]
             if missing:
@@ -237,7 +253,8 @@ class NumericsMonitor:
         for name, module in self._selected:
             rec = self._modules.setdefault(
                 name, _ModuleRecord(name, type(module).__name__, _NORM_POLICY.is_fp32_island(module, name)))
-            self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, rec)))
+            self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, rec),
+                                                              with_kwargs=True))
         for name, module, recipe in self._fp8_targets:
             casts = _recipe_casts(recipe)
             rec8 = self._fp8.setdefault(name, _Fp8Record(name, recipe, {
@@ -247,10 +264,11 @@ class NumericsMonitor:
             owner: dict[int, str] = {}
             for mname, module in self.model.named_modules():
                 for _, p in module.named_parameters(recurse=False):
-                    owner.setdefault(id(p), mname)
+                    owner.setdefault(id(p), canonical_name(mname))
             for pname, p in self.model.named_parameters():
                 if not p.requires_grad or not p.is_floating_point():
                     continue
+                pname = canonical_name(pname)
                 rec_p = self._params.setdefault(
                     pname, _ParamRecord(pname, owner.get(id(p), ""), _short(p.dtype), p.numel(),
                                         fp32_island=pname in self._island_params))
@@ -410,19 +428,35 @@ class NumericsMonitor:
             self._recorded = True
             self._sampled_steps += 1
 
-    def _on_forward(self, rec: _ModuleRecord, module: nn.Module, args: Any, output: Any) -> None:
+    def _on_forward(self, rec: _ModuleRecord, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not self._active:
             return
         self._mark_recorded()
         # Inside a backward: activation checkpointing recomputes this forward. Its activations were counted
         # once already; its gradients flow through the recomputed outputs (reentrant checkpointing), so hooks.
         recompute = torch._C._current_graph_task_id() != -1
-        for t in floating_tensors(output):
+        outs = floating_tensors(output)
+        for t in outs:
             if not recompute:
                 rec.act.add_(t, max_elements=self.max_elements)
                 rec.act_dtypes.add(_short(t.dtype))
             if t.requires_grad and torch.is_grad_enabled():
                 t.register_hook(functools.partial(self._on_act_grad, rec))
+        if outs and not recompute:
+            # (its parameters too: NaN weights, left by an earlier step's NaN update, were made elsewhere)
+            self._count_nonfinite_call(rec, [*floating_tensors((args, kwargs)), *module.parameters()], outs)
+
+    @staticmethod
+    @torch.no_grad()
+    def _count_nonfinite_call(rec: _ModuleRecord, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        # On the device (no sync): did this call return inf/NaN, and were its inputs (or parameters) non-finite
+        # already? A module whose every non-finite call had non-finite inputs only passed them on: not blamed.
+        bad_out = torch.stack([torch.isfinite(t).logical_not().any() for t in outs]).any()
+        ins = [t.detach() for t in inputs if t.is_floating_point()]
+        bad_in = (torch.stack([torch.isfinite(t).logical_not().any().to(bad_out.device) for t in ins]).any()
+                  if ins else torch.zeros((), dtype=torch.bool, device=bad_out.device))
+        c = torch.stack([bad_out, bad_out & bad_in]).to(torch.int64)
+        rec.nonfinite_calls = c if rec.nonfinite_calls is None else rec.nonfinite_calls + c.to(rec.nonfinite_calls.device)
 
     def _on_act_grad(self, rec: _ModuleRecord, grad: torch.Tensor) -> None:
         if grad is None or not self._active:
@@ -502,7 +536,7 @@ class NumericsMonitor:
         opt = self.optimizer
         if opt is None:
             return []
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
         model_params = getattr(opt, "model_params", None)
         masters = getattr(opt, "masters", None)
         out: list[tuple[str, torch.Tensor]] = []
@@ -567,11 +601,12 @@ class NumericsMonitor:
             last = self._last_scale
             loss_scale = float(last) if last is not None else 1.0
         dev = torch.device(device) if device is not None else self._device
-        modules = [
-            ModuleNumerics.from_histograms(r.name, r.type_name, r.act, r.act_grad, sorted(r.act_dtypes),
-                                           sorted(r.grad_dtypes), loss_scale, r.norm_island)
-            for r in self._modules.values()
-        ]
+        modules = []
+        for r in self._modules.values():
+            calls = r.nonfinite_calls.tolist() if r.nonfinite_calls is not None else [0, 0]
+            modules.append(ModuleNumerics.from_histograms(
+                r.name, r.type_name, r.act, r.act_grad, sorted(r.act_dtypes), sorted(r.grad_dtypes), loss_scale,
+                r.norm_island, nonfinite_input=bool(calls[0]) and calls[0] == calls[1]))
         params = [
             ParamNumerics.from_record(r.name, r.module, r.dtype, r.numel, r.grad, sorted(r.grad_dtypes),
                                       r.update_counts.tolist() if r.update_counts is not None else None, loss_scale,

@@ -39,7 +39,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._autocast import autocast, resolve_device_type
-from .._casting import cast_module, is_prepared, run_of, strip_forward_patches
+from .._casting import _compile_target, cast_module, is_prepared, run_of, strip_forward_patches
+from .._checkpoint import canonical_name
 from .._fp8 import fp8_modules
 from .._policy import Policy
 from .._tree import floating_tensors, tree_map
@@ -172,11 +173,40 @@ class TraceResult:
         return " ".join(parts)
 
     @property
+    def output_exceeds_range(self) -> bool:
+        """Whether the guilty module's forward output itself lies beyond the compute format's range.
+
+        ``True`` when the FP32 re-run of a forward output was finite but larger than a half
+        format's maximum (:attr:`FP32Rerun.exceeds`): the value, not an intermediate, overflows,
+        so an FP32 island cannot help (an island computes in FP32 inside but hands its outputs
+        back in the compute dtype, ``mixprec._casting._island_forward``).
+        """
+        r = self.fp32_rerun
+        return bool(self.phase == "forward" and self.where == "output" and r is not None and r.precision_is_cause
+                    and r.exceeds)
+
+    @property
     def advice(self) -> str:
-        """What to do when precision is the cause (``""`` otherwise): the last sentence of :attr:`explanation`."""
+        """What to do when precision is the cause (``""`` otherwise): the last sentence of :attr:`explanation`.
+
+        An FP32 island is advised only where it can help: an overflow inside the module (an
+        intermediate, finite again in its output) or in its backward. When the module's output
+        itself exceeds the format's range (:attr:`output_exceeds_range`), the island would hand the
+        same value back in FP16, so the advice is BF16 (FP32's exponent range) or rescaling.
+        """
         r = self.fp32_rerun
         if r is None or not r.precision_is_cause:
             return ""
+        if self.module is not None and self.output_exceeds_range and self.module_type != "MixprecFloat8Linear":
+            fmt = "/".join(r.exceeds)
+            limit = " and ".join(f"{thresholds(d).max:.6g}" for d in r.exceeds)
+            name = "the model" if self.module == "" else repr(self.module)
+            rescale = ("e.g. smaller weights in it, or a normalization after it" if self.module
+                       else "e.g. a normalization before the last operation")
+            return (f"The output of {name} itself exceeds the {fmt} maximum ({limit}; {r.absmax:.4g} in FP32), so an "
+                    f"FP32 island would not help: an island computes in FP32 inside but hands its outputs back in the "
+                    f"compute dtype. Use bf16 (the range of FP32, no loss scaling), or rescale the computation so the "
+                    f"output fits ({rescale}).")
         if self.module and self.module_type == "MixprecFloat8Linear":
             return (f"{self.module!r} runs its GEMMs in FP8 (f8=): leave it out with f8_layers=auto "
                     f"(mixprec.numerics.fp8_plan measures each layer) or globs that skip it, or make it an "
@@ -241,12 +271,23 @@ class _Event:
     rerun: str | None  # module to re-run
 
 
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` under the names users (and policies' ``name:`` islands) know.
+
+    ``torch.compile``'s wrappers (an ``OptimizedModule`` submodule) are left out and the
+    ``_orig_mod.`` they add is dropped from the names (:func:`mixprec._checkpoint.canonical_name`),
+    so a compiled submodule is reported as ``blocks.0``, not ``blocks.0._orig_mod``.
+    """
+    return [(canonical_name(n), m) for n, m in model.named_modules()
+            if not isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
+
+
 class _Tracer:
     def __init__(self, model: nn.Module, backward: bool) -> None:
         self.model = model
         self.backward = backward
-        self.names = {id(m): n for n, m in model.named_modules()}
-        self.modules = dict(model.named_modules())
+        self.named = _named_modules(model)
+        self.modules = dict(self.named)
         self.stack: list[str] = []
         self.parent: dict[str, str | None] = {}
         self.last_child: dict[str, str] = {}
@@ -258,7 +299,7 @@ class _Tracer:
         self.enabled = True
 
     def attach(self) -> None:
-        for name, m in self.model.named_modules():
+        for name, m in self.named:
             self.handles.append(m.register_forward_pre_hook(functools.partial(self.pre, name), with_kwargs=True))
             self.handles.append(m.register_forward_hook(functools.partial(self.post, name), with_kwargs=True))
             for pname, p in m.named_parameters(recurse=False):
@@ -393,9 +434,11 @@ def _fp32_truth(model: nn.Module, work: nn.Module, cast_here: bool) -> tuple[dic
     given: ``work`` is its cast copy), or a prepared run's FP32 masters (``*-master``) and
     ``param + compensation`` (``bf16-pure``). Elsewhere nothing: the weights as they are.
     """
+    # Names without torch.compile's '_orig_mod.': work may be the compiled model's inner module.
     if cast_here:
-        orig = dict(model.named_parameters())
-        return {id(p): orig[n].detach() for n, p in work.named_parameters() if n in orig}, "the model's FP32 weights"
+        orig = {canonical_name(n): p for n, p in model.named_parameters()}
+        return ({id(p): orig[canonical_name(n)].detach() for n, p in work.named_parameters() if canonical_name(n) in orig},
+                "the model's FP32 weights")
     prec = run_of(model)
     truth: dict[int, torch.Tensor] = {}
     for opt in getattr(prec, "optimizers", ()) or ():
@@ -404,8 +447,8 @@ def _fp32_truth(model: nn.Module, work: nn.Module, cast_here: bool) -> tuple[dic
         elif callable(full := getattr(opt, "full_precision_params", None)):
             truth.update((id(p), v) for p, v in full().items() if p.dtype != v.dtype)
     # work may be a copy of model (copy_model=True): its parameters by name
-    by_name = {n: truth[id(p)] for n, p in model.named_parameters() if id(p) in truth}
-    work_truth = {id(p): by_name[n] for n, p in work.named_parameters() if n in by_name}
+    by_name = {canonical_name(n): truth[id(p)] for n, p in model.named_parameters() if id(p) in truth}
+    work_truth = {id(p): by_name[canonical_name(n)] for n, p in work.named_parameters() if canonical_name(n) in by_name}
     return work_truth, ("the run's FP32 masters" if work_truth else "")
 
 
@@ -454,6 +497,32 @@ def _rerun(ev: _Event, tracer: _Tracer, device_type: str, truth: dict[int, torch
 
 
 # ----- public entry point ------------------------------------------------------------------------------
+def _short_dtype(dtype: torch.dtype) -> str:
+    return thresholds(dtype).dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else \
+        str(dtype).removeprefix("torch.")
+
+
+def _stats_name(stats_dtype: str | torch.dtype | None, pol: Policy | None, model: nn.Module, device_type: str,
+                already_fp32: bool) -> str | None:
+    """The format the trace's statistics are computed for; ``None``: the failing tensors' own dtype.
+
+    A half compute dtype (the policy's, the enclosing autocast's, or a prepared run's) when there
+    is one, FP32 for a model that runs in FP32: the label then names the values' real format.
+    """
+    if stats_dtype is not None:
+        return thresholds(stats_dtype).dtype
+    if pol is not None:
+        return thresholds(pol.compute_dtype).dtype
+    if already_fp32:
+        return "f32"
+    if torch.is_autocast_enabled(device_type):
+        return _short_dtype(torch.get_autocast_dtype(device_type))
+    run_policy = getattr(run_of(model), "policy", None)
+    if isinstance(run_policy, Policy):
+        return thresholds(run_policy.compute_dtype).dtype
+    return None
+
+
 def _call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
@@ -474,8 +543,11 @@ def trace_nonfinite(
 
     Args:
         model: The model. With ``policy=None`` it runs as it is (call this inside your own
-            ``autocast`` region, or on a model prepared by ``MixedPrecision``).
-        batch: One batch, as ``loss_fn`` takes it.
+            ``autocast`` region, or on a model prepared by ``MixedPrecision``). A
+            ``torch.compile``'d model is traced through the module it wraps (the same
+            parameters, run eagerly under the hooks), and modules are named without
+            ``_orig_mod.``, as ``name:`` islands match them.
+        batch: One batch, as ``loss_fn`` takes it; ``loss_fn`` is then called with that module.
         loss_fn: ``loss_fn(model, batch) -> scalar loss`` (forward included). ``None``: forward
             only, as ``model(batch)``.
         policy: Run under this policy instead (a preset or grammar string): a copy of ``model``
@@ -488,7 +560,9 @@ def trace_nonfinite(
             statistics) of ``model`` stay untouched. ``False`` saves memory; gradients are then
             saved and restored, but buffers do change.
         stats_dtype: Format for the statistics of the failing module's inputs; default: the
-            policy's compute dtype when it is a half type, else ``f16``.
+            format the step computed in (the policy's compute dtype; without a policy, the
+            enclosing autocast's dtype, a prepared run's compute dtype, ``f32`` for a model that
+            runs in FP32, else the failing tensors' own dtype).
 
     Returns:
         :class:`TraceResult`; ``str(result)`` explains it.
@@ -527,9 +601,11 @@ def trace_nonfinite(
 
         apply_fp8(work, pol, batch, loss_fn)
         cast_module(work, pol)
-    if stats_dtype is None:
-        stats_dtype = pol.compute_dtype if pol is not None and pol.compute_dtype != torch.float32 else "f16"
-    stats_name = thresholds(stats_dtype).dtype
+    # A torch.compile'd model: trace the module it wraps (the same parameters, and cast_module's hooks sit
+    # there too). Eager hooks then need no graph breaks (each check reads a bool back, which dynamo cannot
+    # trace), and module names come without '_orig_mod.', as policies' name: islands match them.
+    traced = _compile_target(work)
+    stats_name = _stats_name(stats_dtype, pol, model, device_type, already_fp32)
     do_backward = backward and loss_fn is not None
 
     if do_backward and torch.is_inference_mode_enabled():
@@ -537,7 +613,7 @@ def trace_nonfinite(
                          "there); call it outside inference_mode, or pass backward=False for the forward only.")
     saved_grads = None
     if not copy_model and pol is None:
-        saved_grads = [(p, p.grad) for p in work.parameters()]
+        saved_grads = [(p, p.grad) for p in traced.parameters()]
         # A live master-weight run's FP32 master gradients too: its accumulation hooks run in the trace's backward.
         run = run_of(model)
         saved_grads += [(m, m.grad) for opt in getattr(run, "optimizers", ()) or ()
@@ -545,7 +621,7 @@ def trace_nonfinite(
         for p, _ in saved_grads:
             p.grad = None
 
-    tracer = _Tracer(work, do_backward)
+    tracer = _Tracer(traced, do_backward)
     tracer.attach()
     loss_value: float | None = None
     region = autocast(pol, device_type) if pol is not None else contextlib.nullcontext()
@@ -553,7 +629,7 @@ def trace_nonfinite(
         try:
             # (gradients on even when called under torch.no_grad(): the backward is part of the trace)
             with region, (torch.enable_grad() if do_backward else contextlib.nullcontext()):
-                out = loss_fn(work, batch) if loss_fn is not None else _call_model(work, batch)
+                out = loss_fn(traced, batch) if loss_fn is not None else _call_model(traced, batch)
             if loss_fn is not None:
                 if not isinstance(out, torch.Tensor) or out.numel() != 1:
                     raise ValueError(f"loss_fn must return a scalar tensor, got {type(out).__name__} "
@@ -575,7 +651,10 @@ def trace_nonfinite(
     ev = tracer.event
     pol_str = str(pol) if pol is not None else None
     if ev is None:
-        return TraceResult(found=False, loss=loss_value, policy=pol_str, loss_scale=loss_scale, stats_dtype=stats_name)
+        return TraceResult(found=False, loss=loss_value, policy=pol_str, loss_scale=loss_scale,
+                           stats_dtype=stats_name or "f32")
+    if stats_name is None:  # the dtype the failing step's values really had
+        stats_name = _short_dtype(next((t.dtype for t in [*ev.incoming, *ev.bad] if t.is_floating_point()), torch.float32))
     module = ev.module
     mtype = type(tracer.modules[module]).__name__ if module is not None and module in tracer.modules else None
     rerun = None
@@ -584,7 +663,7 @@ def trace_nonfinite(
             rerun = FP32Rerun(None, None, [], False, "not re-run: the traced step already ran in FP32 (FP32 weights, no "
                               "policy, autocast off), so precision is not the cause")
         else:
-            truth, source = _fp32_truth(model, work, pol is not None)
+            truth, source = _fp32_truth(model, traced, pol is not None)
             rerun = _rerun(ev, tracer, device_type, truth, source)
     return TraceResult(
         found=True, phase=ev.phase, module=module, module_type=mtype, where=ev.where, detail=ev.detail,
