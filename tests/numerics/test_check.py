@@ -216,3 +216,18 @@ def test_a_loss_without_a_graph_is_refused_not_passed():
         check(m, {"input_ids": x}, "bf16-master")
     with pytest.raises(TypeError, match=re.escape("overflow_margin='16' must be a number >= 1")):
         NumericsMonitor(m, overflow_margin="16")
+
+
+def test_a_nan_made_in_fp32_is_traced_to_its_module() -> None:
+    """When the FP32 reference itself is non-finite the verdict says so and names the module that made it (the check
+    used to stop at 'not a precision problem' without saying where)."""
+
+    class Log(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(x)
+
+    model = nn.Sequential(nn.Linear(X.shape[1], 8), Log(), nn.Linear(8, 2))
+    r = check(model, X, "bf16-mixed", lambda m, b: m(b).float().pow(2).mean())
+    assert r.verdict == "fail" and "inf/NaN in FP32 already" in r.reasons[0]
+    assert r.reasons[1] == "first nan in FP32: forward, in the output of '1' (Log)."
+    assert r.trace is not None and r.trace.found

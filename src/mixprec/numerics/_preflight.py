@@ -388,7 +388,17 @@ def check(
     if (loss32 is not None and not math.isfinite(loss32)) or not _finite(out32) or not _finite(list(grads32.values())):
         reasons.append("the model produces inf/NaN in FP32 already: this is not a precision problem (check the data, "
                        "the initialisation, the loss).")
-        return result("fail", loss_fp32=loss32, finite=False)
+        trace32 = None
+        if trace:
+            try:  # where, in FP32 (policy None: the model as it is)
+                backward = loss32 is not None and math.isfinite(loss32) and _finite(out32)
+                trace32 = trace_nonfinite(_fp32_base(model, dropout), batch, loss_fn, None, backward=backward)
+            except Exception as e:  # the trace is a bonus; the verdict stands without it
+                notes.append(f"the inf/NaN trace failed: {type(e).__name__}: {e}")
+            else:
+                if trace32.found:
+                    reasons.append(f"first {trace32.kind} in FP32: {trace32.phase}, {trace32.location}.")
+        return result("fail", loss_fp32=loss32, finite=False, trace=trace32)
 
     # --- the policy run, with dynamic-scaler-like backoff ---
     if loss_scale is not None:
