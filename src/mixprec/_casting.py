@@ -239,16 +239,16 @@ def _outputs_to(dtype: torch.dtype, output: Any) -> Any:
 
 def _root_forward(
     module: nn.Module, previous: Any, input_dtype: torch.dtype | None, output_dtype: torch.dtype,
-    sentinels: tuple[tuple[dict[str, Any], str, torch.dtype], ...], *args: Any, **kwargs: Any
+    sentinels: tuple[tuple[torch.Tensor, torch.dtype], ...], *args: Any, **kwargs: Any
 ) -> Any:
     """The prepared root's ``forward``: floating inputs to ``input_dtype`` (if any), outputs to ``output_dtype``.
 
-    ``sentinels``: ``(owner._parameters, name, dtype)`` for two parameters (one in an FP32 island,
-    one other) and the dtype the cast gave them, looked up by name at each forward (a dict read,
-    no Python call) so that a replaced parameter counts too; a different dtype means the model was
-    cast again afterwards (``model.half()``, ``.float()``, ``.to(dtype)``, a ``load_state_dict(...,
-    assign=True)`` of FP32 tensors), which raises here, at the first forward, instead of a dtype
-    error deep inside torch or a run that silently trains in another precision.
+    ``sentinels``: ``(parameter, dtype)`` for two parameters (one in an FP32 island, one other) and
+    the dtype the cast gave them; a different dtype means the model was cast again afterwards
+    (``model.half()``, ``.float()``, ``.to(dtype)``: they change ``.data`` of the same parameter
+    objects), which raises here, at the first forward, instead of a dtype error deep inside torch
+    or a run that silently trains in another precision. The objects themselves are held, not
+    looked up by name: FSDP2 swaps in unsharded parameters of its compute dtype for the forward.
 
     Installed as the root's instance ``forward`` (a ``functools.partial`` of this function that
     carries the original ``forward``'s ``__signature__``, so Hugging Face's Trainer and
@@ -257,9 +257,8 @@ def _root_forward(
     extra graphs, cache lookups and launches per step); inside ``forward`` the casts are part of
     the model's one graph. Hooks registered on the root run around it, as around any ``forward``.
     """
-    for params, name, dt in sentinels:
-        p = params.get(name)
-        if p is not None and p.dtype is not dt:
+    for p, dt in sentinels:
+        if p.dtype is not dt:
             _recast_error(module, p, dt)
     if input_dtype is not None:
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one tensor: no tree walk (hot path)
@@ -414,13 +413,11 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
             allow_autocast_in_aot_cache()
     half_inputs = policy.param_dtype != torch.float32 and root not in islands.values() and not keep_dtypes
     input_dtype = policy.param_dtype if half_inputs else None
-    sentinels: list[tuple[dict[str, Any], str, torch.dtype]] = []
+    sentinels: list[tuple[torch.Tensor, torch.dtype]] = []
     if not keep_dtypes:
-        owned = [(m._parameters, n, p) for m in model.modules() for n, p in m._parameters.items()
-                 if p is not None and p.dtype in _CASTABLE]
-        inside = next((o for o in owned if id(o[2]) in island_tensor_ids), None)
-        outside = next((o for o in owned if id(o[2]) not in island_tensor_ids), None)
-        sentinels = [(o[0], o[1], o[2].dtype) for o in (inside, outside) if o is not None]
+        inside = next((p for m in islands.values() for p in m.parameters() if p.dtype in _CASTABLE), None)
+        outside = next((p for p in model.parameters() if id(p) not in island_tensor_ids and p.dtype in _CASTABLE), None)
+        sentinels = [(p, p.dtype) for p in (inside, outside) if p is not None]
     handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, tuple(sentinels)))
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
