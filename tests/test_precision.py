@@ -348,7 +348,7 @@ def test_fp32_checkpoint_loads_into_master_run_and_exports_back():
     out = fp32_state_dict(prec)
     for k, v in fp32.items():
         assert torch.equal(out[k], v), k  # exact: masters were not rounded through bf16
-    assert model[0].weight.dtype == torch.bfloat16
+    assert model._orig_mod[0].weight.dtype == torch.bfloat16
     assert torch.equal(model[0].weight, fp32["0.weight"].to(torch.bfloat16))
 
 
@@ -787,6 +787,35 @@ def test_for_inference_of_a_submodule_or_a_wrapper_closes_the_run():
             prec.step(opt)
 
 
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp32"])
+def test_for_inference_of_a_submodule_then_the_whole_model_runs(preset):
+    """Casting a module inside a run's model for inference, then running the whole model: the run's recast check (its
+    weights keep the dtypes prepare gave them) is off once for_inference ends the run on purpose."""
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision(preset)
+    model, _ = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for_inference(model[0], "bf16")
+    with torch.no_grad():
+        out = model(batch("mlp", 0)[0])
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])
+def test_for_inference_of_a_model_compiled_before_prepare(preset):
+    """torch.compile, then prepare (marks on the compile wrapper, patches on the module it wraps), then for_inference
+    of the compiled model: the run's patches come off (they stacked under the new ones and refused the cast)."""
+    torch.manual_seed(0)
+    compiled = torch.compile(make("mlp"), backend="eager")
+    prec = MixedPrecision(preset)
+    model, _ = prec.prepare(compiled, torch.optim.AdamW(compiled.parameters(), lr=1e-2))
+    for_inference(model, "bf16")
+    with torch.no_grad():
+        out = model(batch("mlp", 0)[0])
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert model._orig_mod[0].weight.dtype == torch.bfloat16
+
+
 def test_for_inference_of_a_wrapper_in_another_dtype_runs():
     """A module around a run's model cast to another dtype: the run's own casts come off too, so the forward runs."""
     torch.manual_seed(0)
@@ -810,3 +839,17 @@ def test_for_inference_of_a_wrapper_around_a_compiled_run_model():
     assert {p.dtype for p in model.parameters()} == {torch.float16, torch.float32}
     with pytest.raises(ValueError, match=re.escape("cast for inference by for_inference()")):
         prec.step(opt)
+
+
+@pytest.mark.parametrize("islands", ["Sequential", "name:*"])
+def test_a_batchnorm_inside_a_root_island_is_not_refused(islands):
+    """The BatchNorm check (half weight, FP32 running statistics) counts a root that is itself the FP32 island as
+    holding every BatchNorm (it used to refuse them: the root's prefix matched no child name)."""
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    prec = MixedPrecision(f"p=bf16,c=bf16,o=f32,m=f32,i={islands}")
+    model, opt = prec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with prec.autocast():
+        loss = model(torch.randn(5, 4)).float().pow(2).mean()
+    prec.backward(loss)
+    prec.step(opt)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -239,7 +239,7 @@ def _outputs_to(dtype: torch.dtype, output: Any) -> Any:
 
 def _root_forward(
     module: nn.Module, previous: Any, input_dtype: torch.dtype | None, output_dtype: torch.dtype,
-    sentinels: tuple[tuple[torch.Tensor, torch.dtype], ...], *args: Any, **kwargs: Any
+    sentinels: list[tuple[torch.Tensor, torch.dtype]], *args: Any, **kwargs: Any
 ) -> Any:
     """The prepared root's ``forward``: floating inputs to ``input_dtype`` (if any), outputs to ``output_dtype``.
 
@@ -249,6 +249,7 @@ def _root_forward(
     objects), which raises here, at the first forward, instead of a dtype error deep inside torch
     or a run that silently trains in another precision. The objects themselves are held, not
     looked up by name: FSDP2 swaps in unsharded parameters of its compute dtype for the forward.
+    :func:`for_inference` empties the list of a run it ends (it casts on purpose).
 
     Installed as the root's instance ``forward`` (a ``functools.partial`` of this function that
     carries the original ``forward``'s ``__signature__``, so Hugging Face's Trainer and
@@ -280,6 +281,16 @@ def _recast_error(root: nn.Module, p: torch.Tensor, dtype: torch.dtype) -> None:
         "cast; to change precision, export with mixprec.checkpoint.fp32_state_dict(prec) and prepare a fresh FP32 "
         "model under the other policy, or call mixprec.uncast_module(model) first."
     )
+
+
+def _drop_recast_checks(model: nn.Module) -> None:
+    """Empty the recast checks of every root patch in ``model`` (a run :func:`for_inference` ends and casts)."""
+    for m in model.modules():
+        fwd = m.__dict__.get("forward")
+        while isinstance(fwd, functools.partial) and fwd.func in (_island_forward, _root_forward):
+            if fwd.func is _root_forward:
+                fwd.args[4].clear()
+            fwd = fwd.args[1]
 
 
 def _patched_forward(module: nn.Module, function: Callable[..., Any], *extra: Any) -> _ForwardPatch:
@@ -418,7 +429,7 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
         inside = next((p for m in islands.values() for p in m.parameters() if p.dtype in _CASTABLE), None)
         outside = next((p for p in model.parameters() if id(p) not in island_tensor_ids and p.dtype in _CASTABLE), None)
         sentinels = [(p, p.dtype) for p in (inside, outside) if p is not None]
-    handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, tuple(sentinels)))
+    handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, sentinels))
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model
@@ -435,7 +446,7 @@ def cast_root(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = Fal
     policy = Policy.parse(policy)
     root = _compile_target(model)
     half = policy.param_dtype != torch.float32 and not policy.is_fp32_island(root, "")
-    return _patched_forward(root, _root_forward, policy.param_dtype if half else None, policy.output_dtype, ())
+    return _patched_forward(root, _root_forward, policy.param_dtype if half else None, policy.output_dtype, [])
 
 
 def uncast_module(model: nn.Module) -> nn.Module:
@@ -533,11 +544,16 @@ def for_inference(
     for run_model, ref in list(_RUN_CLOSERS.items()):
         if id(run_model) in inside or any(m is target for m in run_model.modules()):
             _RUN_CLOSERS.pop(run_model, None)
+            # a run around the target keeps its casts (its other layers) but not the check that its weights keep
+            # the dtypes it gave them: this cast changes some on purpose
+            _drop_recast_checks(_compile_target(run_model))
             close = ref()
             if close is not None:
                 close()
-    for m in list(target.modules()):  # the model and any prepared model inside it (a wrapper of a run's model)
-        if _compile_target(m) is m and is_prepared(m):  # (a compiled module: its _orig_mod is visited itself)
+    # The model and any prepared model inside it (a wrapper of a run's model); a model compiled before prepare()
+    # carries the prepared marks on its compile wrapper, the patches on the module it wraps.
+    for m in [model, *target.modules()] if model is not target else list(target.modules()):
+        if (m is model or _compile_target(m) is m) and is_prepared(m):  # (a compiled module: its _orig_mod is visited)
             uncast_module(m)
     revert_linears(target)  # FP8 linears (f8= policies) evaluate as the plain linears they were
     cast_module(target, policy)

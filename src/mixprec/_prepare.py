@@ -151,7 +151,7 @@ def _check_batch_norms(model: nn.Module, policy: Policy, island_modules: Any) ->
     Its weight would take the half parameter dtype while its running mean and variance keep
     FP32, a mix torch's ``batch_norm`` refuses at the first forward ("expected scalar type ...").
     """
-    inside = [name + "." for name, _ in island_modules(model, policy)]
+    inside = [name + "." if name else "" for name, _ in island_modules(model, policy)]  # "": the root is the island
     for name, m in model.named_modules():
         if not isinstance(m, nn.modules.batchnorm._BatchNorm) or any((name + ".").startswith(p) for p in inside):
             continue
