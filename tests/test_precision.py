@@ -348,7 +348,7 @@ def test_fp32_checkpoint_loads_into_master_run_and_exports_back():
     out = fp32_state_dict(prec)
     for k, v in fp32.items():
         assert torch.equal(out[k], v), k  # exact: masters were not rounded through bf16
-    assert model._orig_mod[0].weight.dtype == torch.bfloat16
+    assert model[0].weight.dtype == torch.bfloat16
     assert torch.equal(model[0].weight, fp32["0.weight"].to(torch.bfloat16))
 
 
