@@ -816,6 +816,23 @@ def test_for_inference_of_a_model_compiled_before_prepare(preset):
     assert model._orig_mod[0].weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])
+def test_for_inference_of_a_model_compiled_after_prepare(preset):
+    """prepare, then torch.compile, then for_inference of the compiled model: cast and closed (a first version of the
+    compiled-before fix tried to uncast the compile wrapper, which holds no marks here: AttributeError)."""
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    compiled = torch.compile(model, backend="eager")
+    for_inference(compiled, "bf16")
+    with torch.no_grad():
+        out = compiled(batch("mlp", 0)[0])
+    assert out.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=re.escape("cast for inference by for_inference()")):
+        prec.step(opt)
+
+
 def test_for_inference_of_a_wrapper_in_another_dtype_runs():
     """A module around a run's model cast to another dtype: the run's own casts come off too, so the forward runs."""
     torch.manual_seed(0)

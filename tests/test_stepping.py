@@ -282,3 +282,33 @@ def test_a_fused_sgd_whose_first_step_is_skipped_keeps_clean_momentum(preset: st
     for a, b in zip(fused, plain):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_half_sgd_on_a_cpu_is_not_routed_through_torchs_fused_kernel(dtype: torch.dtype, momentum: float) -> None:
+    """torch's CPU fused SGD leaves FP16/BF16 parameters of 16+ elements unchanged (pytorch/pytorch#191763): a plain
+    SGD over half parameters (fp16-pure, bf16-true, Apex O3) is stepped by its own step, equal to torch's foreach
+    step; a user-built SGD(fused=True) over them gets a warning at prepare."""
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    init = torch.randn(64, dtype=dtype)
+    grads = [torch.randn(64, dtype=dtype) for _ in range(2)]
+    assert "pytorch/pytorch#191763" in (FusedTwin.unsupported(torch.optim.SGD([nn.Parameter(init.clone())], lr=0.1)) or "")
+    p = nn.Parameter(init.clone())
+    opt = torch.optim.SGD([p], lr=0.1, momentum=momentum)
+    ref = nn.Parameter(init.clone())
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=momentum)  # torch's own (non-fused) step
+    no_inf = torch.zeros(())
+    for g in grads:
+        p.grad, ref.grad = g.clone(), g.clone()
+        step_or_skip(opt, no_inf, None, (), {}, twin=True)
+        ref_opt.step()
+    assert torch.equal(p, ref) and not torch.equal(p, init)
+    model = nn.Linear(16, 16).to(dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp.MixedPrecision("p=bf16,c=bf16,o=f32,m=none" if dtype == torch.bfloat16 else "fp16-pure").prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
+    assert any("SGD(fused=True) with FP16/BF16 parameters on a CPU" in str(w.message) for w in caught)

@@ -552,8 +552,10 @@ def for_inference(
                 close()
     # The model and any prepared model inside it (a wrapper of a run's model); a model compiled before prepare()
     # carries the prepared marks on its compile wrapper, the patches on the module it wraps.
-    for m in [model, *target.modules()] if model is not target else list(target.modules()):
-        if (m is model or _compile_target(m) is m) and is_prepared(m):  # (a compiled module: its _orig_mod is visited)
+    if model is not target and _HOOKS_ATTR in model.__dict__:  # compiled before prepare(): the marks on the wrapper
+        uncast_module(model)
+    for m in list(target.modules()):
+        if _compile_target(m) is m and is_prepared(m):  # (a compiled module: its _orig_mod is visited itself)
             uncast_module(m)
     revert_linears(target)  # FP8 linears (f8= policies) evaluate as the plain linears they were
     cast_module(target, policy)

@@ -55,6 +55,13 @@ def step_with_result(optimizer: Any, found_inf: Tensor, grad_scale: Tensor | Non
 #: torch optimizers whose ``fused=True`` kernel takes ``found_inf``/``grad_scale``: their foreach and
 #: for-loop forms step through it (:class:`FusedTwin`), so the skip stays on the device.
 FUSED_TWINS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+# torch's CPU fused SGD (2.12, 2.13) leaves FP16/BF16 parameters of 16 or more elements unchanged (it updates only the
+# tail after the last full SIMD block; pytorch/pytorch#191763): measured, every element of a 64-element half
+# parameter unchanged after two steps, FP32 and the fused Adam/AdamW right.
+CPU_FUSED_SGD_HALF = (
+    "torch's fused SGD on a CPU leaves FP16/BF16 parameters of 16 or more elements unchanged (pytorch/pytorch#191763), "
+    "so it is not used for them"
+)
 
 
 def host_read_reason(optimizer: Any) -> str | None:
@@ -114,6 +121,7 @@ class FusedTwin:
 
         devices = _get_fused_kernels_supported_devices()
         name = type(optimizer).__name__
+        is_sgd = isinstance(optimizer, torch.optim.SGD)
         for g in optimizer.param_groups:
             if g.get("differentiable"):
                 return f"{name}(differentiable=True) has no fused form"
@@ -123,6 +131,8 @@ class FusedTwin:
                 if not p.is_floating_point() or p.device.type not in devices:
                     return (f"{name}'s fused kernel takes floating parameters on {sorted(devices)}, got a {p.dtype} "
                             f"parameter on {p.device.type}")
+                if is_sgd and p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16):
+                    return CPU_FUSED_SGD_HALF
                 if p.layout != torch.strided:
                     return f"{name}'s fused kernel takes no sparse tensors"
                 if type(p) not in (Tensor, torch.nn.Parameter):
