@@ -8,6 +8,7 @@ Apex's algorithm (apex/amp/handle.py, scaler.py, _process_optimizer.py) in plain
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import re
 import warnings
@@ -1082,3 +1083,44 @@ def test_o2_does_not_warn_about_its_noop_scaler():
         warnings.simplefilter("always")
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
     assert not [w for w in caught if "NoOpScaler" in str(w.message)]
+
+
+def test_the_retired_init_api_and_a_larc_wrapper_get_errors_that_name_the_way() -> None:
+    """amp.init() (Apex's pre-initialize API) and amp.initialize(model, LARC(opt)): errors naming what to do instead
+    (a bare 'no attribute' and a bare type error before)."""
+    import mixprec.apex as amp_mod
+
+    with pytest.raises(AttributeError, match=r"amp.init\(\) is Apex's pre-initialize API .* use model, optimizer = "
+                                             r"amp.initialize"):
+        amp_mod.init  # noqa: B018
+
+    class LARC:  # Apex's apex.parallel.LARC holds the optimizer it wraps as .optim
+        def __init__(self, optim: torch.optim.Optimizer) -> None:
+            self.optim = optim
+
+    model = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match=r"got LARC; wrap the optimizer amp.initialize returns instead"):
+        amp_mod.initialize(model, LARC(torch.optim.SGD(model.parameters(), lr=0.1)), opt_level="O2")
+
+
+@pytest.mark.parametrize("cast", [torch.float16, torch.bfloat16])
+def test_o3_with_sgd_updates_every_weight_on_a_cpu(cast: torch.dtype) -> None:
+    """O3 (half weights, no masters) with torch's SGD over a 16x16 Linear: one step changes the weights as plain
+    half-precision SGD does (torch's CPU fused SGD, which mixprec routed it through, left them all unchanged)."""
+    import mixprec.apex as amp_mod
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_mod.initialize(model, opt, opt_level="O3", cast_model_type=cast, verbosity=0)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(8, 16, dtype=cast)
+    before = model.weight.detach().clone()
+    with amp_mod.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    ref(x).float().pow(2).mean().backward()
+    ref_opt.step()
+    assert (model.weight != before).float().mean() > 0.5
+    assert torch.equal(model.weight, ref.weight)

@@ -92,6 +92,18 @@ __all__ = [
 ]
 
 _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
+# Apex's retired pre-initialize API: named in the AttributeError rather than a bare "no attribute".
+_RETIRED = {"init": "amp.init()", "handle": "amp.handle"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RETIRED:
+        raise AttributeError(
+            f"{_RETIRED[name]} is Apex's pre-initialize API (retired by Apex itself), not provided by mixprec.apex: use "
+            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) and `with amp.scale_loss(loss, "
+            "optimizer) as scaled: scaled.backward()` (see docs/apex.md)."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Apex's defaults (apex/amp/scaler.py): initial scale 2**16, x2 after 2000 clean steps, x0.5 on overflow.
 _INIT_SCALE = 2.0**16
@@ -547,7 +559,13 @@ def initialize(
             raise TypeError(f"amp.initialize: models must be torch.nn.Module(s), got {type(m).__name__}")
     for o in opts_list:
         if not isinstance(o, Optimizer):
-            raise TypeError(f"amp.initialize: optimizers must be torch.optim.Optimizer(s), got {type(o).__name__}")
+            larc = type(o).__name__ == "LARC" and isinstance(getattr(o, "optim", None), Optimizer)
+            raise TypeError(
+                f"amp.initialize: optimizers must be torch.optim.Optimizer(s), got {type(o).__name__}"
+                + ("; wrap the optimizer amp.initialize returns instead: opt = LARC(amp.initialize(model, "
+                   "inner_optimizer, ...)[1]) (LARC rescales the gradients the step reads, after the unscale)."
+                   if larc else ".")
+            )
     if not enabled:
         _state = state
         return models if optimizers is None else (models, optimizers)
