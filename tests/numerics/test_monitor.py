@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
@@ -509,3 +510,208 @@ def test_a_compiled_model_is_reported_under_plain_names() -> None:
     assert rep.fp16_policy is not None and "_orig_mod" not in rep.fp16_policy
     # qualified names are given as users know them (a compiled model's own names still work)
     assert [n for n, _ in NumericsMonitor._select(cm, ["2", "_orig_mod.0"])] == ["2", "0"]
+
+
+# ----- who made the inf/NaN (regressions of the pass-through rule) ----------------------------------------
+class _Attn(nn.Module):
+    """A leaf attention: q @ k^T of large projections overflows FP16; an additive mask is a keyword input."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(d, d) * 30)
+        self.wk = nn.Parameter(torch.randn(d, d) * 30)
+        self.wv = nn.Parameter(torch.randn(d, d) * 0.1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = x @ self.wq, x @ self.wk, x @ self.wv
+        sc = q @ k.transpose(-1, -2)
+        if mask is not None:
+            sc = sc + mask
+        return torch.softmax(sc.float(), -1).to(v.dtype) @ v
+
+
+class _MaskedNet(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.attn = _Attn(d)
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attn(self.inp(x), mask=mask))
+
+
+def _masked_run(half: bool) -> Any:
+    torch.manual_seed(0)
+    net = _MaskedNet()
+    x = torch.randn(4, 8, 16) * 3
+    mask = torch.triu(torch.full((8, 8), float("-inf")), 1)  # causal: -inf above the diagonal, legitimately
+    with NumericsMonitor(net) as mon, torch.autocast("cpu", torch.float16, enabled=half):
+        y = net(x, mask)
+    return mon.report(), y
+
+
+def test_a_minus_inf_mask_does_not_hide_an_overflow_in_the_module_it_is_given_to() -> None:
+    # the reference: in FP32 the same step, mask included, is finite, and nothing is reported
+    rep32, y32 = _masked_run(half=False)
+    assert torch.isfinite(y32).all()
+    assert all(m.act_nonfinite == 0 for m in rep32.modules) and not any("inf/NaN" in f for f in rep32.findings)
+    # in FP16 q @ k^T overflows: attn made the NaN (the -inf of its mask input is no NaN it received) ...
+    rep, y = _masked_run(half=True)
+    assert (~torch.isfinite(y)).float().mean() > 0.5
+    attn, out = rep.module("attn"), rep.module("out")
+    assert attn.act_nonfinite > 0 and not attn.nonfinite_input and attn.computed_in_half
+    assert out.act_nonfinite > 0 and out.nonfinite_input  # ... and out only passed it on
+    assert rep.overflow_risk == ["attn"] and rep.recommended_islands == ["name:attn"]
+    blamed = [f for f in rep.findings if "inf/NaN" in f]
+    assert len(blamed) == 1 and blamed[0].startswith("attn (_Attn) produced inf/NaN activations in f16")
+
+
+class _RootSqrt(nn.Module):
+    """NaN made in the root's own code, between its two children (sqrt of a negative)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.sqrt(self.a(x)))
+
+
+def _nan_from_outside(source: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.rand(8, 16)
+    if source == "batch":
+        x[0, 0] = float("nan")
+        return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), x
+    if source == "root code":
+        model = _RootSqrt()
+        with torch.no_grad():
+            model.a.bias.fill_(-10.0)  # a's outputs negative: sqrt gives NaN in the root's own forward
+        return model, x
+    # weights made NaN by an earlier (non-finite) update, in a child of a child
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0][0].weight[3, 5] = float("nan")
+    return model, x
+
+
+@pytest.mark.parametrize("source", ["batch", "root code", "weights"])
+@pytest.mark.parametrize("modules", ["leaves", "all"])
+def test_nan_from_outside_the_monitored_modules_is_reported_not_dropped(source: str, modules: str) -> None:
+    model, x = _nan_from_outside(source)
+    with NumericsMonitor(model, modules=modules) as mon:
+        y = model(x)
+        y.sum().backward()
+    assert not torch.isfinite(y).all()  # the reference: the step did produce NaN
+    rep = mon.report()
+    seen = [m for m in rep.modules if m.act_nonfinite > 0]
+    assert seen
+    if source == "root code" and modules == "all":
+        # the root is watched: its own code made the NaN from finite inputs and weights (in FP32)
+        assert [m.name for m in seen if not m.nonfinite_input] == [""]
+        assert any(f.startswith("(root) (_RootSqrt)") and "not a precision problem" in f for f in rep.findings)
+        assert not any("entered the monitored modules" in f for f in rep.findings)
+        return
+    assert all(m.nonfinite_input for m in seen)  # nobody watched made it (the parents of NaN weights neither)
+    finding = next(f for f in rep.findings if f.startswith("inf/NaN entered the monitored modules from outside"))
+    assert "the batch" in finding and "own code" in finding and "weights made NaN" in finding
+    assert seen[0].name in finding and "trace_nonfinite" in finding
+    assert rep.overflow_risk == [] and rep.recommended_islands == []
+
+
+class _Head(nn.Module):
+    """An LM-style head: the matmul runs in the compute dtype, the logits come back as FP32 (``.float()``)."""
+
+    def __init__(self, d: int, v: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(v, d) * 1e4)  # |w| < 65504: FP16 weights hold it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w.t()).float()
+
+
+def test_inf_made_in_fp16_but_returned_in_fp32_is_a_precision_problem() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), _Head(64, 32))
+    x = torch.randn(8, 16)
+    with torch.no_grad():  # the reference: finite in FP32, beyond FP16's maximum
+        ref = net(x)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 65504
+    with NumericsMonitor(net) as mon, torch.autocast("cpu", torch.float16):
+        y = net(x)
+    assert y.dtype == torch.float32 and not torch.isfinite(y).all()
+    rep = mon.report()
+    assert not any("not a precision problem" in f for f in rep.findings)
+    assert "2" in rep.overflow_risk and "name:2" in rep.recommended_islands
+    finding = next(f for f in rep.findings if f.startswith("2 (_Head)"))
+    assert "computed in half precision" in finding
+    head = rep.module("2")
+    assert head.act_dtypes == ["f32"] and head.nonfinite_made_in_half is True and head.computed_in_half
+    # half weights without autocast: the same, told by the parameters' dtype
+    half = copy.deepcopy(net).half()
+    assert torch.isfinite(half[2].w).all()
+    with NumericsMonitor(half) as mon16:
+        assert not torch.isfinite(half(x.half())).all()
+    head16 = mon16.report().module("2")
+    assert head16.nonfinite_made_in_half is True and not head16.nonfinite_input
+
+
+class _SqrtScale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x) * 5000
+
+
+def test_nan_made_in_fp32_by_a_module_with_large_outputs_is_reported_consistently() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), _SqrtScale(), nn.Linear(16, 1))
+    x = torch.randn(8, 16)
+    with NumericsMonitor(net) as mon:
+        net(x).sum().backward()
+    rep = mon.report()
+    with torch.no_grad():  # the reference: the module's finite outputs, NaN where its input is negative
+        ref = net[1](net[0](x))
+    m = rep.module("1")
+    assert m.act_nonfinite == pytest.approx(float(ref.isnan().float().mean()))
+    assert m.act_absmax == pytest.approx(float(ref.nan_to_num(0.0).abs().max()))
+    assert not m.computed_in_half and m.act_absmax * 16 >= 65504  # within the 16x margin: at risk
+    made = [f for f in rep.findings if f.startswith("1 (_SqrtScale)")]
+    assert len(made) == 2
+    assert "not a precision problem" in made[0] and "within 16x of the FP16 maximum" in made[1]
+    assert not any("produced inf/NaN activations in" in f for f in rep.findings)  # no half-precision blame
+    assert rep.recommended_islands == ["name:1"]  # for its large finite values, not for the NaN
+
+
+def test_each_tensor_is_checked_for_inf_nan_once_per_step() -> None:
+    # Cost: parameters once per step (not once per enclosing watched module), an input handed to several
+    # modules once, outputs not read apart from their histogram (max_elements respected there).
+    from torch.overrides import TorchFunctionMode
+
+    reads: list[int] = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if getattr(func, "__name__", "") in ("isfinite", "isnan") and isinstance(args[0], torch.Tensor):
+                reads.append(args[0].data_ptr())
+            return func(*args, **(kwargs or {}))
+
+    class Fork(nn.Module):  # one input, three consumers (as q, k, v projections)
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) + self.k(x) + self.v(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(Fork(), nn.ReLU()), nn.Linear(64, 64))
+    x = torch.randn(64, 64)
+    with NumericsMonitor(model, modules="all", max_elements=16) as mon:
+        for _ in range(2):
+            with Count():
+                model(x)
+            assert len(reads) == len(set(reads)), "a tensor was checked twice in one step"
+            assert {p.data_ptr() for p in model.parameters()} <= set(reads) and x.data_ptr() in reads
+            reads.clear()
+    assert mon.report().modules[0].act_nonfinite == 0

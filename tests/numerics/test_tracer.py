@@ -364,3 +364,29 @@ def test_input_statistics_are_labelled_with_the_dtype_the_step_ran_in() -> None:
 class _Log(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log(x)
+
+
+def test_a_prepared_mixed_model_traced_outside_autocast_is_labelled_with_the_dtype_it_ran_in() -> None:
+    import warnings
+
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), _Log(), nn.Linear(8, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fp16 on CPU is slow: prepare warns
+        prec = mp.MixedPrecision("fp16-mixed")
+        model, _ = prec.prepare(m, torch.optim.SGD(m.parameters(), lr=0.0))
+    seen: list[torch.dtype] = []  # the reference: the dtype the failing module's input really had
+    h = model[1].register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    try:
+        x = -X.abs() - 1.0  # FP32 weights outside autocast: an FP32 step
+        r = trace_nonfinite(model, x, _loss)
+        assert r.found and r.module == "1" and seen[-1] == torch.float32
+        assert r.stats_dtype == "f32" and r.input_stats[0].dtype == "f32" and " in f16" not in r.explanation
+        # inside the run's autocast the same step computes in FP16, and the label says so
+        with prec.autocast():
+            r16 = trace_nonfinite(model, x, _loss)
+        assert r16.module == "1" and seen[-1] == torch.float16 and r16.stats_dtype == "f16"
+    finally:
+        h.remove()

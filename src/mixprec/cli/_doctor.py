@@ -35,7 +35,7 @@ what it does:
      parameter-gradient histograms against the FP16/BF16 ranges, BF16 stagnation of the updates;
   3. the report: modules at FP16 overflow risk (an FP32 island only where it can help: a module whose
      output itself exceeds FP16's range needs BF16 or rescaling), inf/NaN made in FP32 (not a precision
-     problem), gradients lost to underflow at scale 1 and at the policy's loss scale (and FP16 gradients
+     problem) or entering the modules from outside them (the batch, the parent's code), gradients lost to underflow at scale 1 and at the policy's loss scale (and FP16 gradients
      that are mostly exact zeros: possibly flushed), the loss-scale range, FP32 islands and a preset;
   4. a precision audit of the workload prepared under --policy (dtypes of parameters, masters,
      gradients, optimizer states, communication; silent downgrades flagged);

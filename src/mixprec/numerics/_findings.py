@@ -190,9 +190,14 @@ class ModuleNumerics:
         grad_lost_f16_at_scale: The same at the report's loss scale.
         samples: Output tensors recorded.
         norm_island: The module is a normalization layer, an FP32 island under every preset (``i=norm``).
-        nonfinite_input: Every call of the module that returned inf/NaN had received inf/NaN
-            inputs or held inf/NaN parameters already (left by an earlier non-finite update): it
-            only passed them on (``False`` when none returned inf/NaN).
+        nonfinite_input: Every call of the module that returned inf/NaN had received NaN inputs
+            or held inf/NaN parameters already (left by an earlier non-finite update): it only
+            passed them on (``False`` when none returned inf/NaN). Inputs holding only ``±inf``
+            do not count: they are legitimate (attention masks).
+        nonfinite_made_in_half: Whether a call that made inf/NaN (not :attr:`nonfinite_input`)
+            computed in half precision: autocast to FP16/BF16 was on, or a parameter, input or
+            output was FP16/BF16/FP8. ``None``: not recorded (no such call, or statistics built
+            elsewhere): :attr:`computed_in_half` then looks at the output dtypes.
     """
 
     name: str
@@ -209,15 +214,18 @@ class ModuleNumerics:
     samples: int
     norm_island: bool = False
     nonfinite_input: bool = False
+    nonfinite_made_in_half: bool | None = None
 
     @classmethod
     def from_histograms(cls, name: str, type_name: str, act: Log2Histogram, grad: Log2Histogram,
                         act_dtypes: list[str], grad_dtypes: list[str], scale: float,
-                        norm_island: bool = False, *, nonfinite_input: bool = False) -> ModuleNumerics:
+                        norm_island: bool = False, *, nonfinite_input: bool = False,
+                        nonfinite_made_in_half: bool | None = None) -> ModuleNumerics:
         """Summarise one module's histograms.
 
         Args:
-            name / type_name / act_dtypes / grad_dtypes / norm_island / nonfinite_input: As the attributes.
+            name / type_name / act_dtypes / grad_dtypes / norm_island / nonfinite_input /
+                nonfinite_made_in_half: As the attributes.
             act / grad: Histograms of its outputs and (unscaled) output gradients.
             scale: The report's loss scale.
 
@@ -234,12 +242,19 @@ class ModuleNumerics:
             fp16_headroom_bits=math.log2(F16.max / amax) if amax > 0 else None,
             grad_absmax=gsum["absmax"], grad_lost_f16=grad.lost_fraction("f16", 1.0),
             grad_lost_f16_at_scale=grad.lost_fraction("f16", scale), samples=act.samples, norm_island=norm_island,
-            nonfinite_input=nonfinite_input,
+            nonfinite_input=nonfinite_input, nonfinite_made_in_half=nonfinite_made_in_half,
         )
 
     @property
     def computed_in_half(self) -> bool:
-        """Whether its outputs were half-precision (FP16, BF16 or FP8) values."""
+        """Whether the module computed its inf/NaN in half precision (FP16, BF16 or FP8).
+
+        :attr:`nonfinite_made_in_half` when recorded. Otherwise whether its outputs were half
+        values (an FP32 output can still come from an FP16 computation, ``(x @ w).float()`` under
+        autocast: only the monitor's record tells those apart).
+        """
+        if self.nonfinite_made_in_half is not None:
+            return self.nonfinite_made_in_half
         return any(d in ("f16", "bf16") or d.startswith("float8") for d in self.act_dtypes)
 
 
@@ -507,10 +522,14 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
     """Turn the monitor's statistics into findings and recommendations (see :class:`NumericsReport`).
 
     Algorithm (overflow and islands):
-        1. A module that returned inf/NaN only when its inputs already held inf/NaN passed them
-           on: it is not blamed (``ModuleNumerics.nonfinite_input``).
-        2. inf/NaN made in FP32 activations is not a precision problem: a finding says so, and
-           no FP32 island is advised for it.
+        1. A module that returned inf/NaN only when its inputs already held NaN (or its weights
+           inf/NaN) passed them on: it is not blamed (``ModuleNumerics.nonfinite_input``). When
+           inf/NaN was seen but every module that returned it had received it, a finding says it
+           entered the monitored modules from outside them.
+        2. inf/NaN made by a module that computed in FP32 (no autocast to a half dtype, no half
+           parameters, inputs or outputs: ``ModuleNumerics.computed_in_half``) is not a precision
+           problem: a finding says so, and no FP32 island is advised for it (such a module is
+           still at risk, with its own finding, when its finite outputs come near FP16's maximum).
         3. A module whose FP32/BF16 outputs exceed FP16's maximum overflows in FP16 whatever
            runs inside it: an FP32 island hands its outputs back in the compute dtype, so the
            advice is BF16 or rescaling, and no FP16 policy is offered (``fp16_policy=None``).
@@ -549,12 +568,22 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
     output_overflow = [m for m in risk if m.act_overflow_f16 > 0]
     for m in fp32_nonfinite:
         findings.append(f"{m.name or '(root)'} ({m.type}) produced inf/NaN in FP32 activations ({_pct(m.act_nonfinite)}) "
-                        "from finite inputs: not a precision problem (no format or FP32 island changes it); check the "
+                        "computing in FP32 from NaN-free inputs and finite weights: not a precision problem (no format or FP32 island changes it); check the "
                         "data, the operation's domain (log, sqrt, division) and the learning rate.")
+    received = [m.name or "(root)" for m in modules if m.act_nonfinite > 0 and m.nonfinite_input]
+    if received and not makes_nonfinite:
+        findings.append(
+            "inf/NaN entered the monitored modules from outside them (the batch, the parent's own code between "
+            "modules, or weights made NaN by an earlier update): every module that returned it had received NaN "
+            f"inputs or held non-finite weights ({', '.join(received[:5])}{', ...' if len(received) > 5 else ''}). "
+            "mixprec.numerics.trace_nonfinite on the failing batch names where it first appears.")
     for m in risk:
-        if m in makes_nonfinite:
+        if m in makes_nonfinite and m not in fp32_nonfinite:  # (made in FP32: its finding is above)
+            # (an FP32 output computed in half precision, '(x @ w).float()' under autocast: say where it was made)
+            where = ("" if any(d in ("f16", "bf16") or d.startswith("float8") for d in m.act_dtypes)
+                     else ", computed in half precision (autocast, or half weights or inputs)")
             findings.append(f"{m.name or '(root)'} ({m.type}) produced inf/NaN activations in "
-                            f"{'/'.join(m.act_dtypes)} ({_pct(m.act_nonfinite)}).")
+                            f"{'/'.join(m.act_dtypes)} ({_pct(m.act_nonfinite)}){where}.")
         elif m.act_overflow_f16 > 0:
             findings.append(f"{m.name or '(root)'} ({m.type}) has activations up to {_g(m.act_absmax)}, beyond the FP16 "
                             f"maximum 65504: its output overflows in FP16. An FP32 island would not help (it computes "

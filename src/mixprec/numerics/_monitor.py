@@ -11,7 +11,12 @@ Hooks (installed by :meth:`NumericsMonitor.attach`, removed by :meth:`detach`):
   start of a sampled step the optimizer's tensors are snapshotted so the update can be measured;
 * a forward hook on each tracked module (leaf modules by default) adds the magnitudes of its
   floating outputs to a :class:`~mixprec.numerics.Log2Histogram` and registers a tensor hook on
-  each output that records the gradient flowing back into it (the activation gradient);
+  each output that records the gradient flowing back into it (the activation gradient). It also
+  counts, on the device, the calls that returned inf/NaN, those that had received it (NaN inputs,
+  inf/NaN weights: passed on, not made; ``-inf`` inputs such as attention masks are legitimate)
+  and whether the others computed in half precision (autocast, half weights, inputs or outputs),
+  so the report blames only modules that made inf/NaN and calls it a precision problem only when
+  it was made in half precision (see ``_count_nonfinite_call`` for the rules and their cost);
 * a tensor hook on each parameter records its gradient as autograd produces it (before
   accumulation, so in the dtype backward computes in);
 * on each FP8 linear (a model prepared under an ``f8=`` policy), and on every eligible
@@ -39,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -73,7 +79,8 @@ class _ModuleRecord:
     act_grad: Log2Histogram = dataclasses.field(default_factory=Log2Histogram)
     act_dtypes: set[str] = dataclasses.field(default_factory=set)
     grad_dtypes: set[str] = dataclasses.field(default_factory=set)
-    # [calls that returned inf/NaN, those of them whose inputs already held inf/NaN] (on the device)
+    # On the device: [calls that returned inf/NaN, those of them whose inputs held NaN or whose parameters were
+    # non-finite already (they passed it on), those of the others (they made it) that computed in half precision]
     nonfinite_calls: torch.Tensor | None = None
 
 
@@ -106,6 +113,11 @@ class _Fp8Record:
             new = old + counts
             new[0] = torch.maximum(old[0], counts[0])  # amax
             self.counts[operand] = new
+
+
+def _is_half(dt: torch.dtype) -> bool:
+    """FP16, BF16 or an FP8 format."""
+    return dt in (torch.float16, torch.bfloat16) or (dt.is_floating_point and dt.itemsize == 1)
 
 
 def _short(dt: torch.dtype) -> str:
@@ -207,6 +219,11 @@ class NumericsMonitor:
         self._update_measured = False
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._wrapped_step: Any = None
+        # Per sampled step (cleared when one begins; parameters change only at optimizer steps, between steps):
+        # module id -> (any parameter of its subtree non-finite, on the device; any of them half), and the NaN
+        # checks of input tensors by (id, version), with a weak reference that tells a reused id apart.
+        self._param_state_cache: dict[int, tuple[torch.Tensor | None, bool]] = {}
+        self._nan_cache: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         island_policy = _NORM_POLICY if policy is None else Policy.parse(policy)
         island_ids = {id(p) for _, m in island_modules(model, island_policy) for p in m.parameters()}
         self._island_params = {canonical_name(n) for n, p in model.named_parameters() if id(p) in island_ids}
@@ -301,6 +318,7 @@ class NumericsMonitor:
             r.counts.clear()
         self._sampled_steps = 0
         self._snapshot = None
+        self._clear_call_caches()
 
     # ----- step counting ---------------------------------------------------------------------------
     @property
@@ -325,6 +343,7 @@ class NumericsMonitor:
         self._active = self._step % self.every == 0
         self._scale_taken = False
         self._recorded = False
+        self._clear_call_caches()
         if self._active:
             self._take_snapshot()
 
@@ -436,27 +455,115 @@ class NumericsMonitor:
         # once already; its gradients flow through the recomputed outputs (reentrant checkpointing), so hooks.
         recompute = torch._C._current_graph_task_id() != -1
         outs = floating_tensors(output)
+        counted = bool(outs) and not recompute
+        before = rec.act.nonfinite_count() if counted else None
         for t in outs:
             if not recompute:
                 rec.act.add_(t, max_elements=self.max_elements)
                 rec.act_dtypes.add(_short(t.dtype))
             if t.requires_grad and torch.is_grad_enabled():
                 t.register_hook(functools.partial(self._on_act_grad, rec))
-        if outs and not recompute:
-            # (its parameters too: NaN weights, left by an earlier step's NaN update, were made elsewhere)
-            self._count_nonfinite_call(rec, [*floating_tensors((args, kwargs)), *module.parameters()], outs)
+        if counted:
+            self._count_nonfinite_call(rec, module, floating_tensors((args, kwargs)), outs, before)
+
+    @torch.no_grad()
+    def _count_nonfinite_call(self, rec: _ModuleRecord, module: nn.Module, inputs: list[torch.Tensor],
+                              outs: list[torch.Tensor], before: torch.Tensor | None) -> None:
+        """Count one call on the device (no host sync): did it return inf/NaN, had it received it, in what precision.
+
+        A module whose every inf/NaN-returning call had received it only passed it on and is not
+        blamed (``ModuleNumerics.nonfinite_input``). "Received" means:
+
+        * an input holds NaN. Not inf: ``-inf`` in inputs is legitimate (additive attention masks,
+          padding for max-pooling), and a module that overflows while a mask is among its inputs
+          made its inf/NaN itself. A module that turns an incoming inf into NaN (``inf - inf``) is
+          then named too, next to the module that made the inf: the report names one module too
+          many rather than none;
+        * a parameter of the module (its children's included: a parent's output is made by them)
+          is inf or NaN, as an earlier step's non-finite update leaves them. Weights are never
+          legitimately infinite.
+
+        Cost and ``max_elements``: whether the output holds inf/NaN is read off the output
+        histogram just filled (the difference of its inf/NaN count), so it respects
+        ``max_elements`` as the reported ``act_nonfinite`` does and costs no extra pass. The NaN
+        check of the inputs reads every element: one NaN anywhere in a row is enough to spread
+        into the output, so a strided subset could miss the NaN the output shows and blame the
+        module for it. It is done once per input tensor and version per step (an output passed to
+        several modules is checked once), parameters once per module per step
+        (:meth:`_param_state`), so a call adds a pass over its fresh inputs, not over its
+        subtree's parameters.
+
+        The call computed in half precision when autocast to a half dtype was on for its device,
+        or a parameter of its subtree, an input or an output was FP16/BF16/FP8: only a call with
+        none of these computed in FP32, where inf/NaN is no precision problem. (A module handed
+        half inputs that upcasts first is counted as half: that errs towards advising an FP32
+        island, which the tracer's FP32 re-run checks, rather than towards calling a precision
+        problem none.)
+        """
+        after = rec.act.nonfinite_count()
+        if after is None:  # (no output element counted)
+            return
+        bad_out = after > before if before is not None else after > 0
+        dev = bad_out.device
+        bad_params, half = self._param_state(module)
+        flags = [self._holds_nan(t).to(dev) for t in inputs]
+        if bad_params is not None:
+            flags.append(bad_params.to(dev))
+        bad_in = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=dev)
+        dtype = outs[0].device.type
+        half = (half or any(_is_half(t.dtype) for t in (*inputs, *outs))
+                or (torch.amp.is_autocast_available(dtype) and torch.is_autocast_enabled(dtype)
+                    and _is_half(torch.get_autocast_dtype(dtype))))
+        made = bad_out & ~bad_in
+        c = torch.stack([bad_out, bad_out & bad_in, made if half else torch.zeros_like(made)]).to(torch.int64)
+        rec.nonfinite_calls = c if rec.nonfinite_calls is None else rec.nonfinite_calls + c.to(rec.nonfinite_calls.device)
+
+    def _clear_call_caches(self) -> None:
+        self._param_state_cache.clear()
+        self._nan_cache.clear()
 
     @staticmethod
-    @torch.no_grad()
-    def _count_nonfinite_call(rec: _ModuleRecord, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        # On the device (no sync): did this call return inf/NaN, and were its inputs (or parameters) non-finite
-        # already? A module whose every non-finite call had non-finite inputs only passed them on: not blamed.
-        bad_out = torch.stack([torch.isfinite(t).logical_not().any() for t in outs]).any()
-        ins = [t.detach() for t in inputs if t.is_floating_point()]
-        bad_in = (torch.stack([torch.isfinite(t).logical_not().any().to(bad_out.device) for t in ins]).any()
-                  if ins else torch.zeros((), dtype=torch.bool, device=bad_out.device))
-        c = torch.stack([bad_out, bad_out & bad_in]).to(torch.int64)
-        rec.nonfinite_calls = c if rec.nonfinite_calls is None else rec.nonfinite_calls + c.to(rec.nonfinite_calls.device)
+    def _check_view(t: torch.Tensor) -> torch.Tensor:
+        # (FP8 tensors upcast: isnan/isfinite are not implemented for them everywhere)
+        d = t.detach()
+        return d.float() if d.dtype.itemsize == 1 else d
+
+    def _holds_nan(self, t: torch.Tensor) -> torch.Tensor:
+        """Whether ``t`` holds a NaN (a 0-d bool on its device), computed once per tensor and version per step."""
+        try:
+            key: tuple[int, int] | None = (id(t), t._version)
+        except RuntimeError:  # an inference tensor has no version counter: not cached
+            key = None
+        if key is not None and (hit := self._nan_cache.get(key)) is not None and hit[0]() is t:
+            return hit[1]
+        flag = self._check_view(t).isnan().any()
+        if key is not None:
+            self._nan_cache[key] = (weakref.ref(t), flag)
+        return flag
+
+    def _param_state(self, module: nn.Module) -> tuple[torch.Tensor | None, bool]:
+        """(any parameter of ``module``'s subtree inf/NaN: 0-d bool on the device, ``None`` when it has none;
+        any of them half precision), once per module per step: a parent reuses its children's answers, so
+        each parameter is read once per step whatever the depth and whichever modules are monitored.
+        """
+        hit = self._param_state_cache.get(id(module))
+        if hit is not None:
+            return hit
+        flags: list[torch.Tensor] = []
+        half = False
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point():
+                half = half or _is_half(p.dtype)
+                flags.append(torch.isfinite(self._check_view(p)).logical_not().any())
+        for child in module.children():
+            f, h = self._param_state(child)
+            half = half or h
+            if f is not None:
+                flags.append(f)
+        bad = (None if not flags else flags[0] if len(flags) == 1
+               else torch.stack([f.to(flags[0].device) for f in flags]).any())
+        self._param_state_cache[id(module)] = (bad, half)
+        return bad, half
 
     def _on_act_grad(self, rec: _ModuleRecord, grad: torch.Tensor) -> None:
         if grad is None or not self._active:
@@ -603,10 +710,12 @@ class NumericsMonitor:
         dev = torch.device(device) if device is not None else self._device
         modules = []
         for r in self._modules.values():
-            calls = r.nonfinite_calls.tolist() if r.nonfinite_calls is not None else [0, 0]
+            calls = r.nonfinite_calls.tolist() if r.nonfinite_calls is not None else [0, 0, 0]
+            made = calls[0] - calls[1]  # calls that made inf/NaN (from NaN-free inputs and finite parameters)
             modules.append(ModuleNumerics.from_histograms(
                 r.name, r.type_name, r.act, r.act_grad, sorted(r.act_dtypes), sorted(r.grad_dtypes), loss_scale,
-                r.norm_island, nonfinite_input=bool(calls[0]) and calls[0] == calls[1]))
+                r.norm_island, nonfinite_input=calls[0] > 0 and made == 0,
+                nonfinite_made_in_half=calls[2] > 0 if made > 0 else None))
         params = [
             ParamNumerics.from_record(r.name, r.module, r.dtype, r.numel, r.grad, sorted(r.grad_dtypes),
                                       r.update_counts.tolist() if r.update_counts is not None else None, loss_scale,

@@ -394,6 +394,19 @@ class Log2Histogram:
             torch.maximum(amax, finite_max, out=amax)
         self.samples += 1
 
+    def nonfinite_count(self) -> torch.Tensor | None:
+        """The inf/NaN count so far, as a 0-d int64 tensor on the histogram's device (``None``: nothing added).
+
+        A copy: later :meth:`add_` calls do not change it, so the difference between two of them
+        is what the adds in between counted (with ``max_elements``, in their strided subsets).
+
+        Returns:
+            The count, or ``None`` before the first :meth:`add_`.
+
+        Host syncs: none.
+        """
+        return None if self.counts is None else self.counts[self._NONFINITE].clone()
+
     def merge_(self, other: Log2Histogram) -> Log2Histogram:
         """Add another histogram's counts into this one (returns self)."""
         if other.counts is None or other.absmax is None:

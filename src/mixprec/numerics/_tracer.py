@@ -502,12 +502,25 @@ def _short_dtype(dtype: torch.dtype) -> str:
         str(dtype).removeprefix("torch.")
 
 
-def _stats_name(stats_dtype: str | torch.dtype | None, pol: Policy | None, model: nn.Module, device_type: str,
+def _stats_name(stats_dtype: str | torch.dtype | None, pol: Policy | None, device_type: str,
                 already_fp32: bool) -> str | None:
     """The format the trace's statistics are computed for; ``None``: the failing tensors' own dtype.
 
-    A half compute dtype (the policy's, the enclosing autocast's, or a prepared run's) when there
-    is one, FP32 for a model that runs in FP32: the label then names the values' real format.
+    The explicit ``stats_dtype``; else the compute dtype of the format the step really ran in:
+    the policy's (the trace runs under it), the enclosing autocast's (it casts the inputs of its
+    ops), FP32 for a model that runs in FP32. Otherwise the dtypes the values really had, not a
+    prepared run's policy: a model prepared under ``fp16-mixed`` and run outside its autocast
+    computes in FP32 (its weights are FP32), one prepared with half weights yields half values,
+    and both show in the tensors themselves.
+
+    Args:
+        stats_dtype: The caller's choice, or ``None``.
+        pol: The policy the trace runs under, or ``None``.
+        device_type: The device type whose autocast state counts.
+        already_fp32: The step runs in FP32 (no policy, no autocast, FP32 weights, not prepared).
+
+    Returns:
+        A short dtype name, or ``None`` to label with the failing tensors' dtype.
     """
     if stats_dtype is not None:
         return thresholds(stats_dtype).dtype
@@ -517,9 +530,6 @@ def _stats_name(stats_dtype: str | torch.dtype | None, pol: Policy | None, model
         return "f32"
     if torch.is_autocast_enabled(device_type):
         return _short_dtype(torch.get_autocast_dtype(device_type))
-    run_policy = getattr(run_of(model), "policy", None)
-    if isinstance(run_policy, Policy):
-        return thresholds(run_policy.compute_dtype).dtype
     return None
 
 
@@ -561,8 +571,9 @@ def trace_nonfinite(
             saved and restored, but buffers do change.
         stats_dtype: Format for the statistics of the failing module's inputs; default: the
             format the step computed in (the policy's compute dtype; without a policy, the
-            enclosing autocast's dtype, a prepared run's compute dtype, ``f32`` for a model that
-            runs in FP32, else the failing tensors' own dtype).
+            enclosing autocast's dtype, ``f32`` for a model that runs in FP32, else the failing
+            tensors' own dtype: a prepared model traced outside its autocast is labelled with the
+            dtypes it really ran in, not its policy's compute dtype).
 
     Returns:
         :class:`TraceResult`; ``str(result)`` explains it.
@@ -605,7 +616,7 @@ def trace_nonfinite(
     # there too). Eager hooks then need no graph breaks (each check reads a bool back, which dynamo cannot
     # trace), and module names come without '_orig_mod.', as policies' name: islands match them.
     traced = _compile_target(work)
-    stats_name = _stats_name(stats_dtype, pol, model, device_type, already_fp32)
+    stats_name = _stats_name(stats_dtype, pol, device_type, already_fp32)
     do_backward = backward and loss_fn is not None
 
     if do_backward and torch.is_inference_mode_enabled():
