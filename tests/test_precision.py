@@ -787,7 +787,7 @@ def test_for_inference_of_a_submodule_or_a_wrapper_closes_the_run():
             prec.step(opt)
 
 
-@pytest.mark.parametrize("preset", ["bf16-mixed", "fp32"])
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp32", "bf16-master", "bf16-pure"])
 def test_for_inference_of_a_submodule_then_the_whole_model_runs(preset):
     """Casting a module inside a run's model for inference, then running the whole model: the run's recast check (its
     weights keep the dtypes prepare gave them) is off once for_inference ends the run on purpose."""

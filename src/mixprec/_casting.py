@@ -11,6 +11,7 @@ dtype (unless the policy says ``b=param``), and wraps ``forward`` methods so tha
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
@@ -517,7 +518,9 @@ def for_inference(
     ends here (also when ``model`` is a module inside the run's model or around it): the weights
     it holds are cast (for the FP32 masters' precision, cast an FP32 model loaded from
     ``mixprec.checkpoint.fp32_state_dict(prec)``), and the ``MixedPrecision`` is closed (its ``backward``, ``step``, ... then raise a ``ValueError``
-    saying so: training on would train the cast model). To evaluate in the middle of training use
+    saying so: training on would train the cast model). A module inside a run whose other layers
+    hold half weights (``*-master``, ``bf16-pure``) returns its outputs in their dtype, so the
+    whole model still runs. To evaluate in the middle of training use
     ``with torch.no_grad(), prec.autocast(): model(x)`` instead.
 
     Args:
@@ -543,6 +546,13 @@ def for_inference(
     inside = set(map(id, target.modules()))
     for run_model, ref in list(_RUN_CLOSERS.items()):
         if id(run_model) in inside or any(m is target for m in run_model.modules()):
+            outer = _compile_target(run_model)
+            if outer is not target and id(outer) not in inside and is_prepared(outer):
+                # The target is a layer of a run whose other layers hold half weights: hand them its outputs in
+                # their dtype (FP32 outputs would meet a BF16 Linear next: a dtype error in the whole model's forward).
+                run_dtype = Policy.parse(getattr(outer, _POLICY_ATTR)).param_dtype
+                if run_dtype != torch.float32:
+                    policy = dataclasses.replace(policy, output_dtype=run_dtype)
             _RUN_CLOSERS.pop(run_model, None)
             # a run around the target keeps its casts (its other layers) but not the check that its weights keep
             # the dtypes it gave them: this cast changes some on purpose
