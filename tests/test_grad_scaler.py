@@ -448,3 +448,33 @@ def test_cuda_fused_loop_matches_torch_and_never_syncs():
     params, scales = run(GradScaler, True)
     assert scales == ref_scales and min(scales) < 2.0**24
     assert equal_tree(params, ref_params)
+
+
+def test_training_goes_on_after_a_caught_escalation() -> None:
+    """update() raised NumericsError before forgetting the iteration: the next step() said step() had already been
+    called, pickling was refused, and a second update() counted the iteration twice."""
+    import pickle
+
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sc = mp.GradScaler("cpu", init_scale=4.0, min_scale=1.0, on_failure="raise", patience=3, check_interval=1)
+    with pytest.raises(mp.NumericsError):
+        for _ in range(10):
+            sc.scale(model(torch.randn(3, 4)).sum() * float("inf")).backward()
+            sc.step(opt)
+            opt.zero_grad()
+            sc.update()
+    steps = sc.statistics()["steps"]
+    with pytest.raises(RuntimeError, match="No inf checks were recorded"):
+        sc.update()  # the iteration is over: not counted twice
+    assert sc.statistics()["steps"] == steps
+    opt.zero_grad()
+    before = model.weight.detach().clone()
+    sc.scale(model(torch.randn(3, 4)).sum()).backward()
+    sc.step(opt)
+    sc.update()
+    assert not torch.equal(model.weight, before)
+    pickle.loads(pickle.dumps(sc))

@@ -453,3 +453,32 @@ def test_schedulers_take_any_iterable_and_refuse_a_lone_scheduler_before_steppin
     with pytest.raises(TypeError, match="got one StepLR; pass schedulers=\\[scheduler\\]"):
         prec.step(opt, schedulers=scheds["a"])  # type: ignore[arg-type]
     assert torch.equal(model.weight, before) and int(prec.applied_steps) == 2
+
+
+def test_a_scheduler_advances_for_an_applied_step_whose_scale_update_escalates() -> None:
+    """Two optimizers, A's gradients always NaN: the escalation raised from the scale update after B's applied step
+    left B's scheduler a step behind (the schedulers advanced after the update)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    model = nn.ModuleDict({"a": a, "b": b})
+    prec = mp.MixedPrecision("p=f32,c=f32,ls=dynamic", scaler=mp.DynamicScaler(
+        init_scale=4.0, min_scale=1.0, on_failure="raise", patience=2, check_interval=1))
+    model, oa, ob = prec.prepare(model, torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(ob, 1, gamma=0.5)
+    caught, applied_b = False, 0
+    for _ in range(8):
+        x = torch.randn(3, 4)
+        prec.backward(model["a"](x).sum() * float("nan") + model["b"](x).sum())
+        prec.step(oa)
+        try:
+            prec.step(ob, schedulers=[sched])
+        except mp.NumericsError:
+            caught = True
+            break
+        finally:
+            assert prec.last_step is not None
+            applied_b += int(prec.last_step.applied())  # B's step, also the one whose scale update raised
+            oa.zero_grad()
+            ob.zero_grad()
+    assert caught and applied_b >= 2
+    assert sched.last_epoch == applied_b

@@ -57,8 +57,7 @@ class Reference:
         self.tracker, self.left = 0, hysteresis - 1
 
     def clamp(self, s):
-        if self.lo is not None:
-            s = max(s, f32(self.lo))
+        s = max(s, 2.0**-127 if self.lo is None else f32(self.lo))  # no floor: a float32 scale's (mixprec, not torch)
         if self.hi is not None:
             s = min(s, f32(self.hi))
         return s
@@ -173,6 +172,7 @@ def test_same_path_as_torch_amp_update_scale():
     ref = []
     for bad in pattern:
         torch._amp_update_scale_(scale, tracker, INF if bad else CLEAN, 1.5, 0.3, 4)
+        scale.clamp_(min=2.0**-127)  # the one deliberate difference: no floor stops where 1/scale is still finite
         ref.append(scale.item())
     assert run(s, pattern) == ref
 
@@ -868,3 +868,72 @@ def test_checkpoints_written_before_still_load():
     assert t.state_dict()["any_finite_step"] is False
 
 
+
+
+# ------------------------------------------------ float32 range, damaged states, escalation episodes (user sweep)
+@pytest.mark.parametrize("make", [
+    lambda: StaticScaler(1e-46), lambda: DynamicScaler(init_scale=1e-46, min_scale=None),
+    lambda: DynamicScaler(min_scale=1e-46), lambda: DynamicScaler(init_scale=1e39, max_scale=None),
+    lambda: StaticScaler(1e39),
+])
+def test_a_scale_outside_float32s_normal_range_is_refused_at_construction(make) -> None:
+    """The scale is a float32 tensor: 1e-46 became 0 (1/0 = inf turned finite gradients into NaN after the inf/NaN
+    check, applied as a clean step), 1e39 failed at the first scale() with torch's bare overflow message."""
+    with pytest.raises(ValueError, match=r"the range of a float32 loss scale"):
+        make()
+
+
+def test_no_floor_still_never_reaches_zero() -> None:
+    """DynamicScaler(min_scale=None) after 200 overflows in a row stops at float32's smallest normal, not 0 (where
+    torch.amp.GradScaler ends, and its next finite step writes NaN)."""
+    s = DynamicScaler(init_scale=1.0, min_scale=None)
+    for _ in range(200):
+        s.update(torch.tensor(1.0))
+    assert float(s.loss_scale) == 2.0**-127
+    inv = 1.0 / s.loss_scale
+    assert math.isfinite(float(inv))
+
+
+@pytest.mark.parametrize("bad", [{"scale": float("nan")}, {"scale": 0.0}, {"scale": -8.0},
+                                 {"hysteresis_left": 99}, {"_growth_tracker": -5}, {"_growth_tracker": 2.7}])
+def test_a_damaged_scaler_state_is_refused(bad) -> None:
+    """A NaN scale loaded silently skipped every later step without escalating; 0 and negative were raised to the
+    floor, an impossible hysteresis allowance or growth tracker accepted."""
+    s = DynamicScaler(init_scale=64.0, hysteresis=2)
+    sd = {**s.state_dict(), **bad}
+    fresh = DynamicScaler(init_scale=64.0, hysteresis=2)
+    with pytest.raises(ScalerStateError, match="load_state_dict"):
+        fresh.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("on_failure", ["raise", "warn"])
+def test_a_second_collapse_after_a_short_recovery_escalates_again(on_failure) -> None:
+    """Escalation fires once per episode; a recovery shorter than check_interval between two checks used to go
+    unseen, so a second collapse at the floor was never reported (1,000 skipped steps)."""
+    s = DynamicScaler(init_scale=4.0, min_scale=1.0, on_failure=on_failure, patience=20, check_interval=50)
+    events: list[int] = []
+    for i, flag in enumerate([1.0] * 100 + [0.0] * 40 + [1.0] * 200):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                s.update(torch.tensor(flag))
+            except NumericsError:
+                events.append(i)
+        events.extend(i for w in caught if issubclass(w.category, RuntimeWarning))
+    assert len(events) == 2 and events[0] < 100 <= 140 <= events[1]
+
+
+def test_the_overflow_log_after_a_resume_counts_only_new_skips(caplog) -> None:
+    """The first log line after load_state_dict counted the skips the saving run had already reported."""
+    s = DynamicScaler(init_scale=2.0**10, log_overflow=True, log_interval_s=0.0, check_interval=1)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        for _ in range(5):
+            s.update(torch.tensor(1.0))
+    sd = s.state_dict()
+    resumed = DynamicScaler(init_scale=2.0**10, log_overflow=True, log_interval_s=0.0, check_interval=1)
+    resumed.load_state_dict(sd)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        resumed.update(torch.tensor(1.0))
+    lines = [r.getMessage() for r in caplog.records if "skipped since the last report" in r.getMessage()]
+    assert lines and lines[-1].split(": ")[1].startswith("1 step(s)"), lines

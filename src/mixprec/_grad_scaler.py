@@ -589,11 +589,21 @@ class GradScaler:
             if cfg.min_scale is not None or cfg.max_scale is not None:
                 scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
             if flags:  # keep the statistics: the iteration happened, the rule did not run
+                self._end_iteration()  # book-keeping first: the update may raise (escalation)
                 core.update(combine_found_inf(flags, scale.device), decide=False)
         else:
             if not flags:
                 raise ScalerUsageError("No inf checks were recorded prior to update.")
-            core.update(combine_found_inf(flags, scale.device))
+            found = combine_found_inf(flags, scale.device)
+            # Book-keeping first: core.update may raise NumericsError (escalation) after applying the rule; the
+            # iteration is over either way, so a caught error leaves a scaler the next step() can use.
+            self._end_iteration()
+            core.update(found)
+            return
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        """Forget the iteration's per-optimizer states (the next ``step`` starts a new one)."""
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._scaled_since_update = False
         self._resume_device = None

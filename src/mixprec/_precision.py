@@ -659,6 +659,16 @@ class MixedPrecision(RunCheckpoint):
         counter: AppliedSteps = self._applied_steps  # type: ignore[assignment]  # set by prepare()
         info = StepInfo(found_inf, scale_used, (counter.push(decided), counter), decided)
         self.last_step = info
+        # torch's LR schedulers ask the optimizer whether its step ran (the mark their step wrapper sets): this step
+        # reached the optimizer below that wrapper, so set the mark ("lr_scheduler.step() before optimizer.step()")
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        if schedulers and info.applied():
+            # before the scale update, which may raise (escalation): an applied step has advanced its schedule
+            for s in schedulers:
+                sched_opt = getattr(s, "optimizer", None)
+                if sched_opt is not None and sched_opt is not optimizer:
+                    sched_opt._opt_called = True  # (the same mark, for a scheduler on the optimizer the user built)
+                s.step()
         if auto and len(self._records) == 1 and not self._iteration_flags and isinstance(scaler, _ScalerBase):
             # Rule 1 for the usual loop (one optimizer, nothing pending): the iteration ends here,
             # with this step's flag and no gradients held across it; what _end_iteration does, inline.
@@ -668,15 +678,6 @@ class MixedPrecision(RunCheckpoint):
             self._iteration_flags.append(found_inf)
             if auto and all(r.stepped for r in self._records.values()):
                 self._end_iteration()  # rule 1
-        # torch's LR schedulers ask the optimizer whether its step ran (the mark their step wrapper sets): this step
-        # reached the optimizer below that wrapper, so set the mark ("lr_scheduler.step() before optimizer.step()")
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        if schedulers and info.applied():
-            for s in schedulers:
-                sched_opt = getattr(s, "optimizer", None)
-                if sched_opt is not None and sched_opt is not optimizer:
-                    sched_opt._opt_called = True  # (the same mark, for a scheduler on the optimizer the user built)
-                s.step()
         return info
 
     @property

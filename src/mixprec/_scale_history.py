@@ -126,6 +126,8 @@ class ScaleHistory:
     The device tensors are created by :meth:`materialise` (the owner decides where and when).
     """
 
+    _reported_clean = -1.0  # (a copy pickled before this field existed)
+
     def __init__(self, config: HistoryConfig) -> None:
         self.cfg = config
         self.ring_len = max(config.history, config.check_interval)
@@ -144,6 +146,7 @@ class ScaleHistory:
         self._pending: list[tuple[Tensor, Tensor]] = []
         self._snapshot: tuple[Tensor, Any, int] | None = None  # (pinned host copy, cuda event, step)
         self._reported = False
+        self._reported_clean = -1.0  # last_finite_step when the current episode was reported
         self._last_log = -math.inf
         self._logged_skipped = 0.0
 
@@ -354,6 +357,8 @@ class ScaleHistory:
                     "(up to step %d); loss scale now %g.", int(window_skips), at_step - 1, scale)
                 self._last_log = now
                 self._logged_skipped = skipped
+        if self._reported and _last_clean != self._reported_clean:
+            self._reported = False  # a finite step since the report: that episode ended, a new one is reported again
         if floor_streak < cfg.patience:
             if floor_streak == 0:
                 self._reported = False
@@ -361,6 +366,7 @@ class ScaleHistory:
         if self._reported or cfg.on_failure == "ignore":
             return
         self._reported = True
+        self._reported_clean = _last_clean
         msg = self.failure_message(values, at_step)
         if cfg.on_failure == "raise":
             raise NumericsError(msg)
@@ -503,6 +509,7 @@ class ScaleHistory:
         self.finite_before = bool(sd["any_finite_step"])
         self._snapshot = None
         self._reported = False
+        self._logged_skipped = float(sd["skipped_steps"])  # reported by the run that saved them
 
     def __getstate__(self) -> dict[str, Any]:
         # the owner pickles the statistics in its pending state; the copy re-creates the tensors lazily

@@ -100,6 +100,24 @@ def _check_number(name: str, value: Any, *, low: float | None = None, high: floa
     return v
 
 
+#: The scale lives in a float32 tensor: the range a scale may take there, from the smallest power of two whose
+#: reciprocal is finite in float32 (2**-127; torch's backoff reaches it, and its next halving gives 1/scale = inf)
+#: up to float32's largest. Below it 1/scale is inf (and the scale soon 0), which turns every finite gradient into
+#: inf/NaN after the inf/NaN check ran: a NaN update applied as a clean step.
+F32_SCALE_RANGE = (2.0**-127, float(torch.finfo(torch.float32).max))
+
+
+def _check_scale(name: str, value: float) -> float:
+    lo, hi = F32_SCALE_RANGE
+    if not lo <= value <= hi:
+        raise ValueError(
+            f"{name}={value:g} is outside [{lo:g}, {hi:g}], the range of a float32 loss scale (below it 1/scale is inf "
+            "in float32 and the scale soon 0, which turns finite gradients into NaN after the inf/NaN check; above it "
+            "float32 overflows); use a value in that range."
+        )
+    return value
+
+
 def _check_int(name: str, value: Any, *, low: int, hint: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}.{' ' + hint if hint else ''}")
@@ -125,7 +143,8 @@ class ScaleConfig:
     history: int = DEFAULT_HISTORY
 
     def validate(self, owner: str) -> None:
-        self.init_scale = _check_number(f"{owner}: init_scale", self.init_scale, low=0.0, low_open=True)
+        self.init_scale = _check_scale(f"{owner}: init_scale",
+                                       _check_number(f"{owner}: init_scale", self.init_scale, low=0.0, low_open=True))
         if self.kind != "dynamic":
             self._validate_escalation(owner)
             return
@@ -162,19 +181,19 @@ class ScaleConfig:
         self.hysteresis = _check_int(f"{owner}: hysteresis", self.hysteresis, low=1,
                                      hint="1 backs off at every overflow (torch); N tolerates N-1 overflows first.")
         if self.min_scale is not None:
-            self.min_scale = _check_number(f"{owner}: min_scale", self.min_scale, low=0.0, low_open=True,
-                                           hint="Pass None for no floor.")
+            self.min_scale = _check_scale(f"{owner}: min_scale", _check_number(
+                f"{owner}: min_scale", self.min_scale, low=0.0, low_open=True, hint="Pass None for no floor."))
         if self.max_scale is not None:
-            self.max_scale = _check_number(f"{owner}: max_scale", self.max_scale, low=0.0, low_open=True,
-                                           hint="Pass None for no ceiling.")
+            self.max_scale = _check_scale(f"{owner}: max_scale", _check_number(
+                f"{owner}: max_scale", self.max_scale, low=0.0, low_open=True, hint="Pass None for no ceiling."))
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ValueError(f"{owner}: min_scale={self.min_scale:g} is above max_scale={self.max_scale:g}.")
         if self.refill not in ("growth", "clean"):
             raise unknown_choice(f"{owner}: hysteresis refill", self.refill, ("growth", "clean"))
 
     def clamp(self, scale: float) -> float:
-        lo = self.min_scale if self.min_scale is not None else 0.0
-        hi = self.max_scale if self.max_scale is not None else math.inf
+        lo = self.min_scale if self.min_scale is not None else F32_SCALE_RANGE[0]  # "no floor": a float32 scale's range
+        hi = self.max_scale if self.max_scale is not None else F32_SCALE_RANGE[1]
         return min(max(scale, lo), hi)
 
     @property
@@ -212,7 +231,10 @@ class ScaleCore:
     def _derive_switches(self) -> None:
         """The per-step branches, decided once (kind, floor and ceiling do not change after validation)."""
         self._dynamic = self.cfg.kind == "dynamic"
-        self._bounded = self.cfg.min_scale is not None or self.cfg.max_scale is not None
+        # Always bounded: with no floor (min_scale=None) ~150 backoffs in a row would reach 1/scale = inf, then 0 (NaN
+        # updates applied as clean steps), so the floor is then F32_SCALE_RANGE's (torch's has none).
+        self._bounded = True
+        self._lo = self.cfg.min_scale if self.cfg.min_scale is not None else F32_SCALE_RANGE[0]
 
     @property
     def steps(self) -> int:
@@ -314,7 +336,7 @@ class ScaleCore:
         before = scale.clone() if cfg.hysteresis > 1 else None
         torch._amp_update_scale_(scale, tracker, found_inf, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval)
         if self._bounded:
-            scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
+            scale.clamp_(min=self._lo, max=cfg.max_scale)
         if before is not None:
             overflow = found_inf > 0
             spend = overflow & (left > 0)
@@ -365,8 +387,21 @@ class ScaleCore:
             for k in keys:
                 setattr(cfg, k, getattr(new, k))
         scale = float(sd["scale"]) if "scale" in sd else cfg.init_scale
+        if not math.isfinite(scale) or scale <= 0:
+            raise ScalerStateError(
+                f"load_state_dict: the state's scale is {scale!r}; a loss scale is finite and > 0 (a NaN scale would skip "
+                "every step without escalating). The checkpoint is damaged: load an earlier one."
+            )
         if cfg.kind == "dynamic":
             scale = cfg.clamp(scale)  # e.g. a torch.amp.GradScaler checkpoint above our ceiling
+            tracker, left = sd.get("_growth_tracker", 0), sd.get("hysteresis_left", cfg.hysteresis - 1)
+            # (a growth tracker at or past growth_interval only means growth at the next clean step, as in torch)
+            for key, v, hi in (("_growth_tracker", tracker, math.inf), ("hysteresis_left", left, cfg.hysteresis - 1)):
+                if isinstance(v, torch.Tensor):
+                    v = v.item()
+                if isinstance(v, bool) or not float(v).is_integer() or not 0 <= v <= hi:
+                    raise ScalerStateError(f"load_state_dict: {key}={v!r}, outside [0, {hi:g}] for this scaler's "
+                                           "configuration; the checkpoint is damaged or from another configuration.")
         cfg.init_scale = scale
         # what a torch.amp.GradScaler dict lacks starts fresh: full hysteresis allowance, statistics from zero
         sd = {"scale": scale, "_growth_tracker": sd.get("_growth_tracker", 0),
