@@ -374,3 +374,43 @@ def test_manual_optimization_clips_through_self_optimizers(policy):
     assert all(torch.isfinite(p).all() for p in module.net.parameters())
     assert trainer.lr_scheduler_configs[0].interval == "epoch"
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == STEPS  # stepped by hand every batch, not gated
+
+
+class _Gan(L.LightningModule):
+    """Lightning's documented GAN loop: the generator steps with the discriminator toggled off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.g, self.d = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.seen: list[tuple[bool, bool]] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_g)
+        self.manual_backward(-self.d(self.g(x)).float().mean())
+        self.seen.append((self.d.weight.requires_grad, self.d.weight.grad is not None))
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        self.manual_backward(self.d(self.g(x).detach()).float().mean())
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.g.parameters(), lr=0.1), torch.optim.SGD(self.d.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-master"])
+def test_toggle_optimizer_freezes_the_other_models_parameters(policy):
+    """Under master weights the optimizers' param_groups hold the FP32 masters: Lightning's toggle_optimizer froze
+    those, so the discriminator stayed trainable and stepped with the generator loss's gradient. Both toggles now act
+    on the model's parameters, as under Lightning's own precision."""
+    module = _Gan()
+    data = DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4)
+    L.Trainer(max_steps=2, plugins=[MixprecPrecision(policy)], **TRAINER_KW).fit(module, data)
+    assert module.seen and all(s == (False, False) for s in module.seen), module.seen
+    assert all(p.requires_grad for p in module.parameters())  # untoggled again

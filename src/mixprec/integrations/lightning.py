@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .._master import MasterWeightOptimizer
 from .._precision import MixedPrecision
 from .._stepping import StepInfo
 
@@ -229,6 +230,8 @@ class MixprecPrecision(_Adapter, _TrainerPrecisionBase):
         # step would lose the epoch's step whenever that one was skipped.
         step_schedulers = [c.scheduler for c in lr_schedulers if getattr(c, "interval", "step") == "step"]
         wrapped = self._prepare(model, list(optimizers), step_schedulers)
+        if any(isinstance(w, MasterWeightOptimizer) for w in wrapped):
+            _toggle_model_parameters(model)
         return model, wrapped, lr_schedulers
 
     @contextmanager
@@ -281,6 +284,58 @@ class MixprecPrecision(_Adapter, _TrainerPrecisionBase):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``prec.load_state_dict``: scaler, masters, optimizer state and step count, bit for bit."""
         self._load_state_dict(state_dict)
+
+
+def _params_of(optimizer: Any) -> list[Tensor]:
+    """The model parameters an optimizer trains: a ``MasterWeightOptimizer``'s model parameters, not its masters."""
+    opt = _unwrapped(optimizer)
+    if isinstance(opt, MasterWeightOptimizer):
+        return opt.model_params
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _toggle_model_parameters(module: nn.Module) -> None:
+    """Give ``module`` (a LightningModule) ``toggle_optimizer``/``untoggle_optimizer`` that act on the model's parameters.
+
+    Lightning's walk ``optimizer.param_groups``, which under master weights hold the FP32 masters:
+    toggling them left every model parameter trainable, so in a GAN loop the discriminator kept the
+    generator loss's gradient and stepped with it. These walk each optimizer's model parameters
+    instead, with Lightning's semantics (bound methods of module-level functions: a deepcopy or
+    pickle of the module carries them). A subclass that overrides the methods keeps its own.
+    """
+    from lightning.pytorch import LightningModule
+
+    cls: Any = type(module)
+    if not isinstance(module, LightningModule) or cls.toggle_optimizer is not LightningModule.toggle_optimizer \
+            or cls.untoggle_optimizer is not LightningModule.untoggle_optimizer:
+        return
+    object.__setattr__(module, "toggle_optimizer", types.MethodType(_toggle_optimizer, module))
+    object.__setattr__(module, "untoggle_optimizer", types.MethodType(_untoggle_optimizer, module))
+
+
+def _toggle_optimizer(module: Any, optimizer: Any) -> None:
+    """Lightning's ``toggle_optimizer`` over model parameters (see :func:`_toggle_model_parameters`)."""
+    state: dict[Tensor, bool] = {}
+    for opt in module.trainer.optimizers:
+        for p in _params_of(opt):
+            if p not in state:
+                state[p] = p.requires_grad
+                p.requires_grad = False
+    for p in _params_of(optimizer):
+        p.requires_grad = state[p]
+    module._param_requires_grad_state = state
+
+
+def _untoggle_optimizer(module: Any, optimizer: Any) -> None:
+    """Lightning's ``untoggle_optimizer`` over model parameters (see :func:`_toggle_model_parameters`)."""
+    target = _unwrapped(optimizer)
+    state = module._param_requires_grad_state
+    for opt in module.trainer.optimizers:
+        if _unwrapped(opt) is not target:
+            for p in _params_of(opt):
+                if p in state:
+                    p.requires_grad = state[p]
+    module._param_requires_grad_state = {}
 
 
 def _clip_gradients_norm(plugin: Any, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
