@@ -296,7 +296,7 @@ MISUSES = [
            "unknown precision preset 'bf16-mixd'; choose one of: fp32, tf32, fp16-mixed, bf16-mixed"),
     # --- a policy the device cannot run ---
     Misuse("device-cannot-run-policy", "fresh", "bf16-mixed", _device_cannot, ValueError,
-           "device 'cpu' cannot compute in bf16; use an fp16 preset ('fp16-mixed' or 'fp16-master') on this GPU, or 'fp32'."),
+           "cannot compute in bf16; use an fp16 preset ('fp16-mixed' or 'fp16-master') on this GPU, or 'fp32'."),
     # --- foreign state dicts ---
     Misuse("load-optimizer-state-dict", "trained", "bf16-mixed", lambda c: c.prec.load_state_dict(c.raw_opt.state_dict()),
            ValueError, "It looks like a plain optimizer state dict; mixprec checkpoints come from MixedPrecision.state_dict()."),

@@ -894,10 +894,10 @@ def test_no_floor_still_never_reaches_zero() -> None:
     assert math.isfinite(float(inv))
 
 
-@pytest.mark.parametrize("bad", [{"scale": float("nan")}, {"scale": 0.0}, {"scale": -8.0},
+@pytest.mark.parametrize("bad", [{"scale": float("nan")}, {"scale": -8.0},
                                  {"hysteresis_left": 99}, {"_growth_tracker": -5}, {"_growth_tracker": 2.7}])
 def test_a_damaged_scaler_state_is_refused(bad) -> None:
-    """A NaN scale loaded silently skipped every later step without escalating; 0 and negative were raised to the
+    """A NaN scale loaded silently skipped every later step without escalating; a negative one was raised to the
     floor, an impossible hysteresis allowance or growth tracker accepted."""
     s = DynamicScaler(init_scale=64.0, hysteresis=2)
     sd = {**s.state_dict(), **bad}
@@ -937,3 +937,18 @@ def test_the_overflow_log_after_a_resume_counts_only_new_skips(caplog) -> None:
         resumed.update(torch.tensor(1.0))
     lines = [r.getMessage() for r in caplog.records if "skipped since the last report" in r.getMessage()]
     assert lines and lines[-1].split(": ")[1].startswith("1 step(s)"), lines
+
+
+def test_a_zero_scale_from_torch_loads_clamped_and_a_loaded_floor_is_the_clamps() -> None:
+    """torch.amp.GradScaler reaches scale 0 after ~150 overflows (no floor): its state loads, clamped into the range
+    (a first version refused it as damaged). A floor loaded from a state is the one the scale rule clamps to (the
+    clamp's floor was cached at construction: the scale went below a loaded min_scale=128)."""
+    s = DynamicScaler(init_scale=64.0, min_scale=1.0)
+    s.load_state_dict({**DynamicScaler(init_scale=64.0).state_dict(), "scale": 0.0})
+    assert float(s.loss_scale) == 1.0
+    src = DynamicScaler(init_scale=1024.0, min_scale=128.0)
+    dst = DynamicScaler(init_scale=1024.0, min_scale=1.0)
+    dst.load_state_dict(src.state_dict())
+    for _ in range(6):
+        dst.update(torch.tensor(1.0))
+    assert float(dst.loss_scale) == 128.0

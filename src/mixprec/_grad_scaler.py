@@ -62,6 +62,7 @@ from ._scaler import (
     ScaleConfig,
     ScaleCore,
     ScalerStateError,
+    check_loaded_scale,
     check_scaler_state,
 )
 from ._stepping import step_with_result
@@ -736,6 +737,7 @@ class GradScaler:
                 f"GradScaler: not a loss-scaler state dict (missing {', '.join(map(repr, missing))}; got keys {keys}). "
                 "Pass the scaler's entry of a checkpoint (e.g. ckpt['scaler']), not the whole checkpoint.")
         check_scaler_state(state_dict, "GradScaler", "dynamic")  # another scaler kind, a newer version
+        check_loaded_scale(state_dict, "GradScaler")  # a NaN or negative scale: refused before anything changes
         core, cfg = self._core, self._cfg
         assert core is not None  # enabled (internal invariant)
         extra = {k: state_dict[k] for k in _EXTRA_RULE_KEYS if k in state_dict}

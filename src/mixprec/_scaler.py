@@ -111,11 +111,29 @@ def _check_scale(name: str, value: float) -> float:
     lo, hi = F32_SCALE_RANGE
     if not lo <= value <= hi:
         raise ValueError(
-            f"{name}={value:g} is outside [{lo:g}, {hi:g}], the range of a float32 loss scale (below it 1/scale is inf "
+            f"{name}={value!r} is outside [2**-127, {hi:g}], the range of a float32 loss scale (below it 1/scale is inf "
             "in float32 and the scale soon 0, which turns finite gradients into NaN after the inf/NaN check; above it "
             "float32 overflows); use a value in that range."
         )
     return value
+
+
+def check_loaded_scale(sd: Mapping[str, Any], owner: str) -> None:
+    """Raise ``ScalerStateError`` for a state dict whose scale no scaler can continue from (before anything is loaded).
+
+    NaN and negative scales are damage; 0 (torch's GradScaler reaches it after ~150 overflows in a
+    row, having no floor) and inf are clamped into the scaler's range by the load, as any other
+    scale outside it.
+    """
+    if "scale" not in sd:
+        return
+    v = sd["scale"]
+    v = float(v.item() if isinstance(v, torch.Tensor) else v)
+    if math.isnan(v) or v < 0:
+        raise ScalerStateError(
+            f"{owner}.load_state_dict: the state's scale is {v!r}; a loss scale is >= 0 (a NaN scale would skip every "
+            "step without escalating). The checkpoint is damaged: load an earlier one."
+        )
 
 
 def _check_int(name: str, value: Any, *, low: int, hint: str = "") -> int:
@@ -184,8 +202,10 @@ class ScaleConfig:
             self.min_scale = _check_scale(f"{owner}: min_scale", _check_number(
                 f"{owner}: min_scale", self.min_scale, low=0.0, low_open=True, hint="Pass None for no floor."))
         if self.max_scale is not None:
-            self.max_scale = _check_scale(f"{owner}: max_scale", _check_number(
-                f"{owner}: max_scale", self.max_scale, low=0.0, low_open=True, hint="Pass None for no ceiling."))
+            hi = _check_number(f"{owner}: max_scale", self.max_scale, low=0.0, low_open=True,
+                               hint="Pass None for no ceiling.")
+            # a ceiling above float32's largest value is no ceiling (the scale is a float32 tensor)
+            self.max_scale = _check_scale(f"{owner}: max_scale", min(hi, F32_SCALE_RANGE[1]))
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ValueError(f"{owner}: min_scale={self.min_scale:g} is above max_scale={self.max_scale:g}.")
         if self.refill not in ("growth", "clean"):
@@ -380,6 +400,7 @@ class ScaleCore:
     def load(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state` output (or the torch.amp.GradScaler subset); config keys override ours."""
         cfg = self.cfg
+        check_loaded_scale(sd, "load_state_dict")  # before anything changes
         keys = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale", "refill")
         if cfg.kind == "dynamic" and any(k in sd for k in keys):
             new = dataclasses.replace(cfg, **{k: sd[k] for k in keys if k in sd})
@@ -387,13 +408,12 @@ class ScaleCore:
             for k in keys:
                 setattr(cfg, k, getattr(new, k))
         scale = float(sd["scale"]) if "scale" in sd else cfg.init_scale
-        if not math.isfinite(scale) or scale <= 0:
-            raise ScalerStateError(
-                f"load_state_dict: the state's scale is {scale!r}; a loss scale is finite and > 0 (a NaN scale would skip "
-                "every step without escalating). The checkpoint is damaged: load an earlier one."
-            )
+        if cfg.kind != "dynamic" and not 0 < scale < math.inf:
+            raise ScalerStateError(f"load_state_dict: a fixed loss scale of {scale!r}; it is finite and > 0. The "
+                                   "checkpoint is damaged: load an earlier one.")
         if cfg.kind == "dynamic":
-            scale = cfg.clamp(scale)  # e.g. a torch.amp.GradScaler checkpoint above our ceiling
+            self._derive_switches()  # a loaded floor or ceiling is the clamp's from now on
+            scale = cfg.clamp(scale)  # e.g. a torch.amp.GradScaler checkpoint above our ceiling, or at 0
             tracker, left = sd.get("_growth_tracker", 0), sd.get("hysteresis_left", cfg.hysteresis - 1)
             # (a growth tracker at or past growth_interval only means growth at the next clean step, as in torch)
             for key, v, hi in (("_growth_tracker", tracker, math.inf), ("hysteresis_left", left, cfg.hysteresis - 1)):

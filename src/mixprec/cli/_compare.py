@@ -25,7 +25,7 @@ examples:
   mixprec compare -w my_bench:make                  # your own: make() returns a Workload or
                                                     # (model, optimizer_fn, batches, loss_fn)
 
-presets: fp32, tf32, bf16-mixed, fp16-mixed, bf16-master, fp16-master, bf16-pure, fp16-pure, all;
+presets: fp32, tf32, bf16-mixed, fp16-mixed, bf16-master, bf16-master-r16, fp16-master, bf16-pure, fp16-pure, all;
 and fp8-tensorwise, fp8-rowwise (torchao, pip install 'mixprec[fp8]'; not in 'all'; emulated on a CPU: numerics, not speed).
 The torch-amp baseline row (torch.autocast + torch.amp.GradScaler, as the PyTorch recipe writes
 it) is added unless --baseline none. On a CPU, fp16 rows run an FP16 emulation (FP16 storage and

@@ -300,8 +300,9 @@ def _toggle_model_parameters(module: nn.Module) -> None:
     Lightning's walk ``optimizer.param_groups``, which under master weights hold the FP32 masters:
     toggling them left every model parameter trainable, so in a GAN loop the discriminator kept the
     generator loss's gradient and stepped with it. These walk each optimizer's model parameters
-    instead, with Lightning's semantics (bound methods of module-level functions: a deepcopy or
-    pickle of the module carries them). A subclass that overrides the methods keeps its own.
+    instead, with Lightning's semantics (bound methods of module-level functions: a deepcopy of the
+    module carries them; an unpickled one has Lightning's again until its next fit under the plugin).
+    A subclass that overrides the methods keeps its own.
     """
     from lightning.pytorch import LightningModule
 
@@ -336,6 +337,12 @@ def _untoggle_optimizer(module: Any, optimizer: Any) -> None:
                 if p in state:
                     p.requires_grad = state[p]
     module._param_requires_grad_state = {}
+
+
+# A bound method pickles as getattr(instance, __name__): under Lightning's names an unpickled module finds its
+# class's methods there, as before the patch (the next fit under the plugin patches it again), instead of failing.
+_toggle_optimizer.__name__ = "toggle_optimizer"
+_untoggle_optimizer.__name__ = "untoggle_optimizer"
 
 
 def _clip_gradients_norm(plugin: Any, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
