@@ -444,3 +444,19 @@ def test_a_state_dict_without_the_optimizer_state_of_a_run_that_stepped_warns(pr
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again.load_state_dict(full)  # a checkpoint with its state: silent
+
+
+def test_save_and_load_refuse_a_directory_path(tmp_path) -> None:
+    """A directory (or '', or 'ck.pt/') as the path: a CheckpointError naming it (a raw IsADirectoryError naming the
+    temporary file after writing it; 'ck.pt/' silently wrote 'ck.pt')."""
+    import mixprec
+
+    model = torch.nn.Linear(2, 2)
+    prec = mixprec.MixedPrecision("bf16-mixed")
+    prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for bad in (tmp_path, "", str(tmp_path / "ck.pt") + "/"):
+        with pytest.raises(mixprec.checkpoint.CheckpointError, match="a directory|empty"):
+            mixprec.save(prec.state_dict(), bad)
+    with pytest.raises(mixprec.checkpoint.CheckpointError, match="a directory"):
+        mixprec.load(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -307,3 +307,15 @@ def test_a_norm_named_block_inside_a_norm_named_block_is_not_an_island():
     policy = Policy.parse("bf16-master")
     assert not policy.is_fp32_island(PreNorm(PreNorm(nn.Linear(4, 4))))
     assert not policy.is_fp32_island(OuterNorm())
+
+
+@pytest.mark.parametrize("kw", [{"fp32_islands": ("None",)}, {"fp32_islands": ("NONE",)}])
+def test_an_island_spelt_none_is_refused_so_str_round_trips(kw) -> None:
+    """'None' printed as i=None parsed back as no islands (Policy.parse(str(p)) != p); an entry spelt none in any case
+    is refused now, and the wrong types get the intended TypeError (the policy's string, built first, raised)."""
+    with pytest.raises(ValueError, match="'none' means no islands"):
+        Policy(**kw)
+    with pytest.raises(TypeError, match=r"FP32 islands are strings or module classes, got 1"):
+        Policy(fp32_islands=(1,))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"fp32_islands must be a tuple of strings"):
+        Policy(fp32_islands=None)  # type: ignore[arg-type]

@@ -952,3 +952,30 @@ def test_a_zero_scale_from_torch_loads_clamped_and_a_loaded_floor_is_the_clamps(
     for _ in range(6):
         dst.update(torch.tensor(1.0))
     assert float(dst.loss_scale) == 128.0
+
+
+def test_a_static_scale_outside_float32s_range_is_refused_at_load() -> None:
+    """StaticScaler(1e-50) was refused but loading scale 1e-50 was not: 0 in float32, 1/0 = inf gradients applied."""
+    s = StaticScaler(4.0)
+    for bad in (1e-50, 1e39):
+        with pytest.raises(ScalerStateError, match="range of a float32 loss scale"):
+            s.load_state_dict({**s.state_dict(), "scale": bad})
+    assert float(s.loss_scale) == 4.0
+
+
+def test_a_refused_state_changes_nothing_and_no_floor_still_escalates() -> None:
+    """A state refused for its hysteresis allowance had already replaced the rule's configuration (growth factor,
+    floor, ceiling); and with 'no floor' (now a float32 scale's smallest) the escalation never counted a floor
+    streak, so a loaded min_scale=None silently turned escalation off."""
+    s = DynamicScaler(init_scale=1024.0, growth_factor=2.0, hysteresis=1)
+    before = dataclasses.asdict(s._core.cfg)
+    bad = {**DynamicScaler(init_scale=8.0, growth_factor=4.0, hysteresis=1, max_scale=64.0).state_dict(),
+           "hysteresis_left": 3}
+    with pytest.raises(ScalerStateError, match="hysteresis_left=3"):
+        s.load_state_dict(bad)
+    assert dataclasses.asdict(s._core.cfg) == before and float(s.loss_scale) == 1024.0
+    esc = DynamicScaler(init_scale=2.0, min_scale=1.0, on_failure="raise", patience=5, check_interval=10)
+    esc.load_state_dict(DynamicScaler(init_scale=2.0, min_scale=None).state_dict())
+    with pytest.raises(NumericsError):
+        for _ in range(400):
+            esc.update(torch.tensor(1.0))

@@ -232,9 +232,11 @@ class autocast:
     """
 
     def __init__(self, policy: Policy | str, device_type: object = None, *, enabled: bool = True) -> None:
+        if isinstance(enabled, (str, bytes)):  # (a config string "false" is truthy: it would turn autocast on)
+            raise TypeError(f"autocast(enabled=...) takes a bool, got the string {enabled!r}; parse it first.")
         self.policy = Policy.parse(policy)
         self._hint = device_type
-        self.enabled = enabled
+        self.enabled = bool(enabled)
         self._stack: list[tuple[Any, Any]] = []
 
     @property

@@ -204,6 +204,11 @@ def _check_path(path: Any, what: str) -> str:
     if isinstance(path, (str, os.PathLike)):
         p = os.fspath(path)
         if isinstance(p, str):
+            if not p or p.endswith(("/", os.sep)) or os.path.isdir(p):
+                raise CheckpointError(
+                    f"mixprec.{what}(..., path): {p!r} is " + ("empty" if not p else "a directory")
+                    + "; pass a file path such as 'ckpt/step1000.pt'."
+                )
             return os.path.abspath(p)
     raise TypeError(
         f"mixprec.{what}(..., path) needs a file path (str or os.PathLike), got {type(path).__name__}; atomic writes and "

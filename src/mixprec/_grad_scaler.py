@@ -56,12 +56,14 @@ from ._scaler import (
     DEFAULT_CHECK_INTERVAL,
     DEFAULT_HISTORY,
     DEFAULT_PATIENCE,
+    F32_SCALE_RANGE,
     STATE_VERSION,
     OnFailure,
     Refill,
     ScaleConfig,
     ScaleCore,
     ScalerStateError,
+    check_loaded_counters,
     check_loaded_scale,
     check_scaler_state,
 )
@@ -587,8 +589,8 @@ class GradScaler:
             else:
                 scale.fill_(new_scale)
             cfg = core.cfg
-            if cfg.min_scale is not None or cfg.max_scale is not None:
-                scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
+            # (also with no floor: a float32 scale's smallest, where 1/scale is still finite; see ScaleConfig.clamp)
+            scale.clamp_(min=cfg.min_scale if cfg.min_scale is not None else F32_SCALE_RANGE[0], max=cfg.max_scale)
             if flags:  # keep the statistics: the iteration happened, the rule did not run
                 self._end_iteration()  # book-keeping first: the update may raise (escalation)
                 core.update(combine_found_inf(flags, scale.device), decide=False)
@@ -739,6 +741,7 @@ class GradScaler:
         check_scaler_state(state_dict, "GradScaler", "dynamic")  # another scaler kind, a newer version
         check_loaded_scale(state_dict, "GradScaler")  # a NaN or negative scale: refused before anything changes
         core, cfg = self._core, self._cfg
+        check_loaded_counters(state_dict, state_dict.get("hysteresis", cfg.hysteresis) if cfg is not None else 1)
         assert core is not None  # enabled (internal invariant)
         extra = {k: state_dict[k] for k in _EXTRA_RULE_KEYS if k in state_dict}
         if extra:

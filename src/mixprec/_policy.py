@@ -148,6 +148,9 @@ class Policy:
         islands = self.fp32_islands
         if isinstance(islands, (str, type)):
             islands = (islands,)
+        for field, value in (("fp32_islands", islands), ("fp8_layers", self.fp8_layers)):
+            if not isinstance(value, (str, tuple, list)):
+                raise TypeError(f"{field} must be a tuple of strings (or one string), got {value!r}; () means none.")
         set_(self, "fp32_islands", tuple(i.__name__ if isinstance(i, type) else i for i in islands))
         if isinstance(self.fp8_layers, str):
             set_(self, "fp8_layers", (self.fp8_layers,))
@@ -160,6 +163,14 @@ class Policy:
 
     def _validate(self) -> None:
         p, c, o, m = self.param_dtype, self.compute_dtype, self.output_dtype, self.master_dtype
+        # (types first: the policy's string, quoted in every message below, joins these entries)
+        for field, entries, what in (("fp32_islands", self.fp32_islands, "FP32 islands are strings or module classes"),
+                                     ("fp8_layers", self.fp8_layers, "f8_layers entries are strings")):
+            if not isinstance(entries, tuple):
+                raise TypeError(f"{field} must be a tuple of strings, got {entries!r}")
+            for entry in entries:
+                if not isinstance(entry, str):
+                    raise TypeError(f"{what}, got {entry!r} in {field}={entries!r}")
         where = f"in policy {self._grammar()!r}"
         for key, dt in (("p", p), ("c", c), ("o", o)):
             if dt not in _COMPUTE_DTYPES:
@@ -208,6 +219,9 @@ class Policy:
         for island in self.fp32_islands:
             if not isinstance(island, str):
                 raise TypeError(f"FP32 islands are strings or module classes, got {island!r}")
+            if island.lower() == "none":
+                raise ValueError(f"FP32 island {island!r} {where}: 'none' means no islands (fp32_islands=()), it is "
+                                 "not an entry; pass an empty tuple, or the module class or name:<glob> you meant.")
             if island == "norm" or _CLASS_NAME.match(island):
                 continue
             if island.startswith("name:") and len(island) > 5 and not (_BAD_GLOB_CHARS & set(island[5:])):
@@ -225,7 +239,7 @@ class Policy:
             raise unknown_choice("FP8 recipe (f8=)", self.fp8, ("none", *FP8_RECIPES))
         layers = self.fp8_layers
         for entry in layers:
-            if not isinstance(entry, str) or not entry or (_BAD_GLOB_CHARS & set(entry)) or entry == "none":
+            if not isinstance(entry, str) or not entry or (_BAD_GLOB_CHARS & set(entry)) or entry.lower() == "none":
                 raise ValueError(
                     f"f8_layers entry {entry!r} is not understood {where}; use 'all', 'auto' or globs on qualified "
                     "module names joined by '+' (e.g. 'f8_layers=blocks.*.mlp.*'), no commas, '=' or spaces; "

@@ -285,7 +285,8 @@ class ScaleHistory:
         last_false = torch.where(flags, -1.0, pos).max()
         before = torch.cat([c[_PREV_SCALE:].float(), scales[:-1]])
         if self.cfg.kind == "dynamic":
-            floor = self.cfg.min_scale if self.cfg.min_scale is not None else 0.0
+            # "no floor" stops at a float32 scale's smallest (ScaleConfig.clamp): escalation counts there too
+            floor = self.cfg.min_scale if self.cfg.min_scale is not None else 2.0**-127
             at_floor = flags & (before <= floor)
         else:  # a fixed scale is always "at its floor": the streak is the run of consecutive skips
             at_floor = flags
@@ -509,7 +510,8 @@ class ScaleHistory:
         self.finite_before = bool(sd["any_finite_step"])
         self._snapshot = None
         self._reported = False
-        self._logged_skipped = float(sd["skipped_steps"])  # reported by the run that saved them
+        if self._logged_skipped == 0:  # a fresh scaler resuming: the saving run reported (most of) its skips; a
+            self._logged_skipped = float(sd["skipped_steps"])  # copy (pickle, deepcopy) carries its own count
 
     def __getstate__(self) -> dict[str, Any]:
         # the owner pickles the statistics in its pending state; the copy re-creates the tensors lazily

@@ -136,6 +136,21 @@ def check_loaded_scale(sd: Mapping[str, Any], owner: str) -> None:
         )
 
 
+def check_loaded_counters(sd: Mapping[str, Any], hysteresis: int) -> None:
+    """Raise ``ScalerStateError`` for a growth tracker or hysteresis allowance no scaler can hold (before loading).
+
+    (A growth tracker at or past ``growth_interval`` only means growth at the next clean step, as in torch.)
+    """
+    for key, hi in (("_growth_tracker", math.inf), ("hysteresis_left", hysteresis - 1)):
+        if key not in sd:
+            continue
+        v = sd[key]
+        v = v.item() if isinstance(v, torch.Tensor) else v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer() or not 0 <= v <= hi:
+            raise ScalerStateError(f"load_state_dict: {key}={v!r}, outside [0, {hi:g}] for this scaler's configuration; "
+                                   "the checkpoint is damaged or from another configuration.")
+
+
 def _check_int(name: str, value: Any, *, low: int, hint: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}.{' ' + hint if hint else ''}")
@@ -400,28 +415,22 @@ class ScaleCore:
     def load(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state` output (or the torch.amp.GradScaler subset); config keys override ours."""
         cfg = self.cfg
-        check_loaded_scale(sd, "load_state_dict")  # before anything changes
+        check_loaded_scale(sd, "loss scaler")  # before anything changes
         keys = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale", "refill")
+        new_cfg = cfg
         if cfg.kind == "dynamic" and any(k in sd for k in keys):
-            new = dataclasses.replace(cfg, **{k: sd[k] for k in keys if k in sd})
-            new.validate_rule("load_state_dict")
-            for k in keys:
-                setattr(cfg, k, getattr(new, k))
+            new_cfg = dataclasses.replace(cfg, **{k: sd[k] for k in keys if k in sd})
+            new_cfg.validate_rule("load_state_dict")
         scale = float(sd["scale"]) if "scale" in sd else cfg.init_scale
         if cfg.kind != "dynamic" and not 0 < scale < math.inf:
             raise ScalerStateError(f"load_state_dict: a fixed loss scale of {scale!r}; it is finite and > 0. The "
                                    "checkpoint is damaged: load an earlier one.")
         if cfg.kind == "dynamic":
+            check_loaded_counters(sd, new_cfg.hysteresis)  # still before anything changes
+            for k in keys:
+                setattr(cfg, k, getattr(new_cfg, k))
             self._derive_switches()  # a loaded floor or ceiling is the clamp's from now on
             scale = cfg.clamp(scale)  # e.g. a torch.amp.GradScaler checkpoint above our ceiling, or at 0
-            tracker, left = sd.get("_growth_tracker", 0), sd.get("hysteresis_left", cfg.hysteresis - 1)
-            # (a growth tracker at or past growth_interval only means growth at the next clean step, as in torch)
-            for key, v, hi in (("_growth_tracker", tracker, math.inf), ("hysteresis_left", left, cfg.hysteresis - 1)):
-                if isinstance(v, torch.Tensor):
-                    v = v.item()
-                if isinstance(v, bool) or not float(v).is_integer() or not 0 <= v <= hi:
-                    raise ScalerStateError(f"load_state_dict: {key}={v!r}, outside [0, {hi:g}] for this scaler's "
-                                           "configuration; the checkpoint is damaged or from another configuration.")
         cfg.init_scale = scale
         # what a torch.amp.GradScaler dict lacks starts fresh: full hysteresis allowance, statistics from zero
         sd = {"scale": scale, "_growth_tracker": sd.get("_growth_tracker", 0),
@@ -805,8 +814,11 @@ class StaticScaler(_ScalerBase):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the saved scale replaces ours). Raises ScalerStateError for empty/foreign dicts."""
         sd = check_scaler_state(state_dict, "StaticScaler", "static")
-        scale = _check_number("StaticScaler.load_state_dict: scale", sd.get("scale", self._core.cfg.init_scale),
-                              low=0.0, low_open=True)
+        try:
+            scale = _check_scale("StaticScaler.load_state_dict: scale", _check_number(
+                "StaticScaler.load_state_dict: scale", sd.get("scale", self._core.cfg.init_scale), low=0.0, low_open=True))
+        except ValueError as e:
+            raise ScalerStateError(str(e)) from None
         self._core.load({**sd, "scale": scale})
 
 

@@ -74,7 +74,7 @@ from ._finite import combine_found_inf
 from ._master import MasterWeightOptimizer
 from ._policy import Policy
 from ._precision import MixedPrecision
-from ._scaler import DynamicScaler, NoOpScaler, StaticScaler
+from ._scaler import DynamicScaler, NoOpScaler, StaticScaler, check_loaded_scale
 
 __all__ = [
     "disable_casts",
@@ -1033,6 +1033,8 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or "loss_scale" not in entry or "unskipped" not in entry:
             raise ValueError(f"amp.load_state_dict: entry {i} is {entry!r}; expected {{'loss_scale': ..., 'unskipped': ...}}.")
+        # every entry before any is loaded: a damaged one must not leave the others half-loaded
+        check_loaded_scale({"scale": entry["loss_scale"]}, f"amp (loss scaler {i})")
     if len(entries) != len(state.scalers):
         warnings.warn(
             f"amp.load_state_dict: the state dict has {len(entries)} loss scaler(s), this run uses {len(state.scalers)} "

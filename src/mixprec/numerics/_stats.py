@@ -224,6 +224,9 @@ def tensor_stats(
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"tensor_stats needs a tensor, got {type(t).__name__}")
+    if t.is_complex():
+        raise TypeError(f"tensor_stats needs a real tensor, got {t.dtype} (the imaginary part would be dropped); pass "
+                        "torch.view_as_real(t) to count both parts.")
     th = thresholds(dtype)
     x = t.detach()
     work = torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -211,6 +211,9 @@ def stochastic_round(
         True
     """
     dtype = parse_dtype(dtype)
+    if x.is_complex():
+        raise TypeError(f"stochastic_round needs real values, got {x.dtype} (the imaginary part would be dropped); "
+                        "round torch.view_as_real(x) instead.")
     if x.dtype != torch.float32:
         x = x.float()
     if dtype == torch.float32:
