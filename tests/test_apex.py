@@ -1124,3 +1124,18 @@ def test_o3_with_sgd_updates_every_weight_on_a_cpu(cast: torch.dtype) -> None:
     ref_opt.step()
     assert (model.weight != before).float().mean() > 0.5
     assert torch.equal(model.weight, ref.weight)
+
+
+def test_a_damaged_entry_leaves_every_scaler_as_it_was() -> None:
+    """amp.load_state_dict checks every entry before loading any (entry 0 was loaded before entry 1 was refused)."""
+    import mixprec.apex as amp_mod
+    from mixprec._scaler import ScalerStateError
+
+    model = nn.Linear(4, 2)
+    amp_mod.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", num_losses=2,
+                       cast_model_type=torch.bfloat16, loss_scale="dynamic", verbosity=0)
+    before = amp_mod.state_dict()
+    with pytest.raises(ScalerStateError, match="unskipped=-1"):
+        amp_mod.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 5},
+                                 "loss_scaler1": {"loss_scale": 512.0, "unskipped": -1}})
+    assert amp_mod.state_dict() == before

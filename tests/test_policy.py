@@ -319,3 +319,22 @@ def test_an_island_spelt_none_is_refused_so_str_round_trips(kw) -> None:
         Policy(fp32_islands=(1,))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"fp32_islands must be a tuple of strings"):
         Policy(fp32_islands=None)  # type: ignore[arg-type]
+
+
+def test_islands_from_any_iterable_and_a_frozen_float64_constant() -> None:
+    """Sets, generators and dict keys of islands are taken (a first version of the type check refused every container
+    but tuple and list); a frozen float64 parameter stays as it is under a half-parameter policy, a trainable one is
+    refused (it stayed float64, silently)."""
+    import torch
+
+    from mixprec import MixedPrecision
+
+    assert Policy(fp32_islands={"norm"}).fp32_islands == ("norm",)
+    assert Policy(fp32_islands=(i for i in ("norm", "Embedding"))).fp32_islands == ("norm", "Embedding")
+    model = torch.nn.Linear(4, 2)
+    model.k = torch.nn.Parameter(torch.tensor(2.0, dtype=torch.float64), requires_grad=False)
+    MixedPrecision("bf16-master").prepare(model, torch.optim.SGD([model.weight, model.bias], lr=0.1))
+    assert model.k.dtype == torch.float64 and model.weight.dtype == torch.bfloat16
+    wide = torch.nn.Linear(4, 2).double()
+    with pytest.raises(ValueError, match="trainable float64 parameter"):
+        MixedPrecision("bf16-master").prepare(wide, torch.optim.SGD(wide.parameters(), lr=0.1))

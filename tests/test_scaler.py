@@ -979,3 +979,12 @@ def test_a_refused_state_changes_nothing_and_no_floor_still_escalates() -> None:
     with pytest.raises(NumericsError):
         for _ in range(400):
             esc.update(torch.tensor(1.0))
+
+
+def test_counters_as_numpy_numbers_load() -> None:
+    """States that passed through numpy (np.int64 counters) loaded before the counter checks and load again."""
+    import numpy as np
+
+    s = DynamicScaler(init_scale=8.0)
+    s.load_state_dict({**s.state_dict(), "_growth_tracker": np.int64(3), "hysteresis_left": np.int64(0)})
+    assert int(s.state_dict()["_growth_tracker"]) == 3

@@ -204,7 +204,7 @@ def _check_path(path: Any, what: str) -> str:
     if isinstance(path, (str, os.PathLike)):
         p = os.fspath(path)
         if isinstance(p, str):
-            if not p or p.endswith(("/", os.sep)) or os.path.isdir(p):
+            if not p or os.path.isdir(p) or (what == "save" and p.endswith(("/", os.sep))):
                 raise CheckpointError(
                     f"mixprec.{what}(..., path): {p!r} is " + ("empty" if not p else "a directory")
                     + "; pass a file path such as 'ckpt/step1000.pt'."

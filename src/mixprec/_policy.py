@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+from collections.abc import Iterable
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -149,7 +150,7 @@ class Policy:
         if isinstance(islands, (str, type)):
             islands = (islands,)
         for field, value in (("fp32_islands", islands), ("fp8_layers", self.fp8_layers)):
-            if not isinstance(value, (str, tuple, list)):
+            if not isinstance(value, Iterable):
                 raise TypeError(f"{field} must be a tuple of strings (or one string), got {value!r}; () means none.")
         set_(self, "fp32_islands", tuple(i.__name__ if isinstance(i, type) else i for i in islands))
         if isinstance(self.fp8_layers, str):

@@ -414,7 +414,7 @@ class ScaleHistory:
                 "to find the first module that produces inf/NaN, check the inputs and the learning rate, and keep the "
                 "offending layers in FP32 (Policy 'i=...')."
             )
-        min_scale = cfg.min_scale if cfg.min_scale is not None else 0.0
+        min_scale = cfg.min_scale if cfg.min_scale is not None else 2.0**-127  # "no floor": a float32 scale's smallest
         head = (f"loss scaling has failed: the loss scale is at its floor (min_scale={min_scale:g}, "
                 f"scale {scale:g}) and the last {int(floor_streak)} steps there all had inf/NaN gradients "
                 f"({int(consec)} consecutive skipped steps, {int(skipped)} skipped of {at_step})")

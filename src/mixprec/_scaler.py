@@ -145,10 +145,16 @@ def check_loaded_counters(sd: Mapping[str, Any], hysteresis: int) -> None:
         if key not in sd:
             continue
         v = sd[key]
-        v = v.item() if isinstance(v, torch.Tensor) else v
+        if not isinstance(v, (bool, int, float)) and callable(getattr(v, "item", None)):
+            v = v.item()  # a tensor, a numpy number
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer() or not 0 <= v <= hi:
             raise ScalerStateError(f"load_state_dict: {key}={v!r}, outside [0, {hi:g}] for this scaler's configuration; "
                                    "the checkpoint is damaged or from another configuration.")
+
+
+def check_static_scale(value: float) -> float:
+    """A fixed loss scale, checked as ``StaticScaler`` checks it (finite, > 0, in a float32 scale's range)."""
+    return _check_scale("loss scale", _check_number("loss scale", value, low=0.0, low_open=True))
 
 
 def _check_int(name: str, value: Any, *, low: int, hint: str = "") -> int:
