@@ -336,5 +336,9 @@ def test_islands_from_any_iterable_and_a_frozen_float64_constant() -> None:
     MixedPrecision("bf16-master").prepare(model, torch.optim.SGD([model.weight, model.bias], lr=0.1))
     assert model.k.dtype == torch.float64 and model.weight.dtype == torch.bfloat16
     wide = torch.nn.Linear(4, 2).double()
-    with pytest.raises(ValueError, match="trainable float64 parameter"):
+    with pytest.raises(ValueError, match="trainable parameters are all float64"):
         MixedPrecision("bf16-master").prepare(wide, torch.optim.SGD(wide.parameters(), lr=0.1))
+    one = torch.nn.Linear(4, 2)  # a learned float64 temperature in an FP32 model: kept and trained, as before
+    one.temp = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+    MixedPrecision("bf16-master").prepare(one, torch.optim.SGD(one.parameters(), lr=0.1))
+    assert one.temp.dtype == torch.float64

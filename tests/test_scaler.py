@@ -873,7 +873,7 @@ def test_checkpoints_written_before_still_load():
 # ------------------------------------------------ float32 range, damaged states, escalation episodes (user sweep)
 @pytest.mark.parametrize("make", [
     lambda: StaticScaler(1e-46), lambda: DynamicScaler(init_scale=1e-46, min_scale=None),
-    lambda: DynamicScaler(min_scale=1e-46), lambda: DynamicScaler(init_scale=1e39, max_scale=None),
+    lambda: DynamicScaler(init_scale=1e39, max_scale=None),
     lambda: StaticScaler(1e39),
 ])
 def test_a_scale_outside_float32s_normal_range_is_refused_at_construction(make) -> None:
@@ -988,3 +988,8 @@ def test_counters_as_numpy_numbers_load() -> None:
     s = DynamicScaler(init_scale=8.0)
     s.load_state_dict({**s.state_dict(), "_growth_tracker": np.int64(3), "hysteresis_left": np.int64(0)})
     assert int(s.state_dict()["_growth_tracker"]) == 3
+
+
+def test_a_floor_below_float32s_range_is_its_smallest() -> None:
+    """min_scale=1e-50 meant 'effectively no floor' (accepted before the range check): it is 2**-127, as None."""
+    assert DynamicScaler(init_scale=1.0, min_scale=1e-50)._core.cfg.min_scale == 2.0**-127

@@ -125,14 +125,14 @@ def check_prepare(
             "parameters in FP32 (they are the masters); call model.float() before prepare(), or choose a policy "
             "with half-precision parameters such as 'bf16-master' or 'fp16-master'."
         )
-    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64 and p.requires_grad]
-    if wide and not keep_dtypes:
-        # cast_module casts FP32/BF16/FP16 only: a float64 model would stay float64 under any policy, silently
-        # (a frozen float64 constant stays as it is: it is not trained)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.dtype.is_floating_point]
+    if trainable and not keep_dtypes and all(p.dtype == torch.float64 for _, p in trainable):
+        # cast_module casts FP32/BF16/FP16 only: a float64 model would stay float64 under any policy, silently.
+        # (One float64 parameter in an FP32 model, a learned temperature, is kept and trained as it was.)
         raise ValueError(
-            f"the model has {len(wide)} trainable float64 parameter(s) (first: {wide[0]!r}), which policy "
-            f"{policy.label!r} would leave in float64 (it casts FP32 weights): call model.float() before prepare(), or "
-            "freeze the ones that must stay float64 (requires_grad_(False))."
+            f"the model's {len(trainable)} trainable parameters are all float64 (first: {trainable[0][0]!r}), which "
+            f"policy {policy.label!r} would leave in float64 (it casts FP32 weights): call model.float() before "
+            "prepare()."
         )
     policy.check_islands(model)
     if policy.param_dtype != torch.float32 and policy.buffers == "keep" and not keep_dtypes:

@@ -220,8 +220,11 @@ class ScaleConfig:
         self.hysteresis = _check_int(f"{owner}: hysteresis", self.hysteresis, low=1,
                                      hint="1 backs off at every overflow (torch); N tolerates N-1 overflows first.")
         if self.min_scale is not None:
-            self.min_scale = _check_scale(f"{owner}: min_scale", _check_number(
-                f"{owner}: min_scale", self.min_scale, low=0.0, low_open=True, hint="Pass None for no floor."))
+            lo = _check_number(f"{owner}: min_scale", self.min_scale, low=0.0, low_open=True,
+                               hint="Pass None for no floor.")
+            # a floor below a float32 scale's smallest is that smallest (what min_scale=None gives), as a ceiling
+            # above float32's largest is none
+            self.min_scale = _check_scale(f"{owner}: min_scale", max(lo, F32_SCALE_RANGE[0]))
         if self.max_scale is not None:
             hi = _check_number(f"{owner}: max_scale", self.max_scale, low=0.0, low_open=True,
                                hint="Pass None for no ceiling.")
