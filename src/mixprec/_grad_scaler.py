@@ -56,7 +56,6 @@ from ._scaler import (
     DEFAULT_CHECK_INTERVAL,
     DEFAULT_HISTORY,
     DEFAULT_PATIENCE,
-    F32_SCALE_RANGE,
     STATE_VERSION,
     OnFailure,
     Refill,
@@ -589,8 +588,7 @@ class GradScaler:
             else:
                 scale.fill_(new_scale)
             cfg = core.cfg
-            # (also with no floor: a float32 scale's smallest, where 1/scale is still finite; see ScaleConfig.clamp)
-            scale.clamp_(min=cfg.min_scale if cfg.min_scale is not None else F32_SCALE_RANGE[0], max=cfg.max_scale)
+            scale.clamp_(min=cfg.floor, max=cfg.max_scale)  # (also with no floor: see ScaleConfig.floor)
             if flags:  # keep the statistics: the iteration happened, the rule did not run
                 self._end_iteration()  # book-keeping first: the update may raise (escalation)
                 core.update(combine_found_inf(flags, scale.device), decide=False)

@@ -159,6 +159,7 @@ class MasterWeightOptimizer(Optimizer):
     _pair_lists: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     _live = False  # "remainder": the masters hold their joined FP32 values (inside a step)
     _edit_views: EditViews | None = None  # the edit check's cached 1-D views (built at its first use)
+    _own32: tuple[torch.Tensor, ...] = ()  # set in __init__; the default reads instances pickled before it existed
     master_storage: MasterStorage = "full"  # set in __init__; the default reads instances pickled before it existed
 
     def __init__(
@@ -626,28 +627,24 @@ class MasterWeightOptimizer(Optimizer):
                     p.grad = self._views[id(p)]  # torch code reading p.grad now sees the FP32 gradient
             if _NONE_TYPE in set(map(type, map(_GRAD, self._pair_lists[0]))):
                 self._drop_stale_grads()  # a view dropped after the gather (p.grad = None after unscale_)
-        elif self._hooks and not _ONLY_VIEWS.issuperset(kinds := set(map(type, map(_GRAD, self._pair_lists[0])))):
-            # The hooks moved every half gradient into its master and left the view, so something
-            # assigned .grad afterwards: user code (p.grad = g from torch.autograd.grad, p.grad =
-            # torch.zeros_like(p)), or DDP's reducer, which reduced the gradient the hook had taken.
-            self._adopt_assigned_grads()
+        elif self._hooks:
+            kinds = set(map(type, map(_GRAD, self._pair_lists[0])))  # C loops: no Python call per tensor
+            if not _ONLY_VIEWS.issuperset(kinds):
+                # The hooks moved every half gradient into its master and left the view, so something
+                # assigned .grad afterwards: user code (p.grad = g from torch.autograd.grad, p.grad =
+                # torch.zeros_like(p)), or DDP's reducer, which reduced the gradient the hook had taken.
+                self._refuse_reducer_writes()
+                self._take_plain_grads()
             if _NONE_TYPE in kinds:
                 self._drop_stale_grads()
-        elif self._hooks and _NONE_TYPE in kinds:
-            self._drop_stale_grads()
-        elif not self._hooks and self.grad_accumulation == "fp32":
+        elif self.grad_accumulation == "fp32":
             # mixprec.distributed.wrap_ddp owns the accumulation and shows each reduced master gradient's view
             # at the end of backward (in place of DDP's half copy). Anything else in p.grad now is the user's:
             # None (p.grad = None, model.zero_grad()) drops the master gradient, a plain tensor replaces it.
             for p, m in self._half_pairs():
-                g = p.grad
-                if g is None:
-                    if m.grad is not None:
-                        m.grad = None
-                elif not isinstance(g, MasterGradView) and id(p) in self._views:
-                    with torch.no_grad():
-                        m.grad = g.to(m.dtype, copy=True)
-                    p.grad = self._views[id(p)]
+                if p.grad is None and m.grad is not None:
+                    m.grad = None
+            self._take_plain_grads()
         return [*filter(_NOT_NONE, map(_GRAD, self._masters))]  # C loops: no Python call per tensor
 
     def _refuse_cast_after_wrap(self) -> None:
@@ -666,17 +663,15 @@ class MasterWeightOptimizer(Optimizer):
             "initial_masters={param: fp32_tensor} to keep their digits (MixedPrecision.prepare does all of this)."
         )
 
-    def _adopt_assigned_grads(self) -> None:
-        """Take a half gradient assigned to ``param.grad`` after the accumulation as the master's new gradient.
+    def _refuse_reducer_writes(self) -> None:
+        """Raise when a plain gradient after the FP32 accumulation hooks is DDP's reducer's, not the user's.
 
-        As in torch, assigning ``p.grad`` sets the gradient the step uses: its FP32 copy replaces the
-        master's gradient (loss-scaled or not, as the gradient it replaces) and ``p.grad`` shows the
-        view again. Under ``torch.distributed`` with more than one process the assignment is almost
-        surely DDP's reducer writing the reduced gradient of the last micro-batch only (the masters
-        hold the local sums of earlier ones), so there it raises instead.
+        Under ``torch.distributed`` with more than one process such a gradient is almost surely DDP's
+        reducer writing the reduced gradient of the last micro-batch only (the masters hold the
+        local sums of earlier ones); outside it, the user assigned ``p.grad`` (:meth:`_take_plain_grads`).
 
         Raises:
-            ValueError: a plain gradient appeared while a process group of more than one rank runs.
+            ValueError: a process group of more than one rank runs.
         """
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -687,10 +682,18 @@ class MasterWeightOptimizer(Optimizer):
                 "before accumulating), or use grad_accumulation='compute'; to change a gradient, write into it in "
                 "place (p.grad.copy_(g), p.grad.zero_())."
             )
+
+    def _take_plain_grads(self) -> None:
+        """Take a half gradient assigned to ``param.grad`` after backward as the master's new gradient.
+
+        As in torch, assigning ``p.grad`` sets the gradient the step uses: its FP32 copy replaces the
+        master's gradient (loss-scaled or not, as the gradient it replaces; marked, as the
+        accumulation's are) and ``p.grad`` shows the view again.
+        """
         with torch.no_grad():
             for p, m in self._half_pairs():
                 g = p.grad
-                if g is not None and not isinstance(g, MasterGradView):
+                if g is not None and not isinstance(g, MasterGradView) and id(p) in self._views:
                     g32 = m.grad = g.to(m.dtype, copy=True)
                     setattr(g32, FROM_VIEW, True)
                     p.grad = self._views[id(p)]

@@ -248,14 +248,13 @@ def warn_host_reads(optimizers: Sequence[Optimizer], device: torch.device) -> No
     ``found_inf`` per step: a device sync on a GPU (on a CPU it costs nothing, and nothing is said).
     A ``MasterWeightOptimizer`` whose fused step can run (a wrapped torch AdamW/Adam/SGD) skips in its kernel.
     """
-    from ._stepping import CPU_FUSED_SGD_HALF, host_read_reason
+    from ._stepping import CPU_FUSED_SGD_HALF, cpu_fused_sgd_skips, host_read_reason
 
     for i, opt in enumerate(optimizers):
         if isinstance(opt, torch.optim.SGD) and any(
-            g.get("fused") and any(p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16)
-                                   for p in g["params"]) for g in opt.param_groups):
+                g.get("fused") and any(map(cpu_fused_sgd_skips, g["params"])) for g in opt.param_groups):
             warnings.warn(
-                f"optimizer {i}: SGD(fused=True) with FP16/BF16 parameters on a CPU: {CPU_FUSED_SGD_HALF[:-len(', so it is not used for them')]}: "
+                f"optimizer {i}: SGD(fused=True) with FP16/BF16 parameters on a CPU: {CPU_FUSED_SGD_HALF}: "
                 "those parameters would not train. Build it with fused=False (mixprec then steps it with its own "
                 "step), or use a preset with FP32 masters.",
                 UserWarning,

@@ -73,6 +73,8 @@ class HistoryConfig(Protocol):
     @property
     def min_scale(self) -> float | None: ...
     @property
+    def floor(self) -> float: ...
+    @property
     def on_failure(self) -> str: ...
     @property
     def patience(self) -> int: ...
@@ -285,8 +287,7 @@ class ScaleHistory:
         last_false = torch.where(flags, -1.0, pos).max()
         before = torch.cat([c[_PREV_SCALE:].float(), scales[:-1]])
         if self.cfg.kind == "dynamic":
-            # "no floor" stops at a float32 scale's smallest (ScaleConfig.clamp): escalation counts there too
-            floor = self.cfg.min_scale if self.cfg.min_scale is not None else 2.0**-127
+            floor = self.cfg.floor  # with no floor, a float32 scale's smallest: escalation counts there too
             at_floor = flags & (before <= floor)
         else:  # a fixed scale is always "at its floor": the streak is the run of consecutive skips
             at_floor = flags
@@ -414,7 +415,7 @@ class ScaleHistory:
                 "to find the first module that produces inf/NaN, check the inputs and the learning rate, and keep the "
                 "offending layers in FP32 (Policy 'i=...')."
             )
-        min_scale = cfg.min_scale if cfg.min_scale is not None else 2.0**-127  # "no floor": a float32 scale's smallest
+        min_scale = cfg.floor
         head = (f"loss scaling has failed: the loss scale is at its floor (min_scale={min_scale:g}, "
                 f"scale {scale:g}) and the last {int(floor_streak)} steps there all had inf/NaN gradients "
                 f"({int(consec)} consecutive skipped steps, {int(skipped)} skipped of {at_step})")

@@ -142,19 +142,22 @@ def check_loaded_counters(sd: Mapping[str, Any], hysteresis: int) -> None:
     (A growth tracker at or past ``growth_interval`` only means growth at the next clean step, as in torch.)
     """
     for key, hi in (("_growth_tracker", math.inf), ("hysteresis_left", hysteresis - 1)):
-        if key not in sd:
-            continue
-        v = sd[key]
-        if not isinstance(v, (bool, int, float)) and callable(getattr(v, "item", None)):
-            v = v.item()  # a tensor, a numpy number
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer() or not 0 <= v <= hi:
-            raise ScalerStateError(f"load_state_dict: {key}={v!r}, outside [0, {hi:g}] for this scaler's configuration; "
-                                   "the checkpoint is damaged or from another configuration.")
+        if key in sd and not is_count(sd[key], hi):
+            raise ScalerStateError(f"load_state_dict: {key}={sd[key]!r}, outside [0, {hi:g}] for this scaler's "
+                                   "configuration; the checkpoint is damaged or from another configuration.")
 
 
-def check_static_scale(value: float) -> float:
+def is_count(value: Any, high: float = math.inf) -> bool:
+    """Whether ``value`` (a number, a tensor or a numpy number) is a whole number in ``[0, high]`` (no bool)."""
+    if not isinstance(value, (bool, int, float)) and callable(getattr(value, "item", None)):
+        value = value.item()  # a tensor, a numpy number
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and float(value).is_integer()
+            and 0 <= value <= high)
+
+
+def check_static_scale(value: float, name: str = "loss scale") -> float:
     """A fixed loss scale, checked as ``StaticScaler`` checks it (finite, > 0, in a float32 scale's range)."""
-    return _check_scale("loss scale", _check_number("loss scale", value, low=0.0, low_open=True))
+    return _check_scale(name, _check_number(name, value, low=0.0, low_open=True))
 
 
 def _check_int(name: str, value: Any, *, low: int, hint: str = "") -> int:
@@ -235,10 +238,18 @@ class ScaleConfig:
         if self.refill not in ("growth", "clean"):
             raise unknown_choice(f"{owner}: hysteresis refill", self.refill, ("growth", "clean"))
 
+    @property
+    def floor(self) -> float:
+        """The lowest scale the rule keeps: ``min_scale``, or with none a float32 scale's smallest (``F32_SCALE_RANGE``).
+
+        With no floor ~150 backoffs in a row would reach ``1/scale = inf``, then 0 (NaN updates
+        applied as clean steps); torch's GradScaler has none.
+        """
+        return self.min_scale if self.min_scale is not None else F32_SCALE_RANGE[0]
+
     def clamp(self, scale: float) -> float:
-        lo = self.min_scale if self.min_scale is not None else F32_SCALE_RANGE[0]  # "no floor": a float32 scale's range
         hi = self.max_scale if self.max_scale is not None else F32_SCALE_RANGE[1]
-        return min(max(scale, lo), hi)
+        return min(max(scale, self.floor), hi)
 
     @property
     def checks(self) -> bool:
@@ -260,7 +271,7 @@ class ScaleCore:
 
     def __init__(self, config: ScaleConfig, device: torch.device | str | None = None) -> None:
         self.cfg = config
-        self._dynamic = self._bounded = False
+        self._dynamic = False
         self._derive_switches()
         self.explicit_device = torch.device(device) if device is not None else None
         self.bound = device is not None
@@ -273,12 +284,9 @@ class ScaleCore:
         self._inv_cache: tuple[Tensor, Tensor] | None = None  # static scalers: (scale, 1/scale)
 
     def _derive_switches(self) -> None:
-        """The per-step branches, decided once (kind, floor and ceiling do not change after validation)."""
+        """The per-step branches and the floor, decided off the step path (again when a loaded state changes the rule)."""
         self._dynamic = self.cfg.kind == "dynamic"
-        # Always bounded: with no floor (min_scale=None) ~150 backoffs in a row would reach 1/scale = inf, then 0 (NaN
-        # updates applied as clean steps), so the floor is then F32_SCALE_RANGE's (torch's has none).
-        self._bounded = True
-        self._lo = self.cfg.min_scale if self.cfg.min_scale is not None else F32_SCALE_RANGE[0]
+        self._lo = self.cfg.floor  # (cached off the step path: a property read is a Python call)
 
     @property
     def steps(self) -> int:
@@ -379,8 +387,7 @@ class ScaleCore:
         assert scale is not None and tracker is not None and left is not None
         before = scale.clone() if cfg.hysteresis > 1 else None
         torch._amp_update_scale_(scale, tracker, found_inf, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval)
-        if self._bounded:
-            scale.clamp_(min=self._lo, max=cfg.max_scale)
+        scale.clamp_(min=self._lo, max=cfg.max_scale)
         if before is not None:
             overflow = found_inf > 0
             spend = overflow & (left > 0)
@@ -824,8 +831,7 @@ class StaticScaler(_ScalerBase):
         """Restore :meth:`state_dict` output (the saved scale replaces ours). Raises ScalerStateError for empty/foreign dicts."""
         sd = check_scaler_state(state_dict, "StaticScaler", "static")
         try:
-            scale = _check_scale("StaticScaler.load_state_dict: scale", _check_number(
-                "StaticScaler.load_state_dict: scale", sd.get("scale", self._core.cfg.init_scale), low=0.0, low_open=True))
+            scale = check_static_scale(sd.get("scale", self._core.cfg.init_scale), "StaticScaler.load_state_dict: scale")
         except ValueError as e:
             raise ScalerStateError(str(e)) from None
         self._core.load({**sd, "scale": scale})

@@ -27,12 +27,14 @@ from ._finite import unscale_and_check_
 _SHAPE = operator.attrgetter("shape")
 
 __all__ = [
+    "CPU_FUSED_SGD_HALF",
     "FUSED_TWINS",
     "AppliedSteps",
     "FusedTwin",
     "OptimizerRecord",
     "StepGuard",
     "StepInfo",
+    "cpu_fused_sgd_skips",
     "fused_twin",
     "host_read_reason",
     "install_step_guard",
@@ -59,9 +61,13 @@ FUSED_TWINS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 # tail after the last full SIMD block; pytorch/pytorch#191763): measured, every element of a 64-element half
 # parameter unchanged after two steps, FP32 and the fused Adam/AdamW right.
 CPU_FUSED_SGD_HALF = (
-    "torch's fused SGD on a CPU leaves FP16/BF16 parameters of 16 or more elements unchanged (pytorch/pytorch#191763), "
-    "so it is not used for them"
+    "torch's fused SGD on a CPU leaves FP16/BF16 parameters of 16 or more elements unchanged (pytorch/pytorch#191763)"
 )
+
+
+def cpu_fused_sgd_skips(p: Tensor) -> bool:
+    """Whether torch's fused SGD would leave ``p`` untrained (:data:`CPU_FUSED_SGD_HALF`): a half tensor on a CPU."""
+    return p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16)
 
 
 def host_read_reason(optimizer: Any) -> str | None:
@@ -131,8 +137,8 @@ class FusedTwin:
                 if not p.is_floating_point() or p.device.type not in devices:
                     return (f"{name}'s fused kernel takes floating parameters on {sorted(devices)}, got a {p.dtype} "
                             f"parameter on {p.device.type}")
-                if is_sgd and p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16):
-                    return CPU_FUSED_SGD_HALF
+                if is_sgd and cpu_fused_sgd_skips(p):
+                    return CPU_FUSED_SGD_HALF + ", so it is not used for them"
                 if p.layout != torch.strided:
                     return f"{name}'s fused kernel takes no sparse tensors"
                 if type(p) not in (Tensor, torch.nn.Parameter):

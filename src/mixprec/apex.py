@@ -74,7 +74,15 @@ from ._finite import combine_found_inf
 from ._master import MasterWeightOptimizer
 from ._policy import Policy
 from ._precision import MixedPrecision
-from ._scaler import DynamicScaler, NoOpScaler, ScalerStateError, StaticScaler, check_loaded_scale, check_static_scale
+from ._scaler import (
+    DynamicScaler,
+    NoOpScaler,
+    ScalerStateError,
+    StaticScaler,
+    check_loaded_scale,
+    check_static_scale,
+    is_count,
+)
 
 __all__ = [
     "disable_casts",
@@ -1035,11 +1043,9 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
             raise ValueError(f"amp.load_state_dict: entry {i} is {entry!r}; expected {{'loss_scale': ..., 'unskipped': ...}}.")
         # every entry before any is loaded: a damaged one must not leave the others half-loaded
         check_loaded_scale({"scale": entry["loss_scale"]}, f"amp (loss scaler {i})")
-        n = entry["unskipped"]
-        n = n.item() if not isinstance(n, (bool, int, float)) and callable(getattr(n, "item", None)) else n
-        if isinstance(n, bool) or not isinstance(n, (int, float)) or not float(n).is_integer() or n < 0:
-            raise ScalerStateError(f"amp.load_state_dict: loss scaler {i} has unskipped={n!r}; a count of clean "
-                                   "iterations is an int >= 0. Nothing was loaded.")
+        if not is_count(entry["unskipped"]):
+            raise ScalerStateError(f"amp.load_state_dict: loss scaler {i} has unskipped={entry['unskipped']!r}; a count "
+                                   "of clean iterations is an int >= 0. Nothing was loaded.")
         if i < len(state.scalers) and isinstance(state.scalers[i], StaticScaler) and entry["loss_scale"] is not None:
             try:
                 check_static_scale(float(entry["loss_scale"]))
