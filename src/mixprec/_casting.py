@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dtypes import dtype_name, parse_dtype
+from ._dtypes import HALF, dtype_name, parse_dtype
 from ._fp8 import revert_linears
 from ._policy import Policy
 from ._tree import tree_map
@@ -131,11 +131,10 @@ class _ForwardPatch:
             self.module.forward = self.previous
 
 
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def _to_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in _HALF else t
+    return t.float() if t.dtype in HALF else t
 
 
 def _to_dtype(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
@@ -202,7 +201,7 @@ def _island_forward(
     fn = previous if previous is not None else functools.partial(type(module).forward, module)
     if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
         x = args[0]
-        args = (x.float(),) if x.dtype in _HALF else args
+        args = (x.float(),) if x.dtype in HALF else args
     else:
         args, kwargs = tree_map(_to_fp32, args), tree_map(_to_fp32, kwargs)
     on = tuple(filter(torch.is_autocast_enabled, device_types))  # C calls only (hot path)
@@ -535,7 +534,7 @@ def for_inference(
         ValueError: a dtype other than bf16/fp16; an FP32 island entry that matches no module.
     """
     dt = parse_dtype(dtype)
-    if dt not in (torch.bfloat16, torch.float16):
+    if dt not in HALF:
         raise ValueError(f"for_inference casts to 'bf16' or 'fp16', got {dtype!r}; for FP32 just call model.eval().")
     # (a str is one entry, as Policy reads it: tuple("norm") would be four one-letter islands)
     islands = (fp32_islands,) if isinstance(fp32_islands, str) else tuple(fp32_islands)

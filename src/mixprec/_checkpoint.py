@@ -47,6 +47,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from ._dtypes import HALF
 from ._master import model_params_of
 from ._policy import Policy
 
@@ -72,7 +73,6 @@ FORMAT_VERSION = 1
 
 PathLike = Union[str, "os.PathLike[str]"]
 _LEAVES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
-_HALF = (torch.bfloat16, torch.float16)
 
 
 class CheckpointError(ValueError):
@@ -626,7 +626,7 @@ def fp32_state_dict(source: Any, *, compensation: bool = False) -> dict[str, tor
             comp = st.get("kahan_comp") if isinstance(st, Mapping) else None
             if comp is not None and name in out:  # BF16/FP16 weight + Kahan remainder: ~16 significant bits
                 comp = comp.detach()
-                if type(comp) is torch.Tensor and type(out[name]) is torch.Tensor and comp.dtype in _HALF:
+                if type(comp) is torch.Tensor and type(out[name]) is torch.Tensor and comp.dtype in HALF:
                     from .optim._rounding import comp_of_weight  # (lazy: optim imports this module's neighbours)
 
                     # as the step adds it: a remainder beyond half an ulp of the weight is stale (an edit)

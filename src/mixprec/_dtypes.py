@@ -16,6 +16,7 @@ from ._errors import unknown_choice
 
 __all__ = [
     "ALIASES",
+    "HALF",
     "DTypeLimits",
     "DTypeName",
     "check_device_support",
@@ -24,6 +25,9 @@ __all__ = [
     "limits",
     "parse_dtype",
 ]
+
+#: The 16-bit floating-point dtypes: what "half precision" means throughout mixprec.
+HALF: tuple[torch.dtype, torch.dtype] = (torch.bfloat16, torch.float16)
 
 DTypeName = Literal["f64", "f32", "bf16", "f16", "f8e4m3", "f8e5m2"]
 

@@ -50,7 +50,6 @@ PresetName = Literal[
     "fp16-pure", "fp8-tensorwise", "fp8-rowwise",
 ]
 
-_HALF = (torch.float16, torch.bfloat16)
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KEYS = ("p", "c", "o", "m", "ls", "i", "tf32", "comp", "b", "f8", "f8_layers")
 _KEY_HELP = (

@@ -22,6 +22,7 @@ from typing import cast as typing_cast
 import torch
 from torch import Tensor
 
+from ._dtypes import HALF
 from ._finite import unscale_and_check_
 
 _SHAPE = operator.attrgetter("shape")
@@ -67,7 +68,7 @@ CPU_FUSED_SGD_HALF = (
 
 def cpu_fused_sgd_skips(p: Tensor) -> bool:
     """Whether torch's fused SGD would leave ``p`` untrained (:data:`CPU_FUSED_SGD_HALF`): a half tensor on a CPU."""
-    return p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16)
+    return p.device.type == "cpu" and p.dtype in HALF
 
 
 def host_read_reason(optimizer: Any) -> str | None:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .._dtypes import dtype_name
+from .._dtypes import HALF, dtype_name
 from .._fp8 import fp8_summary
 from .._master_grad import is_view
 from .._policy import Policy
@@ -31,7 +31,6 @@ from ._findings import format_table, jsonable, print_tables
 __all__ = ["AuditResult", "AuditRow", "audit"]
 
 Status = Literal["ok", "note", "downgrade"]
-_HALF = (torch.float16, torch.bfloat16)
 _RANK = {torch.float64: 3, torch.float32: 2, torch.bfloat16: 1, torch.float16: 1}
 _NORM_POLICY = Policy(fp32_islands=("norm",))
 
@@ -230,7 +229,7 @@ def audit(model: nn.Module, optimizer: Any = None, policy: Any = None, *, scaler
     for dt, ts in _group(norms).items():
         status = "ok"
         note = "FP32 island" if dt == torch.float32 else ""
-        if dt in _HALF:
+        if dt in HALF:
             expects_island = pol is None or "norm" in pol.fp32_islands
             status = "downgrade" if pol is not None and expects_island else "note"
             note = (f"normalization weights in {_name(dt)}: mixprec keeps them in FP32 (policy i=norm); their "
@@ -240,7 +239,7 @@ def audit(model: nn.Module, optimizer: Any = None, policy: Any = None, *, scaler
     # ----- masters -----
     masters = getattr(optimizer, "masters", None) if optimizer is not None else None
     model_params = getattr(optimizer, "model_params", None) if optimizer is not None else None
-    half_params = [(n, p) for n, p in named if p.dtype in _HALF and p.requires_grad]
+    half_params = [(n, p) for n, p in named if p.dtype in HALF and p.requires_grad]
     state_dtype = getattr(optimizer, "state_dtype", None)
     compensation = getattr(optimizer, "compensation", None)
     opt_tensors: list[tuple[str, torch.Tensor]] = []
@@ -260,7 +259,7 @@ def audit(model: nn.Module, optimizer: Any = None, policy: Any = None, *, scaler
                                       "master_storage='remainder': the bytes are the remainders'", **_sizes(rems)))
             separate = []
         for dt, ts in _group(separate).items():
-            bad = dt in _HALF
+            bad = dt in HALF
             rows.append(AuditRow("masters", "separate copies", _name(dt), status="downgrade" if bad else "ok",
                                  note="masters in half precision defeat their purpose" if bad else
                                  f"{type(optimizer).__name__} around {type(getattr(optimizer, 'optimizer', optimizer)).__name__}",
@@ -274,7 +273,7 @@ def audit(model: nn.Module, optimizer: Any = None, policy: Any = None, *, scaler
     elif half_params:
         held = {id(p) for _, p in opt_tensors}
         hp = [(n, p) for n, p in half_params if id(p) in held]
-        explicit = pol is not None and pol.param_dtype in _HALF and pol.master_dtype is None
+        explicit = pol is not None and pol.param_dtype in HALF and pol.master_dtype is None
         if pol is not None and pol.has_masters:
             rows.append(AuditRow(
                 "masters", "masters", "none", status="downgrade",
@@ -330,7 +329,7 @@ def audit(model: nn.Module, optimizer: Any = None, policy: Any = None, *, scaler
     # ----- buffers -----
     bufs = [(n, b) for n, b in inner.named_buffers() if b.is_floating_point()]
     for dt, ts in _group(bufs).items():
-        half = dt in _HALF
+        half = dt in HALF
         rows.append(AuditRow("buffers", "floating buffers", _name(dt), status="note" if half else "ok",
                              note="e.g. BatchNorm running statistics in half precision" if half else "", **_sizes(ts)))
 
@@ -407,7 +406,7 @@ def _state_row(key: str, dt: Any, ts: list[tuple[str, torch.Tensor]], opt_name: 
     note = ""
     if key in ("kahan_comp",) or "comp" in key:
         note = f"compensation buffer ({compensation}) in the parameter dtype, by design"
-    elif dt in _HALF:
+    elif dt in HALF:
         if state_dtype is not None and dt == state_dtype:
             status, note = "note", f"as requested (state_dtype={_name(dt)})"
         else:
@@ -474,9 +473,9 @@ def _comm_rows(model: nn.Module) -> list[AuditRow]:
         rdt = getattr(mp, "reduce_dtype", None)
         eff = rdt if rdt is not None else pdt
         rows.append(AuditRow("communication", "FSDP reduce-scatter", _name(eff) if eff is not None else "f32",
-                             status="downgrade" if rdt is None and pdt in _HALF else "ok",
+                             status="downgrade" if rdt is None and pdt in HALF else "ok",
                              note="reduce_dtype unset: gradients are reduced in param_dtype; set "
-                                  "MixedPrecision(reduce_dtype=torch.float32)" if rdt is None and pdt in _HALF else ""))
+                                  "MixedPrecision(reduce_dtype=torch.float32)" if rdt is None and pdt in HALF else ""))
         return rows
     seen = False
     for mname, m in model.named_modules():
@@ -493,7 +492,7 @@ def _comm_rows(model: nn.Module) -> list[AuditRow]:
         mp = group.mp_policy
         pdt, rdt = mp.param_dtype, mp.reduce_dtype
         eff = rdt if rdt is not None else pdt
-        bad = rdt is None and pdt in _HALF
+        bad = rdt is None and pdt in HALF
         rows.append(AuditRow(
             "communication", f"FSDP2 reduce-scatter ({mname or 'root'})", _name(eff) if eff is not None else "param dtype",
             status="downgrade" if bad else "ok",

@@ -54,7 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._casting import _compile_target, island_modules
 from .._checkpoint import canonical_name
-from .._dtypes import device_supports
+from .._dtypes import HALF, device_supports
 from .._fp8 import eligible_reason, is_fp8_linear, linear_weight
 from .._policy import FP8_RECIPES, Policy
 from .._tree import floating_tensors
@@ -117,7 +117,7 @@ class _Fp8Record:
 
 def _is_half(dt: torch.dtype) -> bool:
     """FP16, BF16 or an FP8 format."""
-    return dt in (torch.float16, torch.bfloat16) or (dt.is_floating_point and dt.itemsize == 1)
+    return dt in HALF or (dt.is_floating_point and dt.itemsize == 1)
 
 
 def _short(dt: torch.dtype) -> str:

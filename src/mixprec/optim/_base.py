@@ -91,14 +91,13 @@ from typing import Any, cast, get_args
 import torch
 from torch import Tensor
 
-from .._dtypes import dtype_name, parse_dtype
+from .._dtypes import HALF, dtype_name, parse_dtype
 from .._errors import check_fused, unknown_choice
 from .._remainder import join_edited, placeholder, split_into_
 from ._fused_step import FusedStep
 from ._parts import (
     _COMP_KEY,
     _GRAD,
-    _HALF,
     _PARAM_DTYPES,
     _SLOT_COMP,
     _SLOT_PARAM,
@@ -554,7 +553,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             return counter_bits(ka_e, kb_e, index[0]) if big else counter_bits32(ka_e, kb_e, index[0])
 
         new: dict[str | None, Tensor] = {}
-        if pdt in _HALF:
+        if pdt in HALF:
             if self.compensation == "stochastic":
                 new[None] = stochastic_round(w_new, pdt, bits=rand(_SLOT_PARAM))
             else:
@@ -569,7 +568,7 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         del w_new
         sdt = self._state_dtype_for(p0)
         for k in keys:
-            if sdt in _HALF:
+            if sdt in HALF:
                 # Round-to-nearest would freeze exp_avg_sq: with beta2 = 0.999 its per-step change is
                 # 0.1 % of its value, below half a BF16 ulp (0.39 %). Stochastic rounding keeps it unbiased.
                 new[k] = stochastic_round(s_new[k], sdt, bits=rand(self._state_slot(k)))

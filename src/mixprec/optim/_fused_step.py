@@ -47,11 +47,11 @@ from torch import Tensor
 import mixprec.optim._parts as _parts  # _parts._ONE_OP_COPY_DEVICES: read where used, one setting for both modules
 
 from .._dist import local_tensor as _local
+from .._dtypes import HALF
 from .._remainder import join_edited, split
 from ._parts import (
     _COMP_KEY,
     _DYNAMIC_GROUP_KEYS,
-    _HALF,
     _SLOT_COMP,
     _SLOT_PARAM,
     _STREAMS_PER_PARAM,
@@ -376,7 +376,7 @@ class FusedStep(OptimizerParts):
             lr_t = lr_cached.fill_(float(lr))  # a kernel with a host scalar: no sync, no recompile when the LR changes
         # Random bits only where something is stochastically rounded (half parameters with Kahan or
         # stochastic compensation, half states): FP32 steps skip the key kernels.
-        bits = (p0.dtype in _HALF and self.compensation != "none") or self._state_dtype_for(p0) in _HALF
+        bits = (p0.dtype in HALF and self.compensation != "none") or self._state_dtype_for(p0) in HALF
         b = self._bucket(group, params, self._streams() if bits else None, sts)
         layout = self._fused_layout(plan, b, keys)
         if isinstance(layout, str):
@@ -718,7 +718,7 @@ class FusedStep(OptimizerParts):
         instance attributes).
         """
         acc = torch.promote_types(pdt, torch.float32)
-        half = pdt in _HALF
+        half = pdt in HALF
         stochastic = half and self.compensation == "stochastic"
         sync_mirrors = self.sync_mirrors
         sdt = self._state_dtype_for(torch.empty(0, dtype=pdt))
@@ -786,7 +786,7 @@ class FusedStep(OptimizerParts):
                 new.append((cast(Tensor, p), w_new.to(pdt), cast(Tensor, p_old)))
             for k in keys:
                 v = s_new[k]
-                v = stochastic_round(v, sdt, bits=rand(state_slot[k])) if sdt in _HALF else v.to(sdt)
+                v = stochastic_round(v, sdt, bits=rand(state_slot[k])) if sdt in HALF else v.to(sdt)
                 new.append((s_old[k], v, s_old[k]))
             for dst, value, old in new:
                 dst.copy_(torch.where(skip, old, value) if skip is not None else value)

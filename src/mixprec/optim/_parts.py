@@ -27,12 +27,12 @@ from .._dist import _PLAIN as _PLAIN_TYPES
 from .._dist import dtensor_like
 from .._dist import is_dtensor as _is_dtensor
 from .._dist import local_tensor as _local
+from .._dtypes import HALF
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "Compensation", "OptimizerParts", "lr_on"]
 
 
 Compensation = Literal["kahan", "stochastic", "none"]
-_HALF = (torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _STATE_VERSION = 2
@@ -370,11 +370,11 @@ class OptimizerParts(Optimizer):
         """
         p0 = b.params[0]
         slots: list[int] = []
-        if p0.dtype in _HALF and self.compensation == "stochastic":
+        if p0.dtype in HALF and self.compensation == "stochastic":
             slots.append(_SLOT_PARAM)
         if b.comps:
             slots.append(_SLOT_COMP)
-        if self._state_dtype_for(p0) in _HALF:
+        if self._state_dtype_for(p0) in HALF:
             slots.extend(self._state_slot(k) for k in keys)
         if slots and len(b.ids) != len(b.params):
             raise RuntimeError("internal: the bucket has no random stream ids but draws random bits")
@@ -384,7 +384,7 @@ class OptimizerParts(Optimizer):
         return torch.float64 if p.dtype == torch.float64 else self.state_dtype
 
     def _uses_kahan(self, p: Tensor) -> bool:
-        return self.compensation == "kahan" and p.dtype in _HALF
+        return self.compensation == "kahan" and p.dtype in HALF
 
 
 def _nbytes(t: Tensor) -> int:

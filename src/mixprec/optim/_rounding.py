@@ -33,13 +33,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._dtypes import parse_dtype
+from .._dtypes import HALF, parse_dtype
 
 __all__ = [
     "comp_of_weight", "compensated_split", "counter_bits", "counter_bits32", "kahan_add_", "stochastic_round", "with_edits",
 ]
 
-_HALF = (torch.bfloat16, torch.float16)
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # odd, below 2**27: a 32-bit value times it stays below 2**59 in int64
 
@@ -483,7 +482,7 @@ def kahan_add_(
     w = param.to(acc) + compensation.to(acc) + update.to(acc)
     hi = w.to(param.dtype)
     param.copy_(hi)
-    if param.dtype in _HALF:
+    if param.dtype in HALF:
         compensation.copy_(stochastic_round(w - hi.to(acc), param.dtype, generator=generator))
     else:
         compensation.zero_()
