@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import mixprec as mp
 from mixprec._autocast import autocast
 from mixprec._casting import cast_module, cast_tree, is_prepared, island_modules, uncast_module
 from mixprec._policy import Policy
@@ -264,3 +265,118 @@ def test_a_model_cast_again_after_prepare_is_refused_at_the_next_forward(preset,
             prec.autocast():
         model(torch.randn(3, 4))
 
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2)
+
+
+@pytest.mark.parametrize("how", ["bf16-master", "fp16-master", "bf16-pure", "for_inference"])
+def test_transformer_encoder_eval_fast_path_with_fp32_norms_runs_and_matches_fp32(how: str) -> None:
+    # torch's eval fast path (nested tensors, _transformer_encoder_layer_fwd) reads the layer's weights
+    # directly, past the norm islands: FP32 norms beside half linears raised "expected scalar type Float".
+    from mixprec.checkpoint import for_inference
+
+    x = torch.randn(4, 9, 16)
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    mask[:, 7:] = True
+    ref_model = _encoder().eval()
+    with torch.no_grad():
+        ref = ref_model(x, src_key_padding_mask=mask)
+    model = _encoder()
+    if how == "for_inference":
+        model = for_inference(model, "bf16")
+        dt = torch.bfloat16
+    else:
+        prec = mp.MixedPrecision(how)
+        model, _ = prec.prepare(model, torch.optim.AdamW(model.parameters()))
+        model.eval()
+        dt = torch.float16 if how.startswith("fp16") else torch.bfloat16
+    layer = model.layers[0]
+    assert layer.norm1.weight.dtype == torch.float32 and layer.linear1.weight.dtype == dt
+    with torch.no_grad():
+        out = model(x, src_key_padding_mask=mask)
+    keep = ~mask  # padded positions are zeros on torch's nested path and values on the ordinary one
+    tol = 2e-2 if dt == torch.float16 else 1e-1
+    torch.testing.assert_close(out.float()[keep], ref[keep], atol=tol, rtol=tol)
+
+
+def test_fast_path_guard_only_on_mixed_layers_and_undone_by_uncast() -> None:
+    model = _encoder()
+    mp.cast_module(model, "bf16-master")
+    assert model.use_nested_tensor is False
+    assert all(len(layer._forward_pre_hooks) == 1 for layer in model.layers)
+    mp.uncast_module(model)
+    assert model.use_nested_tensor is True
+    assert all(len(layer._forward_pre_hooks) == 0 for layer in model.layers)
+    # one dtype in the layers (no islands inside them): torch's fast path stays on
+    plain = _encoder()
+    mp.cast_module(plain, "p=bf16,c=bf16,o=f32,m=f32,ls=none,i=none")
+    assert plain.use_nested_tensor is True and not plain.layers[0]._forward_pre_hooks
+
+
+class _Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.seen: dict[str, torch.dtype] = {}
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
+        self.seen = {"x": x.dtype, "labels": labels.dtype if labels is not None else x.dtype}
+        if weight is not None:
+            self.seen["weight"] = weight.dtype
+        out = self.lin(x).squeeze(-1)
+        return out if labels is None else ((out.float() - labels) ** 2).mean()
+
+
+@pytest.mark.parametrize("policy", ["bf16-master", "fp16-master", "bf16-pure"])
+def test_keyword_labels_keep_their_dtype_through_the_root_input_cast(policy: str) -> None:
+    # HF regression: model(**batch) with FP32 labels; rounded to half they moved (BF16) or overflowed (FP16 > 65504)
+    model = cast_module(_Regressor(), policy)
+    half = torch.float16 if policy.startswith("fp16") else torch.bfloat16
+    labels = torch.tensor([1000.5, 70000.0])
+    loss = model(torch.randn(2, 4), labels=labels, weight=torch.ones(2))
+    assert model.seen == {"x": half, "labels": torch.float32, "weight": half}
+    assert torch.isfinite(loss)
+    model(torch.randn(2, 4), labels)  # a positional second input is an input: cast
+    assert model.seen["labels"] == half
+
+
+def _reparametrized(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    if kind == "spectral_norm":
+        lin = nn.utils.spectral_norm(lin)  # torch's forward-pre-hook version, common in GAN code
+    else:
+        lin = nn.utils.parametrizations.orthogonal(lin)
+    return nn.Sequential(lin, nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "orthogonal"])
+@pytest.mark.parametrize("how", ["bf16-master", "bf16-pure", "for_inference"])
+def test_reparametrization_buffers_take_the_weight_dtype_and_the_model_runs(kind: str, how: str) -> None:
+    # FP32 u/v (spectral_norm) or base (orthogonal) beside a BF16 weight: "addmv input tensors must have the same dtype"
+    from mixprec.checkpoint import for_inference
+
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        ref = _reparametrized(kind).eval()(x)
+    model = _reparametrized(kind)
+    if how == "for_inference":
+        model = for_inference(model, "bf16")
+    else:
+        prec = mp.MixedPrecision(how)
+        model, _ = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model.eval()
+    halves = {n: b.dtype for n, b in model.named_buffers() if b.is_floating_point()}
+    assert halves and set(halves.values()) == {torch.bfloat16}, halves
+    with torch.no_grad():
+        out = model(x)
+    torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=5e-2)
+
+
+def test_reparametrization_buffers_of_an_island_stay_fp32() -> None:
+    model = _reparametrized("spectral_norm")
+    cast_module(model, "p=bf16,c=bf16,o=f32,m=f32,ls=none,i=name:0")
+    assert model[0].weight_u.dtype == torch.float32 and model[2].weight.dtype == torch.bfloat16

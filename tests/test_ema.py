@@ -380,3 +380,40 @@ def test_constructor_and_update_errors():
 def test_step_info_mask_docstring_points_at_ema():
     doc = mp.StepInfo.mask.__doc__ or ""
     assert "mixprec.EMA" in doc and "_foreach_lerp_(ema, masters" not in doc
+
+
+class _Spectral(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + (x.to(torch.complex64) @ self.w).real
+
+
+def test_complex_parameters_are_averaged_as_torch_averaged_model_does() -> None:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = _Spectral()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    ref.update_parameters(model)  # torch's first update copies; mixprec's EMA starts from the weights
+    prec = MixedPrecision("fp32")
+    model, opt = prec.prepare(model, opt)
+    ema = EMA(prec, decay=0.5, warmup=False)
+    assert "w" in ema.names and ema.averages["w"].dtype == torch.complex64
+    for _ in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+        ema.update()
+        ref.update_parameters(model)
+    assert not torch.equal(ema.averages["w"], model.w.detach())
+    torch.testing.assert_close(ema.averages["w"], ref.module.w.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ema.averages["lin.weight"], ref.module.lin.weight.detach(), rtol=1e-6, atol=1e-6)
+    loaded = EMA(prec, decay=0.5, warmup=False)
+    loaded.load_state_dict(ema.state_dict())
+    assert torch.equal(loaded.averages["w"], ema.averages["w"])

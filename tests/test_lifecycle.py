@@ -357,8 +357,9 @@ def test_torch_clip_grad_norm_on_the_model_sees_the_true_norm_and_clips_what_the
 
 
 def test_torch_clip_grad_norm_of_scaled_master_gradients_is_a_clear_error():
-    with pytest.raises(ValueError, match=re.escape("a gradient of this model was read while it still carries the loss "
-                                                   "scale (policy 'fp16-master'); call prec.unscale_(optimizer) first")):
+    with pytest.raises(ValueError, match=r"a gradient of this model was used by torch op '\w+' while it still carries "
+                                         r"the loss scale \(policy 'fp16-master'\), so the result would be off by the scale; "
+                                         r"call prec.unscale_\(optimizer\) first"):
         _true_norm("fp16-master", unscale_first=False)
 
 
@@ -372,6 +373,77 @@ def test_prec_clip_and_torch_clip_agree_under_fp16_master():
         loss = nn.functional.mse_loss(model(x).float(), y)
     prec.backward(loss)
     assert prec.clip_grad_norm_(1e-3).item() == pytest.approx(got, rel=1e-6)
+
+
+def _fp16_master_after_backward() -> tuple[mp.MixedPrecision, torch.optim.Optimizer, nn.Module]:
+    model = _mlp()
+    prec = mp.MixedPrecision("fp16-master")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(1)[0]
+    with prec.autocast():
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    prec.backward(loss)
+    return prec, opt, model
+
+
+@pytest.mark.parametrize("read", ["detach", "data"])
+def test_reads_through_detach_or_data_of_a_scaled_master_gradient_raise_as_p_grad_does(read: str) -> None:
+    # timm's adaptive clipping and older torch clipping read p.grad.detach(): unguarded, it saw the scaled value.
+    prec, opt, model = _fp16_master_after_backward()
+    w = model[0].weight
+    with pytest.raises(ValueError, match="used by torch op 'linalg_vector_norm' while it still carries the loss scale"):
+        (w.grad.detach() if read == "detach" else w.grad.data).norm()
+    prec.unscale_(opt)
+    true = w.grad.norm()
+    got = (w.grad.detach() if read == "detach" else w.grad.data).norm()
+    assert got.dtype == torch.float32 and torch.equal(got, true)
+    assert 0 < true.item() < 100  # unscaled (the scale is 2**16)
+
+
+EDITS = {
+    "fill_(0)": lambda g, m: g.fill_(0),
+    "masked_fill_(m, 0)": lambda g, m: g.masked_fill_(m, 0),
+    "mul_(mask)": lambda g, m: g.mul_(~m),
+    "mul_(0.5)": lambda g, m: g.mul_(0.5),
+    "div_(2)": lambda g, m: g.div_(2),
+    "data.fill_(0)": lambda g, m: g.data.fill_(0),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_scale_free_gradient_edits_before_the_unscale_match_fp16_mixed(edit: str) -> None:
+    """Edits that commute with the loss scale work before prec.unscale_ under fp16-master, as torch.amp allows."""
+    weights = {}
+    for preset in ["fp16-mixed", "fp16-master"]:
+        model = _mlp()
+        prec = mp.MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in _data(3):
+            with prec.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            prec.backward(loss)
+            g = model[0].weight.grad
+            EDITS[edit](g, torch.arange(g.numel()).reshape(g.shape) % 3 == 0)
+            prec.step(opt)
+            opt.zero_grad()
+        weights[preset] = model[0].weight.detach().float().clone()
+    before = _mlp()[0].weight.detach()
+    assert not torch.equal(weights["fp16-master"], before)
+    # fp16-mixed keeps its gradients in FP16, fp16-master in FP32: equal to FP16 rounding of the update
+    torch.testing.assert_close(weights["fp16-master"], weights["fp16-mixed"], atol=2e-3, rtol=0)
+    if edit in ("fill_(0)", "data.fill_(0)"):
+        torch.testing.assert_close(weights["fp16-master"], before, atol=1e-3, rtol=0)
+
+
+def test_a_scale_dependent_edit_of_a_scaled_master_gradient_names_the_op() -> None:
+    prec, opt, model = _fp16_master_after_backward()
+    with pytest.raises(ValueError, match="used by torch op 'clamp_' while it still carries the loss scale"):
+        model[0].weight.grad.clamp_(-1, 1)
+    with pytest.raises(ValueError, match="used by torch op 'fill_'"):
+        model[0].weight.grad.fill_(1.0)  # a value: right only for unscaled gradients
+    prec.unscale_(opt)
+    model[0].weight.grad.clamp_(-1e-3, 1e-3)
+    assert model[0].weight.grad.abs().max().item() == pytest.approx(1e-3)  # clamped, in FP32
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

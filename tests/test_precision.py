@@ -870,3 +870,74 @@ def test_a_batchnorm_inside_a_root_island_is_not_refused(islands):
     prec.backward(loss)
     prec.step(opt)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+class _Fourier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = nn.Linear(4, 8)
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.complex64) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.fft.rfft(self.lift(x).float(), dim=-1)
+        return torch.fft.irfft(h @ self.w[:, : h.shape[-1]].T[: h.shape[-1]], n=8, dim=-1)
+
+
+@pytest.mark.parametrize("case", ["complex", "differentiable"])
+def test_a_bf16_pure_conversion_refusal_leaves_model_and_optimizers_untouched(case: str) -> None:
+    torch.manual_seed(0)
+    model = _Fourier()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if case == "complex":
+        opts = [torch.optim.AdamW([model.lift.weight, model.lift.bias]), torch.optim.AdamW([model.w])]
+        match = r"optimizer 1 \(AdamW\) holds a torch.complex64 parameter of shape \(8, 8\); policy 'bf16-pure'"
+    else:
+        opts = [torch.optim.AdamW(model.parameters(), differentiable=True)]
+        match = r"optimizer 0 \(AdamW\), param group 0, has differentiable=True; policy 'bf16-pure'"
+    with pytest.raises(ValueError, match=match):
+        MixedPrecision("bf16-pure").prepare(model, *opts)
+    for n, p in model.named_parameters():
+        assert p.dtype == before[n].dtype and torch.equal(p, before[n])
+    # nothing left prepared: another policy takes the same model and optimizers
+    prec = MixedPrecision("bf16-master")
+    model, *opts = prec.prepare(model, *opts)
+    assert model.lift.weight.dtype == torch.bfloat16
+
+
+def test_a_failure_while_wrapping_rolls_back_casts_hooks_and_optimizers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare changes nothing when it raises, also for a failure after the model was cast."""
+    import mixprec._prepare as prep
+
+    made = []
+
+    class Failing(MasterWeightOptimizer):
+        def __init__(self, *args, **kwargs):
+            if made:
+                raise RuntimeError("second wrapper fails")
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(prep, "MasterWeightOptimizer", Failing)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    o1, o2 = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.AdamW(model[2].parameters())
+    params1 = list(o1.param_groups[0]["params"])
+    with pytest.raises(RuntimeError, match="second wrapper fails"):
+        MixedPrecision("bf16-master").prepare(model, o1, o2)
+    assert made, "the first wrapper was built (and hooked the parameters) before the failure"
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[n])
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)
+    assert o1.param_groups[0]["params"] == params1 and not o1.state
+    assert "forward" not in model.__dict__  # the root's patched forward is gone
+    monkeypatch.undo()
+    prec = MixedPrecision("bf16-master")
+    model, o1, o2 = prec.prepare(model, o1, o2)
+    x = torch.randn(3, 4)
+    with prec.autocast():
+        loss = model(x).float().pow(2).mean()
+    prec.backward(loss)
+    prec.step(o1)
+    prec.step(o2)
+    assert not torch.equal(model[0].weight.float(), before["0.weight"].bfloat16().float())

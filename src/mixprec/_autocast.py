@@ -222,7 +222,9 @@ class autocast:
         device_type: ``"cuda"``, ``"cpu"``, a device, a tensor or a module; ``None`` takes it
             from the first tensor or module argument when decorating, else CUDA if available,
             else CPU.
-        enabled: ``False`` makes the region a no-op (useful for toggling from config).
+        enabled: ``False`` turns autocast off inside the region, as ``torch.autocast(enabled=False)``
+            does (an enclosing autocast region included): ops run in their inputs' dtypes. Useful
+            for toggling from config, and for an FP32 region inside a framework's autocast.
 
     Example:
         >>> with autocast("bf16-mixed", "cpu"):

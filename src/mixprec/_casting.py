@@ -224,10 +224,16 @@ def _island_forward(
     return tree_map(functools.partial(_to_dtype, compute_dtype), out)
 
 
+#: Keyword arguments of the root's ``forward`` that the input cast leaves alone: targets, not
+#: activations (Hugging Face's ``model(**batch)`` passes regression and soft labels as FP32
+#: ``labels``; rounded to BF16 they move by up to 2**-9 relative, in FP16 beyond 65504 they are inf).
+TARGET_KWARGS = frozenset({"labels", "label", "targets", "target"})
+
+
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """Floating inputs to the half parameter dtype: the root's input cast."""
+    """Floating inputs to the half parameter dtype: the root's input cast (keyword targets excepted: :data:`TARGET_KWARGS`)."""
     cast = functools.partial(_to_dtype, dtype)
-    return tree_map(cast, args), tree_map(cast, kwargs)
+    return tree_map(cast, args), {k: v if k in TARGET_KWARGS else tree_map(cast, v) for k, v in kwargs.items()}
 
 
 def _outputs_to(dtype: torch.dtype, output: Any) -> Any:
@@ -310,6 +316,8 @@ def _patched_forward(module: nn.Module, function: Callable[..., Any], *extra: An
 def strip_forward_patches(model: nn.Module) -> nn.Module:
     """Put back the ``forward`` every mixprec patch in ``model`` replaced (for FP32 copies of a prepared model)."""
     for module in model.modules():
+        for key in [k for k, h in module._forward_pre_hooks.items() if h is _no_fast_path]:
+            del module._forward_pre_hooks[key]
         fwd = module.__dict__.get("forward")
         while isinstance(fwd, functools.partial) and fwd.func in (_island_forward, _root_forward):
             previous = fwd.args[1]
@@ -413,8 +421,10 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
                 p.data = p.data.to(target)
         if policy.buffers == "param" and not keep_dtypes:
             _cast_buffers(model, target, skip=island_tensor_ids)
+        if not keep_dtypes:
+            _cast_weight_buffers(model)
 
-    handles: list[RemovableHandle | _ForwardPatch] = []
+    handles: list[RemovableHandle | _ForwardPatch | _AttrPatch] = []
     devices = tuple(sorted(_device_types(model)))
     if policy.compute_dtype != torch.float32:
         for module in islands.values():
@@ -430,9 +440,52 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
         outside = next((p for p in model.parameters() if id(p) not in island_tensor_ids and p.dtype in _CASTABLE), None)
         sentinels = [(p, p.dtype) for p in (inside, outside) if p is not None]
     handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, sentinels))
+    handles.extend(_guard_fast_paths(model))
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model
+
+
+def _no_fast_path(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook that does nothing: its presence turns torch's encoder-layer fast path off."""
+    return None
+
+
+class _AttrPatch:
+    """Set ``module.<name>`` to ``value``; ``remove()`` restores the previous value (a handle of ``cast_module``)."""
+
+    def __init__(self, module: nn.Module, name: str, value: Any) -> None:
+        self.module, self.name, self.previous = module, name, getattr(module, name)
+        setattr(module, name, value)
+
+    def remove(self) -> None:
+        setattr(self.module, self.name, self.previous)
+
+
+def _guard_fast_paths(model: nn.Module) -> list[RemovableHandle | _AttrPatch]:
+    """Keep torch's Transformer inference fast path off layers whose parameters have several dtypes.
+
+    In ``eval()`` without gradients, ``nn.TransformerEncoderLayer`` calls one fused kernel
+    (``torch._transformer_encoder_layer_fwd``) on its weights directly, past the FP32 islands'
+    forwards (its norms), and that kernel refuses FP32 norms beside half linears ("expected
+    scalar type Float but found BFloat16"); ``nn.TransformerEncoder`` first packs the batch into a
+    nested tensor for that path. torch skips the layer's fast path when a forward hook is attached,
+    so such a layer gets a no-op pre-hook and its encoder ``use_nested_tensor = False``: the layer
+    runs its ordinary modules, islands included, with the same math. Layers of one dtype keep
+    the fast path.
+    """
+    handles: list[RemovableHandle | _AttrPatch] = []
+    mixed: set[int] = set()
+    for module in model.modules():
+        layer = isinstance(module, nn.TransformerEncoderLayer)
+        if layer and len({p.dtype for p in module.parameters() if p.dtype.is_floating_point}) > 1:
+            mixed.add(id(module))
+            handles.append(module.register_forward_pre_hook(_no_fast_path))
+    for module in model.modules():
+        nested = isinstance(module, nn.TransformerEncoder) and getattr(module, "use_nested_tensor", False)
+        if nested and any(id(layer) in mixed for layer in module.modules()):
+            handles.append(_AttrPatch(module, "use_nested_tensor", False))
+    return handles
 
 
 def cast_root(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = False) -> _ForwardPatch:
@@ -468,6 +521,36 @@ def uncast_module(model: nn.Module) -> nn.Module:
         if hasattr(model, attr):
             object.__delattr__(model, attr)
     return model
+
+
+def _cast_weight_buffers(model: nn.Module) -> None:
+    """Give buffers that are part of a weight's computation that weight's dtype.
+
+    Floating buffers keep their dtype by default (step 3 of :func:`cast_module`), but a few are
+    multiplied with the weight they reparametrize, and torch refuses FP32 beside half there
+    ("addmv input tensors must have the same dtype"): the power-iteration vectors of
+    ``torch.nn.utils.spectral_norm`` (its forward pre-hook, used by GAN code) and the ``base`` of
+    ``torch.nn.utils.parametrizations.orthogonal``. They take the dtype ``model.to(dtype)`` would
+    give them. (``parametrizations.spectral_norm`` casts its vectors itself and keeps FP32 ones.)
+    """
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            name = hook.name if isinstance(hook, SpectralNorm) else None
+            weight = getattr(module, f"{name}_orig", None) if name is not None else None
+            if isinstance(weight, torch.Tensor):
+                for leaf in (f"{name}_u", f"{name}_v"):
+                    b = module._buffers.get(leaf)
+                    if b is not None and b.dtype in _CASTABLE and b.dtype != weight.dtype:
+                        module._buffers[leaf] = b.to(weight.dtype)
+        lists = getattr(module, "parametrizations", None)
+        for plist in lists.values() if isinstance(lists, nn.ModuleDict) else ():
+            original = getattr(plist, "original", None)
+            for sub in plist.children():
+                b = sub._buffers.get("base") if type(sub).__name__ == "_Orthogonal" else None
+                if isinstance(original, torch.Tensor) and b is not None and b.dtype in _CASTABLE and b.dtype != original.dtype:
+                    sub._buffers["base"] = b.to(original.dtype)
 
 
 def _cast_buffers(root: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:

@@ -29,6 +29,11 @@ EMA_STATE_VERSION = 1
 _STATE_KEYS = ("version", "decay", "warmup", "num_updates", "averages")
 
 
+def _average_dtype(t: torch.Tensor) -> torch.dtype:
+    """FP32 for a real parameter; a complex one keeps its complex dtype (``.float()`` would drop its imaginary part)."""
+    return t.dtype if t.is_complex() else torch.float32
+
+
 class EMA:
     """An FP32 exponential moving average of a model's weights, updated only on applied steps.
 
@@ -44,7 +49,7 @@ class EMA:
     one of TensorFlow's ``ExponentialMovingAverage(num_updates=...)``: early averages forget
     the random initialisation quickly, and it counts applied steps only.
 
-    Every floating parameter of the model is tracked once (tied parameters, e.g. GPT-2's
+    Every floating (or complex) parameter of the model is tracked once (tied parameters, e.g. GPT-2's
     ``wte``/``lm_head``, under their first name), frozen ones included. Buffers (BatchNorm
     running statistics) are not averaged: :meth:`applied` and :meth:`copy_to` leave them as
     they are.
@@ -106,13 +111,13 @@ class EMA:
         self.warmup: bool = warmup
         self.model: nn.Module = model
         # tied ones once; names without torch.compile's '_orig_mod.' so a compiled run's EMA loads uncompiled
-        named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.dtype.is_floating_point]
+        named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.dtype.is_floating_point or p.is_complex()]
         if not named:
             raise ValueError(f"EMA: the model ({type(model).__name__}) has no floating-point parameters to average.")
         self.names: list[str] = [n for n, _ in named]
         self._params: list[torch.Tensor] = [p for _, p in named]
         with torch.no_grad():
-            self._averages: list[torch.Tensor] = [s.detach().to(torch.float32, copy=True) for s in self._sources()]
+            self._averages: list[torch.Tensor] = [s.detach().to(_average_dtype(s), copy=True) for s in self._sources()]
         device = self._params[0].device
         self.num_updates: torch.Tensor = torch.zeros((), dtype=torch.int64, device=device)
         self._last_info: StepInfo | None = None
@@ -187,7 +192,7 @@ class EMA:
         else:
             mask = torch.ones((), dtype=torch.float32, device=self.num_updates.device)
         weight = (1 - self.decay_now()) * mask  # 0 on a skipped step: lerp leaves the average unchanged
-        sources = [s if s.dtype == torch.float32 else s.float() for s in self._sources()]
+        sources = [s if s.dtype == a.dtype else s.to(a.dtype) for s, a in zip(self._sources(), self._averages)]
         for device, (avgs, srcs) in _by_device(self._averages, sources).items():
             # A list of 0-d tensor weights, not the tensor itself: torch has no 0-d tensor overload of
             # _foreach_lerp_, so a bare tensor becomes a Python scalar (.item(): a host sync on a GPU,

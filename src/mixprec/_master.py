@@ -224,7 +224,7 @@ class MasterWeightOptimizer(Optimizer):
         self._views: dict[int, MasterGradView] = {}  # id(model param) -> its .grad view
         self._frozen: list[torch.Tensor] = []  # half params adopted while frozen (no master yet)
         self._own32: tuple[torch.Tensor, ...] = ()  # params of the master dtype at adoption (their own masters)
-        self._before_read: Callable[[], None] | None = None
+        self._before_read: Callable[[str], None] | None = None
         for group in optimizer.param_groups:
             group["params"] = [self._adopt(p) for p in group["params"]]
         _realias_params(optimizer)
@@ -366,12 +366,12 @@ class MasterWeightOptimizer(Optimizer):
         """
         return self._views[id(param)]
 
-    def _read_hook(self) -> None:
+    def _read_hook(self, op: str) -> None:
         if self._before_read is not None:
-            self._before_read()
+            self._before_read(op)
 
-    def set_unscale_callback(self, callback: Callable[[], None] | None) -> None:
-        """Called before torch code reads a gradient view (``MixedPrecision`` unscales there)."""
+    def set_unscale_callback(self, callback: Callable[[str], None] | None) -> None:
+        """Called with the operation's name before torch code reads a gradient view (``MixedPrecision`` checks the scale there)."""
         self._before_read = callback
 
     def _promote_unfrozen(self) -> None:

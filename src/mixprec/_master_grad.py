@@ -17,6 +17,9 @@ master's FP32 gradient:
   as the answer would be off by the scale: torch's ``clip_grad_norm_`` reads FP32 island
   gradients before the views, so an unscale triggered by the view would come too late;
 * in-place writes (``mul_`` from clipping, ``zero_``, ``clamp_``) change the master gradient;
+  edits that commute with the loss scale (``zero_``, ``fill_(0)``, ``masked_fill_(mask, 0)``,
+  ``mul_``/``div_`` by a mask or a factor) are allowed before the unscale too;
+* ``detach()`` and ``.data`` return another view of the same master gradient (same guard);
 * ``param.grad = None`` (``model.zero_grad()``) drops the view: the next backward's gradient
   then *replaces* the master gradient instead of adding to it, so clearing the model's
   gradients clears what the next step uses.
@@ -41,8 +44,26 @@ __all__ = ["FROM_VIEW", "MasterGradView", "is_view"]
 FROM_VIEW = "_mixprec_from_view"
 
 _ADD_ = torch.ops.aten.add_.Tensor
+_DETACH = torch.ops.aten.detach.default
+_aten = torch.ops.aten
 # Operations that neither read the gradient's values nor depend on its scale.
-_NO_READ = {torch.ops.aten.zero_.default, torch.ops.aten.detach_.default, torch.ops.aten.detach.default}
+_NO_READ = {_aten.zero_.default, _aten.detach_.default, _DETACH, _aten.zeros_like.default, _aten.ones_like.default,
+            _aten.empty_like.default, _aten.full_like.default}
+# In-place edits that commute with the loss scale, (s * g) op x == s * (g op x), so they are as right
+# before the unscale as after it: masking and scaling by a factor (torch.amp's GradScaler allows them
+# too). Filling or masking with a value is scale-free only when the value is 0 (_scale_free).
+_SCALE_FREE = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten.div_.Tensor, _aten.div_.Scalar}
+_ZERO_FILL = {_aten.fill_.Scalar, _aten.masked_fill_.Scalar}
+
+
+def _scale_free(func: Any, args: Any) -> bool:
+    """Whether ``func(*args)`` on a still-scaled view is an in-place edit the loss scale does not change."""
+    if func in _SCALE_FREE:
+        return isinstance(args[0], MasterGradView) and not isinstance(args[1], MasterGradView)
+    if func in _ZERO_FILL:
+        value = args[-1]
+        return isinstance(args[0], MasterGradView) and isinstance(value, (int, float)) and value == 0
+    return False
 
 
 class MasterGradView(torch.Tensor):
@@ -51,16 +72,18 @@ class MasterGradView(torch.Tensor):
     Args:
         param: The model parameter (dtype, shape and device of the view).
         master: The FP32 master whose ``.grad`` holds the gradient.
-        before_read: Called before any operation other than accumulation, zeroing and detaching
-            (the run raises there while the gradients still carry the loss scale); ``None`` for none.
+        before_read: Called with the operation's name before any operation that reads the
+            gradient or depends on its scale (not accumulation, detaching, zeroing, ``fill_(0)``,
+            ``masked_fill_(mask, 0)``, ``mul_``/``div_`` by a mask or factor); the run raises there
+            while the gradients still carry the loss scale. ``None`` for none.
     """
 
     _master: torch.Tensor
-    _before_read: Callable[[], None] | None
+    _before_read: Callable[[str], None] | None
 
     @staticmethod
     def __new__(
-        cls, param: torch.Tensor, master: torch.Tensor, before_read: Callable[[], None] | None = None
+        cls, param: torch.Tensor, master: torch.Tensor, before_read: Callable[[str], None] | None = None
     ) -> MasterGradView:
         view = torch.Tensor._make_wrapper_subclass(
             cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
@@ -99,12 +122,16 @@ class MasterGradView(torch.Tensor):
             else:
                 master.grad.add_(new, alpha=alpha)
             return args[0]
+        if func is _DETACH and isinstance(args[0], cls):
+            # p.grad.detach() and p.grad.data: another window on the same master gradient, so what is
+            # read through it is guarded as p.grad is (a plain FP32 tensor here escaped the check).
+            return cls(args[0], args[0]._master, args[0]._before_read)
         leaves, _ = tree_flatten((args, kwargs))
         seen: set[int] = set()
-        for leaf in leaves if func not in _NO_READ else ():
+        for leaf in leaves if func not in _NO_READ and not _scale_free(func, args) else ():
             if isinstance(leaf, cls) and leaf._before_read is not None and id(leaf._before_read) not in seen:
                 seen.add(id(leaf._before_read))
-                leaf._before_read()
+                leaf._before_read(func.overloadpacket.__name__)
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         schema = func._schema
         first = schema.arguments[0] if schema.arguments else None

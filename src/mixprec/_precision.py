@@ -35,6 +35,7 @@ from ._master import (
 from ._master_grad import MasterGradView
 from ._policy import DYNAMIC_SCALE_RANGE, Policy
 from ._prepare import (
+    Rollback,
     check_fusable,
     check_prepare,
     model_params_of,
@@ -135,7 +136,10 @@ class MixedPrecision(RunCheckpoint):
     to ``prepare`` and wrapped inside a ``MasterWeightOptimizer`` refuses a direct ``step()``.
 
     Every policy, also FP32 and BF16 ones without loss scaling, checks the gradients for
-    inf/NaN and skips such a step, so a NaN never reaches the weights.
+    inf/NaN and skips such a step, so a NaN from the forward or backward never reaches the
+    weights. The check runs once per step, at ``unscale_`` (or ``clip_grad_norm_``, or the step
+    when neither was called): an inf/NaN that code writes into the gradients after an explicit
+    ``unscale_`` is not seen, as under ``torch.amp``'s ``GradScaler``.
 
     Host syncs: none in ``backward``/``clip_grad_norm_``; none in ``step`` for torch's AdamW, Adam
     and SGD (foreach and for-loop forms step through their own fused kernel, which skips on
@@ -302,9 +306,15 @@ class MixedPrecision(RunCheckpoint):
             from ._dist import cast_fsdp_shards
 
             cast_fsdp_shards(model, self.policy, island_modules)
-        cast_module(model, self.policy.replace(param_dtype=torch.float32, master_dtype=None) if fsdp_masters else self.policy,
-                    keep_dtypes=self._keep_dtypes)
-        wrapped = wrap_optimizers(optimizers, self.policy, self.grad_accumulation, facts, originals, fused=self.fused)
+        rollback = Rollback(model, optimizers) if not facts.fsdp and self.policy.fp8 == "none" else None
+        try:
+            cast_module(model, self.policy.replace(param_dtype=torch.float32, master_dtype=None) if fsdp_masters
+                        else self.policy, keep_dtypes=self._keep_dtypes)
+            wrapped = wrap_optimizers(optimizers, self.policy, self.grad_accumulation, facts, originals, fused=self.fused)
+        except BaseException:
+            if rollback is not None:  # nothing changed when prepare raises (FSDP2 shards and FP8 swaps aside)
+                rollback.restore()
+            raise
         warn_host_reads(wrapped, facts.device)
         if facts.fsdp:  # one stochastic-rounding seed on every rank, global positions of the shards
             from ._dist import agree_optimizers_
@@ -339,23 +349,24 @@ class MixedPrecision(RunCheckpoint):
         self._seen_compiled = None
         return (model, *wrapped)
 
-    def _unscale_callback(self, optimizer: Optimizer) -> Callable[[], None]:
+    def _unscale_callback(self, optimizer: Optimizer) -> Callable[[str], None]:
         """For a master optimizer's gradient views: refuse reads of gradients that still carry the loss scale."""
         import weakref
 
         ref = weakref.ref(self)
 
-        def check_unscaled() -> None:
+        def check_unscaled(op: str) -> None:
             prec = ref()
             if prec is None or not prec._scales_loss:
                 return
             rec = prec._records.get(id(optimizer))
             if rec is not None and rec.stage == "backward":
                 raise ValueError(
-                    "a gradient of this model was read while it still carries the loss scale (policy "
-                    f"{prec.policy.label!r}); call prec.unscale_(optimizer) first, or use "
-                    "prec.clip_grad_norm_(max_norm), which unscales for you (torch.amp's GradScaler asks the same: "
-                    "scaler.unscale_(optimizer) before clipping)."
+                    f"a gradient of this model was used by torch op {op!r} while it still carries the loss scale (policy "
+                    f"{prec.policy.label!r}), so the result would be off by the scale; call prec.unscale_(optimizer) "
+                    "first, or use prec.clip_grad_norm_(max_norm), which unscales for you (torch.amp's GradScaler asks "
+                    "the same: scaler.unscale_(optimizer) before clipping). Edits the scale does not change work before "
+                    "the unscale too: zero_(), fill_(0), masked_fill_(mask, 0), mul_/div_ by a mask or a factor."
                 )
 
         return check_unscaled

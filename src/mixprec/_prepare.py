@@ -225,18 +225,59 @@ def wrap_optimizers(
         fused: ``fused=`` of the wrappers and converted optimizers built here (``MixedPrecision(fused=...)``).
     """
     wrapped: list[Optimizer] = []
-    for opt in optimizers:
-        if policy.has_masters and (not facts.fsdp or policy.master_storage == "remainder"):
-            initial = {p: originals[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in originals}
-            opt = MasterWeightOptimizer(
-                opt, master_dtype=policy.master_dtype or torch.float32,
-                grad_accumulation=grad_accumulation, initial_masters=initial,
-                fused=fused, master_storage=policy.master_storage,
-            )
-        elif policy.compensation != "none":
-            opt = to_compensated(opt, policy, originals, fused=fused)
-        wrapped.append(opt)
+    try:
+        for opt in optimizers:
+            if policy.has_masters and (not facts.fsdp or policy.master_storage == "remainder"):
+                initial = {p: originals[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in originals}
+                opt = MasterWeightOptimizer(
+                    opt, master_dtype=policy.master_dtype or torch.float32,
+                    grad_accumulation=grad_accumulation, initial_masters=initial,
+                    fused=fused, master_storage=policy.master_storage,
+                )
+            elif policy.compensation != "none":
+                opt = to_compensated(opt, policy, originals, fused=fused)
+            wrapped.append(opt)
+    except BaseException:
+        for opt in wrapped:  # the wrappers already built hooked the parameters: unhook before Rollback restores
+            if isinstance(opt, MasterWeightOptimizer):
+                opt.remove_hooks()
+        raise
     return wrapped
+
+
+class Rollback:
+    """What ``prepare`` changes in a model and its optimizers, held to put back if a later part raises.
+
+    ``prepare`` promises that nothing changes when it raises; most refusals come from the checks
+    before the cast, and this covers what can only fail while casting and wrapping (an optimizer
+    conversion, a wrapper's own check): the parameters get their tensors back (the FP32 digits:
+    references to the originals, no copies), the buffers their tensors, the model loses the
+    casting hooks, and the optimizers their parameter lists and state.
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+        self.model = model
+        self.params = [(p, p.data) for p in model.parameters()]
+        self.buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items()]
+        self.groups = [(o, [(g, list(g["params"])) for g in o.param_groups], dict(o.state)) for o in optimizers]
+
+    def restore(self) -> None:
+        """Put everything back as it was when this was built."""
+        from ._casting import is_prepared, uncast_module
+
+        with torch.no_grad():
+            for p, data in self.params:
+                p.data = data
+        for m, k, b in self.buffers:
+            m._buffers[k] = b
+        if is_prepared(self.model):
+            uncast_module(self.model)
+        for opt, groups, state in self.groups:
+            opt.param_groups[:] = [g for g, _ in groups]
+            for g, params in groups:
+                g["params"] = params
+            opt.state.clear()
+            opt.state.update(state)
 
 
 def warn_host_reads(optimizers: Sequence[Optimizer], device: torch.device) -> None:
@@ -338,6 +379,22 @@ def check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:
                 f"needs mixprec.optim.AdamW or mixprec.optim.SGD (or a torch AdamW/Adam/SGD, converted for you); got "
                 f"{type(opt).__name__}. Use a master-weight policy such as 'bf16-master' for other optimizers."
             )
+        else:  # converted for you: what the conversion would refuse, refused before anything is cast
+            for j, g in enumerate(opt.param_groups):
+                if g.get("differentiable", False):
+                    raise ValueError(
+                        f"optimizer {i} ({type(opt).__name__}), param group {j}, has differentiable=True; policy "
+                        f"{policy.label!r} steps with mixprec.optim, which is not differentiable. Build the optimizer "
+                        "with differentiable=False, or use a master-weight policy such as 'bf16-master'."
+                    )
+                odd = next((t for t in g["params"] if not (t.is_floating_point() and t.dtype.itemsize >= 2)), None)
+                if odd is not None:
+                    raise ValueError(
+                        f"optimizer {i} ({type(opt).__name__}) holds a {odd.dtype} parameter of shape {tuple(odd.shape)}; "
+                        f"policy {policy.label!r} steps every optimizer with mixprec.optim, which updates real "
+                        "FP16/BF16/FP32/FP64 parameters only. Use a master-weight policy such as 'bf16-master' (torch's "
+                        "optimizer steps it there), or keep it real (two real parameters, torch.complex in forward)."
+                    )
 
 
 def check_dense_gradients(model: nn.Module, optimizers: Sequence[Optimizer], policy: Policy) -> None:
