@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 
 import pytest
 import torch
 from torch import nn
 
-from mixprec import cast_module
+from mixprec import autocast, cast_module
 from mixprec.numerics import trace_nonfinite
 
 FP16 = "p=f32,c=f16"  # fp16 autocast, no loss scaling (the trace scales explicitly)
@@ -390,3 +392,202 @@ def test_a_prepared_mixed_model_traced_outside_autocast_is_labelled_with_the_dty
         assert r16.module == "1" and seen[-1] == torch.float16 and r16.stats_dtype == "f16"
     finally:
         h.remove()
+
+
+# ----- inf/NaN made in a module's own code, before it calls a submodule -------------------------------------
+class _PaddedEncoder(nn.Module):
+    """A healthy nn.TransformerEncoder with a key padding mask: the encoder's own code turns the boolean mask
+    into an additive float mask holding -inf, before it calls its layers (torch's F._canonical_mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.e = nn.Embedding(30, 16)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, 0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2)
+        self.h = nn.Linear(16, 3)
+
+    def forward(self, b: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.h(self.enc(self.e(b[0]), src_key_padding_mask=b[1]).mean(1))
+
+
+def _padded_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    mask[:, 7:] = True
+    return torch.randint(0, 30, (4, 9), generator=g), mask, torch.randint(0, 3, (4,), generator=g)
+
+
+def _ce(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(m(b).float(), b[2])
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed", "bf16-master"])
+def test_a_minus_inf_padding_mask_built_by_the_encoder_is_not_blamed_on_precision(policy: str) -> None:
+    b = _padded_batch()
+    assert torch.isfinite(_ce(_PaddedEncoder(), b))  # the FP32 reference: a healthy model, a finite loss
+    r = trace_nonfinite(_PaddedEncoder(), b, _ce, policy)
+    text = str(r)
+    assert "not a precision problem" in text and "attention mask" in text
+    assert "precision is the cause" not in text and "bf16" not in r.advice and r.advice == ""
+    assert (r.phase, r.module, r.where, r.callee) == ("forward", "enc", "input", "enc.layers.0")
+    # the value is the mask: exactly the padded positions are -inf, as in FP32
+    assert r.output_stats[0].n_nonfinite == int(b[1].sum())
+    rr = r.fp32_rerun
+    assert rr is not None and rr.looked_at == "the inputs of 'enc.layers.0'"
+    assert rr.finite is False and rr.precision_is_cause is False and rr.fp32_kind == "-inf"
+    assert rr.output_absmax is not None and math.isfinite(rr.output_absmax)  # what the old re-run looked at
+
+
+class _RootScale(nn.Module):
+    """The root's own code multiplies by 1e6 before calling ``b`` (``rescale=False``: the value ~1e6
+    exceeds FP16 in FP32 too), or multiplies and divides again (``rescale=True``: an intermediate
+    overflows, the value handed to ``b`` fits)."""
+
+    def __init__(self, rescale: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+        self.rescale = rescale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * 1e6
+        return self.b(h / 1e6 if self.rescale else h)
+
+
+def test_a_value_beyond_fp16_made_in_the_roots_own_code_gets_no_fp32_region_advice() -> None:
+    r = trace_nonfinite(_RootScale(False), X, _loss, FP16)
+    assert "would not help" in r.advice and "run it in FP32" not in r.advice
+    assert (r.module, r.where, r.callee) == ("", "input", "b")
+    rr = r.fp32_rerun
+    with torch.no_grad():
+        ref = float((_RootScale(False).a(X) * 1e6).abs().max())  # the FP32 reference: the value handed to b
+    assert rr is not None and rr.precision_is_cause and rr.finite and rr.absmax == pytest.approx(ref, rel=1e-6)
+    assert rr.exceeds == ["f16"] and r.value_exceeds_range
+    assert "would not help" in r.advice and "mixprec.autocast.fp32()" in r.advice and "Use bf16" in r.advice
+    assert "run it in FP32" not in r.advice
+    # an intermediate overflow whose value fits: running that code in FP32 is the advice, and it helps
+    r = trace_nonfinite(_RootScale(True), X, _loss, FP16)
+    assert (r.module, r.where) == ("", "input") and r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause
+    with torch.no_grad():
+        assert r.fp32_rerun.absmax == pytest.approx(float(_RootScale(True).a(X).abs().max()), rel=1e-6)
+    assert not r.value_exceeds_range and "run it in FP32 (mixprec.autocast.fp32())" in r.advice
+
+
+class _Normed(nn.Module):
+    """Own code: ``a``'s output x1e6 (FP16 inf) into ``lin``, whose output is normalised (fits FP16 again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.a(x) * 1e6)
+        return h / h.abs().amax(-1, keepdim=True)
+
+
+class _NormedOuter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = _Normed()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+def test_island_advice_for_a_parents_own_code_only_when_the_island_can_help() -> None:
+    # The value handed to inner.lin exceeds FP16 in FP32 too, but inner's output fits: an island around
+    # inner computes inner.lin in FP32 as well, and following the advice clears the trace.
+    r = trace_nonfinite(_NormedOuter(), X, _loss, FP16)
+    assert "i=norm+name:inner" in r.advice and not trace_nonfinite(_Outer(), X, _loss, FP16).advice.startswith("Keep")
+    assert (r.module, r.where, r.callee) == ("inner", "input", "inner.lin") and r.value_exceeds_range
+    assert r.fp32_rerun is not None and r.fp32_rerun.output_absmax == pytest.approx(1.0)
+    assert "i=norm+name:inner" in r.advice and "would not help" not in r.advice
+    assert not trace_nonfinite(_NormedOuter(), X, _loss, FP16 + ",i=norm+name:inner").found
+    # _Outer's inner hands x1e6 to inner.out and returns ~5e5 itself: the island would not help, and does not
+    r = trace_nonfinite(_Outer(), X, _loss, FP16)
+    assert (r.module, r.where, r.callee) == ("inner", "input", "inner.out") and r.value_exceeds_range
+    assert r.fp32_rerun is not None and r.fp32_rerun.output_absmax is not None and r.fp32_rerun.output_absmax > 65504
+    assert "island would not help" in r.advice and "name:inner" not in r.advice
+    assert trace_nonfinite(_Outer(), X, _loss, FP16 + ",i=norm+name:inner").found
+
+
+class _MaskedOverflow(nn.Module):
+    """Own code hands ``b`` an intermediate that overflows FP16 (x1e6 then /1e6) plus a deliberate -inf column."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(8)
+        mask[-1] = -math.inf
+        return self.b((self.a(x) * 1e6) / 1e6 + mask)
+
+
+def test_a_mask_beside_an_overflow_in_the_same_value_still_blames_the_overflow() -> None:
+    r = trace_nonfinite(_MaskedOverflow(), X, None, FP16, backward=False)
+    assert "the -inf is there in FP32 too, but the other inf/NaN values are finite" in str(r)
+    assert (r.module, r.where, r.callee) == ("", "input", "b")
+    rr = r.fp32_rerun
+    assert rr is not None and rr.precision_is_cause and rr.finite is False and rr.fp32_kind == "-inf"
+
+
+class _LogGap(nn.Module):
+    """Own code: log((h + 0.01) - h) with h ~ 100: the gap rounds to 0 in BF16/FP16 (-inf), is 0.01 in FP32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * 100
+        return self.head(torch.log((h + 1e-2) - h))
+
+
+@pytest.mark.parametrize(("policy", "compute"), [("bf16-mixed", "bf16"), ("bf16-master", "bf16"), (FP16, "f16")])
+def test_bf16_is_never_advised_to_a_step_that_computed_in_bf16(policy: str, compute: str) -> None:
+    wrapped = nn.Sequential(_LogGap())
+    r = trace_nonfinite(wrapped, X, _loss, policy)
+    assert ("bf16" in r.advice) == (compute != "bf16")
+    assert (r.module, r.where, r.callee, r.compute_dtype) == ("0", "input", "0.head", compute)
+    assert r.fp32_rerun is not None and r.fp32_rerun.precision_is_cause
+    with torch.no_grad():
+        h = _LogGap().lin(X) * 100  # the FP32 reference: log of the true gap, finite
+        assert r.fp32_rerun.absmax == pytest.approx(float(torch.log((h + 1e-2) - h).abs().max()), rel=1e-3)
+    assert "i=norm+name:0" in r.advice
+
+
+class _RootIntoNorm(nn.Module):
+    """The root's own code hands ~1e6 to a LayerNorm, an FP32 island under every preset (i=norm)."""
+
+    def __init__(self, fp32_region: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 1)
+        self.fp32_region = fp32_region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast.fp32() if self.fp32_region else contextlib.nullcontext():  # the advice, followed
+            h = self.a(x) * 1e6
+        return self.head(self.norm(h))
+
+
+def test_a_value_beyond_fp16_handed_to_an_fp32_island_keeps_the_fp32_region_advice() -> None:
+    r = trace_nonfinite(_RootIntoNorm(False), X, _loss, FP16)
+    assert "run it in FP32 (mixprec.autocast.fp32())" in r.advice
+    assert (r.module, r.where, r.callee, r.callee_island) == ("", "input", "norm", True)
+    assert r.fp32_rerun is not None and r.fp32_rerun.exceeds == ["f16"] and not r.value_exceeds_range
+    assert "run it in FP32 (mixprec.autocast.fp32())" in r.advice
+    # and it helps: the island takes the FP32 value as it is and normalises it in FP32
+    assert not trace_nonfinite(_RootIntoNorm(True), X, _loss, FP16).found

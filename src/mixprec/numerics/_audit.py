@@ -139,9 +139,27 @@ def _group(items: Iterable[tuple[str, torch.Tensor]]) -> dict[torch.dtype, list[
     return out
 
 
+def _stored(t: torch.Tensor) -> tuple[int, int]:
+    """(elements, bytes) that ``t`` stores: a sparse tensor's values and indices, not its dense shape.
+
+    A sparse gradient (``nn.Embedding(sparse=True)``) of a 50k-row table holds the rows one batch
+    touched; counting its dense ``numel()`` would report the whole table as stored.
+    """
+    if t.layout == torch.strided:
+        return t.numel(), t.numel() * t.element_size()
+    if t.layout == torch.sparse_coo:
+        values, indices = t._values(), [t._indices()]  # as stored (uncoalesced: one entry per lookup)
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        values, indices = t.values(), [t.crow_indices(), t.col_indices()]
+    else:  # sparse_csc, sparse_bsc
+        values, indices = t.values(), [t.ccol_indices(), t.row_indices()]
+    return values.numel(), values.numel() * values.element_size() + sum(i.numel() * i.element_size() for i in indices)
+
+
 def _sizes(ts: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    return {"tensors": len(ts), "elements": sum(t.numel() for _, t in ts),
-            "bytes": sum(t.numel() * t.element_size() for _, t in ts), "example": ts[0][0] if ts else ""}
+    stored = [_stored(t) for _, t in ts]
+    return {"tensors": len(ts), "elements": sum(n for n, _ in stored), "bytes": sum(b for _, b in stored),
+            "example": ts[0][0] if ts else ""}
 
 
 def _resolve(policy: Any) -> tuple[Policy | None, Any]:

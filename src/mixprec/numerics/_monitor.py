@@ -18,7 +18,8 @@ Hooks (installed by :meth:`NumericsMonitor.attach`, removed by :meth:`detach`):
   so the report blames only modules that made inf/NaN and calls it a precision problem only when
   it was made in half precision (see ``_count_nonfinite_call`` for the rules and their cost);
 * a tensor hook on each parameter records its gradient as autograd produces it (before
-  accumulation, so in the dtype backward computes in);
+  accumulation, so in the dtype backward computes in; a sparse gradient, ``nn.Embedding(sparse=True)``,
+  by the rows it stores, coalesced: on a GPU one host sync each, ``mixprec.numerics._stats.stored_values``);
 * on each FP8 linear (a model prepared under an ``f8=`` policy), and on every eligible
   ``nn.Linear`` when ``fp8=<recipe>`` is given, the GEMM operands (input, weight, output
   gradient) are counted as the recipe casts them to E4M3/E5M2: saturated, flushed, subnormal,
@@ -60,7 +61,7 @@ from .._policy import FP8_RECIPES, Policy
 from .._tree import floating_tensors
 from ._findings import NOTHING_SAMPLED, ModuleNumerics, NumericsReport, ParamNumerics, build_report
 from ._fp8_plan import Fp8CastStats, _Cast, _recipe_casts, _stats_from_counts, cast_counts, fp8_stats_table
-from ._stats import Log2Histogram
+from ._stats import Log2Histogram, stored_values
 
 __all__ = ["NumericsMonitor"]
 
@@ -524,8 +525,9 @@ class NumericsMonitor:
 
     @staticmethod
     def _check_view(t: torch.Tensor) -> torch.Tensor:
-        # (FP8 tensors upcast: isnan/isfinite are not implemented for them everywhere)
-        d = t.detach()
+        # (FP8 tensors upcast: isnan/isfinite are not implemented for them everywhere; a sparse tensor's
+        # stored values: isfinite has no sparse kernel)
+        d = stored_values(t.detach())
         return d.float() if d.dtype.itemsize == 1 else d
 
     def _holds_nan(self, t: torch.Tensor) -> torch.Tensor:

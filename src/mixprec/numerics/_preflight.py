@@ -28,7 +28,7 @@ from .._dtypes import device_supports, dtype_name
 from .._errors import NumericsError
 from .._fp8 import revert_linears
 from .._policy import Policy
-from .._tree import floating_tensors
+from .._tree import tree_leaves
 from ._findings import format_table, jsonable, print_tables
 from ._fp8_plan import apply_fp8
 from ._tracer import TraceResult, trace_nonfinite
@@ -224,11 +224,36 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
+def _real64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a dense real float64 tensor, to compare element by element against FP32's.
+
+    A sparse gradient (``nn.Embedding(sparse=True)``) is densified: elementwise ops such as
+    ``isfinite`` and ``reshape`` have no sparse kernels, and the rows a batch did not touch are
+    zeros in both runs, as they would be in a dense gradient (the check holds every gradient in
+    float64 anyway). A complex tensor (a Fourier layer's weights) becomes its real and imaginary
+    parts (``torch.view_as_real``): ``.double()`` would drop the imaginary part.
+    """
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t.double()
+
+
+def _dtype_label(dt: torch.dtype) -> str:
+    """Short dtype name for the report: ``"bf16"``; ``"complex64"``, ``"int64"`` for what mixprec does not cast."""
+    try:
+        return dtype_name(dt)
+    except ValueError:  # complex, integer: no mixprec format name
+        return str(dt).removeprefix("torch.")
+
+
 def _capture_output(model: nn.Module) -> tuple[list[Any], Any]:
     box: list[Any] = []
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        box.append([t.detach().double() for t in floating_tensors(output)])
+        box.append([_real64(t) for t in tree_leaves(output) if t.is_floating_point() or t.is_complex()])
 
     return box, model.register_forward_hook(hook)
 
@@ -249,7 +274,7 @@ def _forward_only(model: nn.Module, batch: Any) -> Any:
 
 def _run(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None, region: Any,
          scale: float, seed: int, device: torch.device) -> tuple[float | None, list[torch.Tensor], dict[str, torch.Tensor | None]]:
-    """Forward (+ scaled backward); returns loss, outputs (float64) and unscaled float64 grads by name."""
+    """Forward (+ scaled backward); returns loss, outputs and unscaled grads by name (dense, real float64: :func:`_real64`)."""
     model.zero_grad(set_to_none=True)
     box, handle = _capture_output(model)
     try:
@@ -281,7 +306,7 @@ def _run(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch
     finally:
         handle.remove()
     outputs = box[0] if box else []
-    grads = {n: (p.grad.detach().double() / scale if p.grad is not None else None) for n, p in model.named_parameters()}
+    grads = {n: (_real64(p.grad) / scale if p.grad is not None else None) for n, p in model.named_parameters()}
     return loss, outputs, grads
 
 
@@ -420,8 +445,8 @@ def check(
                 backoffs += 1
                 continue
             break
-    params_dtype = {n: dtype_name(p.dtype) if p.is_floating_point() else str(p.dtype) for n, p in pol_model.named_parameters()}
-    grad_dtype = {n: (dtype_name(p.grad.dtype) if p.grad is not None else None) for n, p in pol_model.named_parameters()}
+    params_dtype = {n: _dtype_label(p.dtype) for n, p in pol_model.named_parameters()}
+    grad_dtype = {n: (_dtype_label(p.grad.dtype) if p.grad is not None else None) for n, p in pol_model.named_parameters()}
     del pol_model, ref_model
 
     trace_result = None

@@ -29,6 +29,37 @@ __all__ = ["Log2Histogram", "TensorStats", "Thresholds", "fp8_scale", "tensor_st
 _EPS = 1e-12  # torchao's floor on amax before an FP8 scale is taken
 
 
+def stored_values(t: torch.Tensor) -> torch.Tensor:
+    """The values ``t`` stores, as a strided tensor: ``t`` itself, or a sparse tensor's values.
+
+    A sparse gradient (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) holds
+    the rows a batch touched; its other elements are implicit zeros that no computation made,
+    and most elementwise ops (``isfinite``, ``reshape``) are not implemented for sparse layouts.
+    Statistics of what was computed (inf/NaN, magnitudes, underflow) are therefore taken over the
+    stored values. A COO tensor is coalesced first: an embedding's gradient lists a row once per
+    lookup, and the gradient of that row is the sum of those entries.
+
+    Args:
+        t: Any tensor (strided, sparse COO, or a compressed sparse layout: CSR, CSC, BSR, BSC).
+
+    Returns:
+        ``t`` when it is strided; else its (coalesced) values, a strided tensor of ``t``'s dtype.
+
+    Host syncs: none for a strided tensor; coalescing a COO tensor on a GPU reads its new number
+    of entries back (one sync).
+
+    Example:
+        >>> g = torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.tensor([[1.0], [2.0]]), (4, 1), check_invariants=True)
+        >>> stored_values(g)
+        tensor([[3.]])
+    """
+    if t.layout == torch.strided:
+        return t
+    if t.layout == torch.sparse_coo:
+        return t.coalesce().values()
+    return t.values()  # compressed layouts hold no duplicates
+
+
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
     """Magnitude thresholds of one format under round-to-nearest-even (see the module docstring).
@@ -203,7 +234,9 @@ def tensor_stats(
     cheap enough to run on every parameter.
 
     Args:
-        t: Any floating tensor (an integer tensor is measured as float).
+        t: Any floating tensor (an integer tensor is measured as float). A sparse tensor (a
+            sparse gradient) is measured over its stored values (:func:`stored_values`): its
+            implicit zeros are not counted in ``numel`` or ``n_zero``.
         dtype: ``"f16"``, ``"bf16"``, ``"f8e4m3"``, ``"f8e5m2"`` (or ``"f32"``, a ``torch.dtype``, an alias).
         scaling: For FP8 formats, count the values as an FP8 training recipe casts them:
             ``"tensorwise"`` or ``"rowwise"`` (torchao's dynamic scale, along ``dim`` for rowwise;
@@ -215,7 +248,7 @@ def tensor_stats(
     Returns:
         :class:`TensorStats`.
 
-    Host sync: one (the result is read back).
+    Host sync: one (the result is read back; a sparse COO ``t`` one more, to coalesce it).
 
     Example:
         >>> s = tensor_stats(torch.tensor([0.0, 1e-8, 1e-6, 1.0, 7e4]), "f16")
@@ -228,7 +261,7 @@ def tensor_stats(
         raise TypeError(f"tensor_stats needs a real tensor, got {t.dtype} (the imaginary part would be dropped); pass "
                         "torch.view_as_real(t) to count both parts.")
     th = thresholds(dtype)
-    x = t.detach()
+    x = stored_values(t.detach())
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     label = "none"
     zero_before = None
@@ -373,15 +406,16 @@ class Log2Histogram:
         """Add the magnitudes of ``t`` (divided by ``scale`` when given) to the counts.
 
         Args:
-            t: A floating tensor.
+            t: A floating tensor; a sparse one (a sparse gradient) adds its stored values
+                (:func:`stored_values`), not its implicit zeros.
             scale: Divide by this first (a loss scale, to record unscaled gradients); a 0-d tensor
                 stays on the device.
             max_elements: For tensors larger than this, count a strided subset (an estimate).
 
-        Host syncs: none.
+        Host syncs: none (a sparse COO ``t``: one, to coalesce it, :func:`stored_values`).
         """
         counts, amax = self._ensure(t.device if self.counts is None else self.counts.device)
-        a = t.detach().reshape(-1)
+        a = stored_values(t.detach()).reshape(-1)
         if a.device != counts.device:
             a = a.to(counts.device)
         if max_elements is not None and a.numel() > max_elements:

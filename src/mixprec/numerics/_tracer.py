@@ -39,13 +39,21 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._autocast import autocast, resolve_device_type
-from .._casting import _compile_target, cast_module, is_prepared, run_of, strip_forward_patches
+from .._casting import (
+    _compile_target,
+    _island_forward,
+    _root_forward,
+    cast_module,
+    is_prepared,
+    run_of,
+    strip_forward_patches,
+)
 from .._checkpoint import canonical_name
 from .._fp8 import fp8_modules
 from .._policy import Policy
 from .._tree import floating_tensors, tree_map
 from ._findings import jsonable
-from ._stats import TensorStats, tensor_stats, thresholds
+from ._stats import TensorStats, stored_values, tensor_stats, thresholds
 
 __all__ = ["FP32Rerun", "TraceResult", "trace_nonfinite"]
 
@@ -60,12 +68,25 @@ class FP32Rerun:
     Attributes:
         finite: The FP32 result has no inf/NaN.
         absmax: Its largest magnitude (of the outputs in forward, of the input and parameter
-            gradients in backward).
+            gradients in backward; of the FP32 values where the traced step had inf/NaN when
+            ``looked_at`` names a submodule's inputs).
         exceeds: The formats (``"f16"``, ``"bf16"``) whose maximum ``absmax`` exceeds.
         precision_is_cause: ``True`` when FP32 is finite (the low precision made the inf/NaN),
             ``False`` when FP32 fails too (a bug, bad data or a diverged model), ``None`` when
             the re-run could not be made.
         note: How it was run, or why not.
+        looked_at: What the re-run compared, when not the module's own result: for inf/NaN made
+            by the module's own code before it called a submodule (``TraceResult.where ==
+            "input"``), ``"the inputs of '<submodule>'"``. The FP32 re-run then looks at that same
+            value, not at the module's output (a finite output proves nothing about a value
+            handed to a submodule: a ``-inf`` attention mask yields finite outputs). There,
+            ``precision_is_cause`` is ``True`` when some element that was inf/NaN in the traced
+            step is finite in FP32, ``False`` when every one of them is inf/NaN in FP32 too.
+        fp32_kind: When ``looked_at`` is set: the non-finite values FP32 has there too
+            (``"-inf"``, ``"inf"``, ``"nan"``, ``"inf and nan"``; ``""``: none).
+        output_absmax: When ``looked_at`` is set: the largest magnitude of the module's own FP32
+            output (``inf`` when it is not finite), to tell whether an FP32 island around the
+            module, which hands its outputs back in the compute dtype, can help.
     """
 
     finite: bool | None
@@ -73,6 +94,9 @@ class FP32Rerun:
     exceeds: list[str]
     precision_is_cause: bool | None
     note: str
+    looked_at: str = ""
+    fp32_kind: str = ""
+    output_absmax: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +123,13 @@ class TraceResult:
         loss: The loss value (``None`` when the trace stopped before it).
         policy: The policy the step ran under (``None``: the model as given).
         loss_scale: The loss was multiplied by this before backward.
+        callee: For ``where="input"``: the submodule whose inputs held the inf/NaN (the value the
+            module's own code handed to it).
+        callee_island: ``callee`` is an FP32 island of the run: it takes its inputs in FP32 and
+            computes in FP32, so a value beyond FP16's range overflows only where it was made.
+        compute_dtype: The format the traced step computed in (``"bf16"``, ``"f16"``, ``"f32"``):
+            the policy's compute dtype, the enclosing autocast's, else the dtype of the failing
+            values. Advice never suggests the format the step already computed in.
     """
 
     found: bool
@@ -115,6 +146,9 @@ class TraceResult:
     loss: float | None = None
     policy: str | None = None
     loss_scale: float = 1.0
+    callee: str | None = None
+    callee_island: bool = False
+    compute_dtype: str | None = None
 
     @property
     def location(self) -> str:
@@ -158,9 +192,20 @@ class TraceResult:
             parts.append(f"Its {what}: absmax {amax:.4g} in {self.stats_dtype}.")
         r = self.fp32_rerun
         if r is not None:
+            at = f" ({r.looked_at})" if r.looked_at else ""
             if r.precision_is_cause:
                 ex = f", largest value {r.absmax:.4g}" + (f" > the {'/'.join(r.exceeds)} maximum" if r.exceeds else "")
-                parts.append(f"Re-run in FP32: finite{ex}: precision is the cause.")
+                if r.finite is False:  # a value looked at: some of its inf/NaN are there in FP32 too
+                    parts.append(f"Re-run in FP32{at}: the {r.fp32_kind} is there in FP32 too, but the other inf/NaN "
+                                 f"values are finite{ex}: precision is the cause.")
+                else:
+                    parts.append(f"Re-run in FP32{at}: finite{ex}: precision is the cause.")
+            elif r.precision_is_cause is False and r.looked_at:
+                why = ("a -inf put there on purpose, such as an additive attention mask, is no problem; otherwise check "
+                       "the inputs, the data, the learning rate" if r.fp32_kind == "-inf" else
+                       "check the inputs, the data, the learning rate")
+                parts.append(f"Re-run in FP32{at}: the same {r.fp32_kind or self.kind} is there in FP32 too: not a "
+                             f"precision problem ({why}).")
             elif r.precision_is_cause is False and r.finite is None:
                 parts.append(f"{r.note[0].upper()}{r.note[1:]} (check the inputs, the data, the learning rate).")
             elif r.precision_is_cause is False:
@@ -172,18 +217,45 @@ class TraceResult:
             parts.append(self.advice)
         return " ".join(parts)
 
+    def _run_exceeds(self) -> list[str]:
+        """The formats of :attr:`FP32Rerun.exceeds` the traced step computed in (all of them when that is unknown).
+
+        A value beyond FP16's maximum is no overflow in a BF16 step: only the format the step
+        computed in counts for the advice.
+        """
+        r = self.fp32_rerun
+        if r is None:
+            return []
+        if self.compute_dtype in ("f16", "bf16"):
+            return [d for d in r.exceeds if d == self.compute_dtype]
+        return list(r.exceeds)
+
     @property
     def output_exceeds_range(self) -> bool:
         """Whether the guilty module's forward output itself lies beyond the compute format's range.
 
-        ``True`` when the FP32 re-run of a forward output was finite but larger than a half
-        format's maximum (:attr:`FP32Rerun.exceeds`): the value, not an intermediate, overflows,
-        so an FP32 island cannot help (an island computes in FP32 inside but hands its outputs
-        back in the compute dtype, ``mixprec._casting._island_forward``).
+        ``True`` when the FP32 re-run of a forward output was finite but larger than the maximum of
+        the half format the step computed in (:attr:`FP32Rerun.exceeds`): the value, not an
+        intermediate, overflows, so an FP32 island cannot help (an island computes in FP32 inside but
+        hands its outputs back in the compute dtype, ``mixprec._casting._island_forward``).
         """
         r = self.fp32_rerun
         return bool(self.phase == "forward" and self.where == "output" and r is not None and r.precision_is_cause
-                    and r.exceeds)
+                    and self._run_exceeds())
+
+    @property
+    def value_exceeds_range(self) -> bool:
+        """Whether a value the module's own code handed to a submodule (``where="input"``) lies beyond the compute format's range in FP32 too.
+
+        ``True`` when the FP32 re-run found the value finite where the traced step had inf/NaN, but
+        larger than the maximum of the half format the step computed in, and the submodule computes
+        in that format (it is no FP32 island, :attr:`callee_island`): running that code in FP32
+        (``mixprec.autocast.fp32()``) still hands the submodule a value it computes on in that
+        format, so it overflows there again.
+        """
+        r = self.fp32_rerun
+        return bool(self.phase == "forward" and self.where == "input" and r is not None and r.looked_at
+                    and r.precision_is_cause and self._run_exceeds() and not self.callee_island)
 
     @property
     def advice(self) -> str:
@@ -192,32 +264,64 @@ class TraceResult:
         An FP32 island is advised only where it can help: an overflow inside the module (an
         intermediate, finite again in its output) or in its backward. When the module's output
         itself exceeds the format's range (:attr:`output_exceeds_range`), the island would hand the
-        same value back in FP16, so the advice is BF16 (FP32's exponent range) or rescaling.
+        same value back in FP16, so the advice is BF16 (FP32's exponent range) or rescaling. The
+        same holds for a value the module's own code hands to a submodule
+        (:attr:`value_exceeds_range`): an FP32 region around that code (the root's own code) cannot
+        help, and an island around the module only when its FP32 output fits. BF16 is never advised
+        to a step that computed in BF16 already.
         """
         r = self.fp32_rerun
         if r is None or not r.precision_is_cause:
             return ""
+        use_bf16 = self.compute_dtype != "bf16"
+        bf16 = "use bf16, " if use_bf16 else ""
         if self.module is not None and self.output_exceeds_range and self.module_type != "MixprecFloat8Linear":
-            fmt = "/".join(r.exceeds)
-            limit = " and ".join(f"{thresholds(d).max:.6g}" for d in r.exceeds)
+            fmt, limit = self._format_limit()
             name = "the model" if self.module == "" else repr(self.module)
             rescale = ("e.g. smaller weights in it, or a normalization after it" if self.module
                        else "e.g. a normalization before the last operation")
             return (f"The output of {name} itself exceeds the {fmt} maximum ({limit}; {r.absmax:.4g} in FP32), so an "
                     f"FP32 island would not help: an island computes in FP32 inside but hands its outputs back in the "
-                    f"compute dtype. Use bf16 (the range of FP32, no loss scaling), or rescale the computation so the "
-                    f"output fits ({rescale}).")
+                    f"compute dtype. {self._bf16_or(f'rescale the computation so the output fits ({rescale}).')}")
+        if self.module is not None and self.value_exceeds_range:
+            fmt, limit = self._format_limit()
+            callee = repr(self.callee) if self.callee else "its submodule"
+            value = f"exceeds the {fmt} maximum ({limit}; {r.absmax:.4g} in FP32)"
+            rescale = f"rescale the computation so the value fits (e.g. a normalization before {callee})."
+            if self.module == "":
+                return (f"The value the model's own code hands to {callee} itself {value}, so running that code in FP32 "
+                        f"(mixprec.autocast.fp32()) would not help: {callee} computes in {fmt} and meets the same value. "
+                        f"{self._bf16_or(rescale)}")
+            out_fits = r.output_absmax is not None and all(r.output_absmax <= thresholds(d).max for d in self._run_exceeds())
+            if not out_fits:
+                out = "" if r.output_absmax is None else f" ({r.output_absmax:.4g} in FP32)"
+                return (f"The value {self.module!r} hands to {callee} itself {value}, and so does the output of "
+                        f"{self.module!r}{out}, so an FP32 island would not help: an island computes in FP32 inside but "
+                        f"hands its outputs back in the compute dtype. {self._bf16_or(rescale)}")
+            return (f"Keep it in FP32 (policy island i=norm+name:{self.module}: {callee} then computes in FP32 inside "
+                    f"it, and the output of {self.module!r} fits {fmt}), {bf16}or {rescale}")
         if self.module and self.module_type == "MixprecFloat8Linear":
             return (f"{self.module!r} runs its GEMMs in FP8 (f8=): leave it out with f8_layers=auto "
                     f"(mixprec.numerics.fp8_plan measures each layer) or globs that skip it, or make it an "
                     f"FP32 island (i=norm+name:{self.module}).")
         if self.module:
             fix = "lower the loss scale" if self.phase == "backward" and self.loss_scale > 1 else "rescale the computation"
-            return f"Keep it in FP32 (policy island i=norm+name:{self.module}), use bf16, or {fix}."
+            return f"Keep it in FP32 (policy island i=norm+name:{self.module}), {bf16}or {fix}."
         if self.module == "":
-            return "Use bf16, or find the overflowing operation in the model's forward and run it in FP32 " \
-                   "(mixprec.autocast.fp32())."
+            find = "find the overflowing operation in the model's forward and run it in FP32 (mixprec.autocast.fp32())."
+            return f"Use bf16, or {find}" if use_bf16 else find[0].upper() + find[1:]
         return ""
+
+    def _format_limit(self) -> tuple[str, str]:
+        """(``"f16"``, ``"65504"``): the exceeded formats of the traced step and their maxima, for the advice."""
+        exceeded = self._run_exceeds()
+        return "/".join(exceeded), " and ".join(f"{thresholds(d).max:.6g}" for d in exceeded)
+
+    def _bf16_or(self, rest: str) -> str:
+        """``"Use bf16 (...), or <rest>"``; just ``rest`` (capitalised) when the step computed in BF16 already."""
+        if self.compute_dtype == "bf16":
+            return rest[0].upper() + rest[1:]
+        return f"Use bf16 (the range of FP32, no loss scaling), or {rest}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (inf/NaN as null), with the explanation."""
@@ -251,12 +355,13 @@ class _Tap(torch.autograd.Function):
 
 
 def _nonfinite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t for t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    # (a sparse gradient, nn.Embedding(sparse=True): its stored values; isfinite has no sparse kernel)
+    return [t for t in tensors if t.is_floating_point() and not bool(torch.isfinite(stored_values(t)).all())]
 
 
 def _kind(tensors: list[torch.Tensor]) -> str:
-    has_nan = any(bool(torch.isnan(t).any()) for t in tensors)
-    has_inf = any(bool(torch.isinf(t).any()) for t in tensors)
+    has_nan = any(bool(torch.isnan(stored_values(t)).any()) for t in tensors)
+    has_inf = any(bool(torch.isinf(stored_values(t)).any()) for t in tensors)
     return "inf and nan" if has_nan and has_inf else "nan" if has_nan else "inf"
 
 
@@ -269,6 +374,13 @@ class _Event:
     bad: list[torch.Tensor]
     incoming: list[torch.Tensor]
     rerun: str | None  # module to re-run
+    # where="input" (made by the module's own code): the submodule it handed the values to, which of that
+    # submodule's calls within this call of the module it was (0: the first), all the floating tensors of that
+    # call's inputs (to compare element by element in the FP32 re-run), and whether gradients were on then.
+    callee: str | None = None
+    callee_call: int = 0
+    callee_inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    grad_enabled: bool = True
 
 
 def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -291,6 +403,8 @@ class _Tracer:
         self.stack: list[str] = []
         self.parent: dict[str, str | None] = {}
         self.last_child: dict[str, str] = {}
+        # module (None: called from outside the model) -> {submodule: calls so far in its current call}
+        self.calls: dict[str | None, dict[str, int]] = {}
         self.saved_inputs: dict[str, tuple[Any, Any]] = {}
         self.saved_grad_out: dict[str, list[torch.Tensor | None]] = {}
         self.grad_out_ok: set[str] = set()
@@ -322,7 +436,9 @@ class _Tracer:
         if not self.enabled:
             return None
         parent = self.stack[-1] if self.stack else None
-        bad = _nonfinite(floating_tensors((args, kwargs)))
+        calls = self.calls.setdefault(parent, {})
+        inputs = floating_tensors((args, kwargs))
+        bad = _nonfinite(inputs)
         if bad:
             if parent is None:
                 self.stop(_Event("forward", None if name == "" else name, "input", "the model's inputs" if name == ""
@@ -331,7 +447,10 @@ class _Tracer:
             where = f"between {after!r} and {name!r}" if after else f"before calling {name!r}"
             self.stop(_Event("forward", parent, "input", where, bad,
                              floating_tensors(self.saved_inputs.get(parent, ((), {}))) if parent is not None else [],
-                             parent))
+                             parent, callee=name, callee_call=calls.get(name, 0), callee_inputs=inputs,
+                             grad_enabled=torch.is_grad_enabled()))
+        calls[name] = calls.get(name, 0) + 1
+        self.calls[name] = {}  # a new call of this module: its own submodule calls count from 0
         self.parent[name] = parent
         self.stack.append(name)
         self.saved_inputs[name] = (args, kwargs)
@@ -400,8 +519,9 @@ class _Tracer:
 
 
 # ----- FP32 re-run --------------------------------------------------------------------------------------
-def _fp32_copy(module: nn.Module) -> nn.Module:
-    m = strip_forward_patches(copy.deepcopy(module))  # cast_module's input/output casts and islands
+def _fp32_copy(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """An FP32 copy of ``module`` without hooks or mixprec patches; ``memo`` receives ``deepcopy``'s map (id -> copy)."""
+    m = strip_forward_patches(copy.deepcopy(module, memo))  # cast_module's input/output casts and islands
     for sub in m.modules():  # drop every hook (the tracer's, a user's)
         sub._forward_hooks.clear()
         sub._forward_pre_hooks.clear()
@@ -452,20 +572,34 @@ def _fp32_truth(model: nn.Module, work: nn.Module, cast_here: bool) -> tuple[dic
     return work_truth, ("the run's FP32 masters" if work_truth else "")
 
 
+def _absmax(t: torch.Tensor) -> float:
+    """Largest magnitude of ``t`` (a sparse one's stored values), ignoring NaN; ``inf`` for an infinity, 0.0 when empty."""
+    v = stored_values(t.detach())
+    return float(torch.where(torch.isnan(v), 0.0, v.abs()).max()) if v.numel() else 0.0
+
+
+def _fp32_module(module: nn.Module, truth: dict[int, torch.Tensor] | None, memo: dict[int, Any] | None = None) -> nn.Module:
+    """:func:`_fp32_copy` of ``module`` with each parameter's full-precision value from ``truth``."""
+    m32 = _fp32_copy(module, memo)
+    if truth:
+        for p32, p in zip(m32.parameters(), module.parameters()):
+            value = truth.get(id(p))
+            if value is not None and value.shape == p32.shape:
+                p32.data = value.detach().float().clone()
+    return m32
+
+
 def _rerun(ev: _Event, tracer: _Tracer, device_type: str, truth: dict[int, torch.Tensor] | None = None,
            source: str = "") -> FP32Rerun:
     name = ev.rerun
     if name is None or name not in tracer.modules or name not in tracer.saved_inputs:
         return FP32Rerun(None, None, [], None, "not re-run: the values did not come from a module")
+    if ev.phase == "forward" and ev.where == "input" and ev.callee is not None:
+        return _rerun_callee_input(ev, name, tracer, device_type, truth, source)
     module = tracer.modules[name]
     args, kwargs = tracer.saved_inputs[name]
     try:
-        m32 = _fp32_copy(module)
-        if truth:
-            for p32, p in zip(m32.parameters(), module.parameters()):
-                value = truth.get(id(p))
-                if value is not None and value.shape == p32.shape:
-                    p32.data = value.detach().float().clone()
+        m32 = _fp32_module(module, truth)
         with torch.autocast(device_type=device_type, enabled=False):
             if ev.phase == "forward":
                 with torch.no_grad():
@@ -488,12 +622,94 @@ def _rerun(ev: _Event, tracer: _Tracer, device_type: str, truth: dict[int, torch
     if not results:
         return FP32Rerun(None, None, [], None, "the FP32 re-run produced no floating tensors")
     finite = not _nonfinite(results)
-    absmax = max(float(torch.where(torch.isnan(t), 0.0, t.abs()).max()) if t.numel() else 0.0 for t in results)
+    absmax = max(_absmax(t) for t in results)
     exceeds = [d for d in ("f16", "bf16") if absmax > thresholds(d).max]
+    return FP32Rerun(finite, absmax, exceeds, finite, f"{_how(name, module, truth, source)}, "
+                     "same " + ("inputs" if ev.phase == "forward" else "inputs and output gradient"))
+
+
+def _how(name: str, module: nn.Module, truth: dict[int, torch.Tensor] | None, source: str) -> str:
     fp8 = ", FP8 off" if fp8_modules(module) else ""
     weights = f" ({source})" if source and truth else ""
-    return FP32Rerun(finite, absmax, exceeds, finite, f"{name or 'the model'} copied to FP32{weights}, autocast off{fp8}, "
-                     "same " + ("inputs" if ev.phase == "forward" else "inputs and output gradient"))
+    return f"{name or 'the model'} copied to FP32{weights}, autocast off{fp8}"
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to_dense() if t.layout != torch.strided else t.detach()
+
+
+def _rerun_callee_input(ev: _Event, name: str, tracer: _Tracer, device_type: str,
+                        truth: dict[int, torch.Tensor] | None, source: str) -> FP32Rerun:
+    """Re-run module ``name`` in FP32 and look at the value its own code handed to ``ev.callee``.
+
+    The inf/NaN was made in the module's own code, between its submodule calls, and found in
+    the inputs of ``ev.callee``: that value is what the FP32 re-run must look at. The module's
+    FP32 output says nothing about it (a ``-inf`` additive attention mask, which
+    ``nn.TransformerEncoder`` builds from ``src_key_padding_mask`` in its own code, yields finite
+    outputs), so a pre-hook on the copy of ``ev.callee`` takes its inputs at the same call, and the
+    two are compared element by element: precision is the cause when an element that was inf/NaN
+    in the traced step is finite in FP32; an inf/NaN that is there in FP32 too (the mask) is not
+    the precision's doing. The re-run keeps the traced step's gradient mode: torch's Transformer
+    modules take other code paths without gradients (nested tensors, which drop the mask).
+    """
+    module = tracer.modules[name]
+    args, kwargs = tracer.saved_inputs[name]
+    looked_at = f"the inputs of {ev.callee!r}"
+    memo: dict[int, Any] = {}
+    captured: list[list[torch.Tensor]] = []
+    calls = 0
+
+    def grab(mod: nn.Module, a: Any, k: Any) -> None:
+        nonlocal calls
+        if calls == ev.callee_call:
+            captured.append([t.detach() for t in floating_tensors((a, k))])
+        calls += 1
+
+    try:
+        m32 = _fp32_module(module, truth, memo)
+        callee = tracer.modules.get(ev.callee or "")
+        c32 = memo.get(id(callee)) if callee is not None else None
+        if not isinstance(c32, nn.Module):
+            return FP32Rerun(None, None, [], None, f"not re-run: {ev.callee!r} is not part of {name or 'the model'!r}, so "
+                             "its inputs could not be looked at in FP32", looked_at)
+        handle = c32.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with torch.autocast(device_type=device_type, enabled=False), torch.set_grad_enabled(ev.grad_enabled):
+                out = m32(*_to_fp32(args, False), **_to_fp32(kwargs, False))
+        finally:
+            handle.remove()
+    except Exception as e:  # a module that cannot run alone (needs state from its caller)
+        return FP32Rerun(None, None, [], None, f"could not re-run {name!r} alone in FP32: {type(e).__name__}: {e}",
+                         looked_at)
+    how = f"{_how(name, module, truth, source)}, same inputs; {looked_at} compared (call {ev.callee_call + 1})"
+    if not captured:
+        return FP32Rerun(None, None, [], None, f"could not look at {looked_at} in FP32: {name or 'the model'} called it "
+                         f"{calls} time(s) there, the traced step {ev.callee_call + 1}", looked_at)
+    got = captured[0]
+    outs = floating_tensors(out)
+    out_absmax = max((_absmax(t) for t in outs), default=0.0)
+    finite = not _nonfinite(got)
+    low, f32 = [_dense(t) for t in ev.callee_inputs], [_dense(t) for t in got]
+    if len(low) == len(f32) and all(a.shape == b.shape for a, b in zip(low, f32)):
+        # element by element: FP32's values where the traced step had inf/NaN
+        made, kept = [], []
+        for a, b in zip(low, f32):
+            bad = ~torch.isfinite(a.float() if a.dtype.itemsize == 1 else a)  # (FP8: no isfinite everywhere)
+            if bool(bad.any()):
+                fin = torch.isfinite(b)
+                made.append(b[bad & fin])
+                kept.append(b[bad & ~fin])
+        precision = any(t.numel() for t in made)
+    else:  # the call's inputs differ in number or shape in FP32: the value as a whole
+        precision = finite
+        made = [t[torch.isfinite(t)] for t in f32]
+        kept = [t[~torch.isfinite(t)] for t in f32]
+    kept = [t for t in kept if t.numel()]
+    # the overflowing values when precision made them; else what FP32 has there (inf for a -inf mask)
+    absmax = max((_absmax(t) for t in (made if precision else kept)), default=0.0)
+    fp32_kind = ("" if not kept else "-inf" if all(bool((t == -math.inf).all()) for t in kept) else _kind(kept))
+    exceeds = [d for d in ("f16", "bf16") if absmax > thresholds(d).max]
+    return FP32Rerun(finite, absmax, exceeds, precision, how, looked_at, fp32_kind, out_absmax)
 
 
 # ----- public entry point ------------------------------------------------------------------------------
@@ -531,6 +747,16 @@ def _stats_name(stats_dtype: str | torch.dtype | None, pol: Policy | None, devic
     if torch.is_autocast_enabled(device_type):
         return _short_dtype(torch.get_autocast_dtype(device_type))
     return None
+
+
+def _is_island(module: nn.Module | None) -> bool:
+    """Whether ``module`` runs as an FP32 island (``cast_module`` installed its island forward, maybe under the root's)."""
+    fwd = module.__dict__.get("forward") if module is not None else None
+    while isinstance(fwd, functools.partial) and fwd.func in (_island_forward, _root_forward):
+        if fwd.func is _island_forward:
+            return True
+        fwd = fwd.args[1]  # the forward the patch wraps (partial(function, module, previous, ...))
+    return False
 
 
 def _call_model(model: nn.Module, batch: Any) -> Any:
@@ -617,6 +843,7 @@ def trace_nonfinite(
     # trace), and module names come without '_orig_mod.', as policies' name: islands match them.
     traced = _compile_target(work)
     stats_name = _stats_name(stats_dtype, pol, device_type, already_fp32)
+    compute_name = _stats_name(None, pol, device_type, already_fp32)
     do_backward = backward and loss_fn is not None
 
     if do_backward and torch.is_inference_mode_enabled():
@@ -663,9 +890,11 @@ def trace_nonfinite(
     pol_str = str(pol) if pol is not None else None
     if ev is None:
         return TraceResult(found=False, loss=loss_value, policy=pol_str, loss_scale=loss_scale,
-                           stats_dtype=stats_name or "f32")
-    if stats_name is None:  # the dtype the failing step's values really had
-        stats_name = _short_dtype(next((t.dtype for t in [*ev.incoming, *ev.bad] if t.is_floating_point()), torch.float32))
+                           stats_dtype=stats_name or "f32", compute_dtype=compute_name)
+    # the dtype the failing step's values really had
+    real = _short_dtype(next((t.dtype for t in [*ev.incoming, *ev.bad] if t.is_floating_point()), torch.float32))
+    stats_name = stats_name or real
+    compute_name = compute_name or real
     module = ev.module
     mtype = type(tracer.modules[module]).__name__ if module is not None and module in tracer.modules else None
     rerun = None
@@ -680,5 +909,6 @@ def trace_nonfinite(
         found=True, phase=ev.phase, module=module, module_type=mtype, where=ev.where, detail=ev.detail,
         kind=_kind(ev.bad), input_stats=[tensor_stats(t, stats_name) for t in ev.incoming],
         output_stats=[tensor_stats(t, stats_name) for t in ev.bad], stats_dtype=stats_name, fp32_rerun=rerun,
-        loss=loss_value, policy=pol_str, loss_scale=loss_scale,
+        loss=loss_value, policy=pol_str, loss_scale=loss_scale, callee=ev.callee,
+        callee_island=ev.callee is not None and _is_island(tracer.modules.get(ev.callee)), compute_dtype=compute_name,
     )
