@@ -993,3 +993,52 @@ def test_counters_as_numpy_numbers_load() -> None:
 def test_a_floor_below_float32s_range_is_its_smallest() -> None:
     """min_scale=1e-50 meant 'effectively no floor' (accepted before the range check): it is 2**-127, as None."""
     assert DynamicScaler(init_scale=1.0, min_scale=1e-50)._core.cfg.min_scale == 2.0**-127
+
+
+def _poisoned_run(preset: str, steps: int, *, save_every: int = 0, resume_at: int = 0) -> int | None:
+    """Train with inf losses from step 3 on; return the step that raised NumericsError (None if none did)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import mixprec as mp
+
+    def build() -> tuple[mp.MixedPrecision, torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        if preset.startswith("fp16"):
+            scaler = mp.DynamicScaler(init_scale=8.0, min_scale=1.0, patience=4, check_interval=5)
+        else:
+            scaler = mp.NoOpScaler(patience=4, check_interval=5)
+        prec = mp.MixedPrecision(preset, scaler=scaler)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return prec, model, opt
+
+    prec, model, opt = build()
+    for step in range(steps):
+        if resume_at and step == resume_at:
+            state = prec.state_dict()
+            prec, model, opt = build()
+            prec.load_state_dict(state)
+        g = torch.Generator().manual_seed(step)
+        with prec.autocast():
+            loss = F.cross_entropy(model(torch.randn(8, 8, generator=g)), torch.randint(0, 4, (8,), generator=g))
+        prec.backward(loss * float("inf") if step >= 3 else loss)
+        try:
+            prec.step(opt)
+        except mp.NumericsError:
+            return step
+        opt.zero_grad(set_to_none=True)
+        if save_every and (step + 1) % save_every == 0:
+            prec.state_dict()
+    return None
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+def test_escalation_fires_at_the_same_step_with_checkpoints_and_after_a_resume(preset: str) -> None:
+    # The check was counted from the last fold, and state_dict() folds: saving every 4 steps (under
+    # the interval of 5) switched escalation off, and a resume shifted it.
+    plain = _poisoned_run(preset, 60)
+    assert plain is not None and plain < 20
+    assert _poisoned_run(preset, 60, save_every=4) == plain
+    assert _poisoned_run(preset, 60, save_every=3) == plain
+    assert _poisoned_run(preset, 60, resume_at=7) == plain

@@ -194,7 +194,7 @@ class ScaleHistory:
         steps = self.steps
         torch.stack([scale, found_inf], out=self._rows[steps % self.ring_len])
         self.steps = steps = steps + 1
-        if steps - self.folded >= self._interval:
+        if steps % self._interval == 0:  # absolute steps: see record_snapshot
             self.fold()
             if self.cfg.checks:
                 self._periodic_check(scale)
@@ -217,7 +217,12 @@ class ScaleHistory:
         """
         self._pending.append((used, found_inf))
         self.steps = steps = self.steps + 1
-        if steps - self.folded >= self._interval:
+        if steps % self._interval == 0:
+            # Due at multiples of the interval in absolute steps, not counted from the last fold:
+            # state_dict() folds (statistics), and a count restarted there never reached the check
+            # when checkpoints came more often than the interval (escalation off); a resumed run
+            # checks at the same steps as an uninterrupted one. A fold never waits longer than the
+            # interval, which is at most the ring's length.
             self.fold(scale)
             if self.cfg.checks:
                 self._periodic_check(scale)
@@ -505,9 +510,12 @@ class ScaleHistory:
         def opt(v: Any) -> float:
             return -1.0 if v is None else float(v)
 
+        # A fixed scale is always at its floor: the streak is the run of consecutive skips (the
+        # noop and static state dicts do not carry floor_streak; starting it at 0 delayed escalation).
+        streak = sd["floor_streak"] if self.cfg.kind == "dynamic" else sd["consecutive_skips"]
         self.counters.copy_(torch.tensor([
             float(sd["skipped_steps"]), float(sd["consecutive_skips"]), opt(sd["last_overflow_step"]),
-            opt(sd["last_finite_step"]), float(sd["floor_streak"]), scale], dtype=torch.float64))
+            opt(sd["last_finite_step"]), float(streak), scale], dtype=torch.float64))
         self.finite_before = bool(sd["any_finite_step"])
         self._snapshot = None
         self._reported = False
