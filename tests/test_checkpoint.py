@@ -460,3 +460,86 @@ def test_save_and_load_refuse_a_directory_path(tmp_path) -> None:
     with pytest.raises(mixprec.checkpoint.CheckpointError, match="a directory"):
         mixprec.load(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def _frozen_head_run(preset: str = "bf16-master") -> tuple[MixedPrecision, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    model[2].weight.requires_grad_(False)  # a head warmed up frozen, unfrozen during training
+    prec = MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return prec, model, opt
+
+
+def _train_step(prec: MixedPrecision, model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with prec.autocast():
+        out = model(torch.randn(8, 8, generator=g))
+        loss = nn.functional.cross_entropy(out.float(), torch.randint(0, 4, (8,), generator=g))
+    prec.backward(loss)
+    prec.step(opt)
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+def test_a_layer_unfrozen_during_training_resumes_bit_exact_when_unfrozen_before_loading(preset: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prec, model, opt = _frozen_head_run(preset)
+        _train_step(prec, model, opt, 0)
+        model[2].weight.requires_grad_(True)
+        for s in (1, 2):
+            _train_step(prec, model, opt, s)
+        buf = io.BytesIO()
+        torch.save(prec.state_dict(), buf)  # the state dict holds live tensors, as torch's: saved before training on
+        for s in (3, 4):
+            _train_step(prec, model, opt, s)
+        buf.seek(0)
+        state = torch.load(buf, weights_only=True)
+        prec2, model2, opt2 = _frozen_head_run(preset)
+        model2[2].weight.requires_grad_(True)
+        prec2.load_state_dict(state)
+        for s in (3, 4):
+            _train_step(prec2, model2, opt2, s)
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), n
+    for a, b in zip(opt.master_values(), opt2.master_values()):
+        assert torch.equal(a, b)
+
+
+def test_loading_masters_into_a_layer_still_frozen_names_the_fix_and_changes_nothing() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prec, model, opt = _frozen_head_run()
+        _train_step(prec, model, opt, 0)
+        model[2].weight.requires_grad_(True)
+        _train_step(prec, model, opt, 1)
+        state = prec.state_dict()
+        prec2, model2, opt2 = _frozen_head_run()  # not unfrozen: the checkpoint has a master it lacks
+    before = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    with pytest.raises(ValueError, match=r"optimizer 0: parameter 2 \(shape \(4, 16\)\) has an FP32 master in the "
+                                         r"checkpoint but is frozen in this run .*requires_grad_\(True\), before loading"):
+        prec2.load_state_dict(state)
+    for n, p in model2.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_a_bf16_pure_checkpoint_of_another_optimizer_class_is_refused_before_the_model_loads() -> None:
+    def run(opt_cls: type) -> tuple[MixedPrecision, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        kwargs = {"lr": 1e-2, "momentum": 0.9} if opt_cls is torch.optim.SGD else {"lr": 1e-2}
+        prec = MixedPrecision("bf16-pure")
+        model, opt = prec.prepare(model, opt_cls(model.parameters(), **kwargs))
+        return prec, model, opt
+
+    prec, model, opt = run(torch.optim.AdamW)
+    _train_step(prec, model, opt, 0)
+    state = prec.state_dict()
+    prec2, model2, _ = run(torch.optim.SGD)
+    before = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    with pytest.raises(ValueError, match="optimizer 0: parameter group 0 of the state dict has no hyper-parameter "
+                                         "'momentum', which SGD needs: a checkpoint of another optimizer class"):
+        prec2.load_state_dict(state)
+    for n, p in model2.named_parameters():
+        assert torch.equal(p, before[n]), n

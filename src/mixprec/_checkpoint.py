@@ -688,7 +688,12 @@ def convert_state_dict(state_dict: Mapping[str, Any], policy: Policy | str) -> d
 
 
 def check_optimizer_entries(optimizers: Sequence[Any], entries: Sequence[Any]) -> None:
-    """The saved optimizers have this run's param-group layout (torch checks it only inside the load)."""
+    """The saved optimizers load into this run's (torch checks the layout only inside the load).
+
+    Checked before the model is loaded: the param-group layout, and the optimizers' own
+    ``check_loadable`` where they have one (``MasterWeightOptimizer``'s masters, ``mixprec.optim``'s
+    compensation and hyper-parameters), so a mismatch raises with nothing overwritten.
+    """
     for i, (opt, entry) in enumerate(zip(optimizers, entries)):
         inner = entry.get("optimizer") if isinstance(entry, Mapping) and "masters" in entry else entry
         groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
@@ -701,6 +706,13 @@ def check_optimizer_entries(optimizers: Sequence[Any], entries: Sequence[Any]) -
                 f"the checkpoint's optimizer {i} has param groups of sizes {saved}, this run's {ours}; build the "
                 "optimizer with the same param groups as the run that saved it."
             )
+        masters = isinstance(entry, Mapping) and "masters" in entry
+        check = getattr(opt, "check_loadable", None)
+        if check is not None and (masters or not hasattr(opt, "model_params")):
+            try:
+                check(entry)
+            except ValueError as e:
+                raise ValueError(f"the checkpoint's optimizer {i}: {e}") from None
 
 
 def parameter_names(model: nn.Module, optimizers: Sequence[Any]) -> tuple[list[list[str]], dict[str, str]]:

@@ -374,13 +374,18 @@ class MasterWeightOptimizer(Optimizer):
         """Called with the operation's name before torch code reads a gradient view (``MixedPrecision`` checks the scale there)."""
         self._before_read = callback
 
-    def _promote_unfrozen(self) -> None:
-        """Create the masters of parameters that were frozen at adoption and are trainable now."""
+    def _promote_unfrozen(self, warn: bool = True) -> None:
+        """Create the masters of parameters that were frozen at adoption and are trainable now.
+
+        Args:
+            warn: Warn (once per process) that such masters start from the rounded weights; off
+                when a checkpoint's masters are loaded into them next.
+        """
         thawed = [p for p in self._frozen if p.requires_grad]
         if not thawed:
             return
         global _WARNED_UNFROZEN
-        if not _WARNED_UNFROZEN:
+        if warn and not _WARNED_UNFROZEN:
             _WARNED_UNFROZEN = True
             warnings.warn(
                 f"{len(thawed)} parameter(s) frozen when the optimizer was prepared are trainable now; their FP32 "
@@ -1132,6 +1137,24 @@ class MasterWeightOptimizer(Optimizer):
                 "A plain optimizer's state dict loads with mwo.optimizer.load_state_dict(sd), after which the masters "
                 "still need loading (MixedPrecision.load_model_state_dict)."
             )
+        self.check_loadable(state_dict)
+        masters = state_dict["masters"]
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._set_masters(masters)
+        for post_hook in self.__dict__.get("_optimizer_load_state_dict_post_hooks", {}).values():
+            post_hook(self)
+
+    def check_loadable(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``'s masters, loading nothing.
+
+        A parameter frozen at ``prepare`` and trainable now gets its master here (as the next step
+        would give it; the checkpoint's value replaces it), so a run that unfroze a layer resumes
+        when the same layer is unfrozen before loading.
+
+        Raises:
+            ValueError: another version, another parameter count, a parameter with a master on one
+                side only (the message says which and how to match), or a master of another shape.
+        """
         version = state_dict.get("version")
         if version != _STATE_VERSION:
             raise ValueError(f"MasterWeightOptimizer state version {version!r}; this mixprec reads version {_STATE_VERSION}.")
@@ -1141,16 +1164,24 @@ class MasterWeightOptimizer(Optimizer):
                 f"the checkpoint has {len(masters)} parameters but this optimizer manages {len(self._masters)}; "
                 "was it saved for a different model?"
             )
+        self._promote_unfrozen(warn=False)
         for i, (src, p, m) in enumerate(zip(masters, self._model_params, self._masters)):
+            if src is not None and p is m and not p.requires_grad and p.dtype != self.master_dtype:
+                raise ValueError(
+                    f"parameter {i} (shape {tuple(p.shape)}) has an FP32 master in the checkpoint but is frozen in this "
+                    "run (a layer unfrozen during the saved run): unfreeze it, p.requires_grad_(True), before loading."
+                )
+            if src is None and p is not m:
+                raise ValueError(
+                    f"parameter {i} (shape {tuple(p.shape)}) has no master in the checkpoint (it was frozen when saved) "
+                    "but has one here: freeze it, p.requires_grad_(False), before prepare() as the saved run did, or "
+                    "load the weights only (MixedPrecision.load_model_state_dict)."
+                )
             if (src is None) != (p is m):
                 raise ValueError(f"parameter {i}: the checkpoint and this run disagree on whether it has a master "
                                  "(saved under a different policy?)")
             if src is not None and src.shape != m.shape:
                 raise ValueError(f"parameter {i}: master of shape {tuple(src.shape)} in the checkpoint, {tuple(m.shape)} here.")
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self._set_masters(masters)
-        for post_hook in self.__dict__.get("_optimizer_load_state_dict_post_hooks", {}).values():
-            post_hook(self)
 
     def _set_masters(self, values: list[torch.Tensor | None]) -> None:
         """Give each master the value at its position (``None``: keep it), then copy the masters to the model."""

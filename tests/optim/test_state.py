@@ -200,3 +200,42 @@ def test_seeded_compensation_changes_training():
         opt.step()
     assert (a.full_precision_params()[seeded] == 1.0 + 2**-9 + 2**-10).all()
     assert (b.full_precision_params()[plain] == 1.0 + 2**-10).all()
+
+
+@pytest.mark.parametrize("order", ["model-then-optimizer", "optimizer-then-model"])
+def test_a_plain_torch_checkpoint_loads_into_bf16_pure_with_its_fp32_digits_in_either_order(order: str) -> None:
+    # Loading the torch optimizer state after load_model_state_dict reset the compensation it had seeded.
+    import copy
+
+    import torch.nn.functional as F
+
+    import mixprec as mp
+    from mixprec.checkpoint import fp32_state_dict
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    model, opt = build()
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        F.cross_entropy(model(torch.randn(8, 16, generator=g)), torch.randint(0, 4, (8,), generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+    ck = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(opt.state_dict())}
+    model2, opt2 = build()
+    prec = mp.MixedPrecision("bf16-pure")
+    model2, opt2 = prec.prepare(model2, opt2)
+    if order == "model-then-optimizer":
+        prec.load_model_state_dict(ck["model"])
+        opt2.load_state_dict(ck["optimizer"])
+    else:
+        opt2.load_state_dict(ck["optimizer"])
+        prec.load_model_state_dict(ck["model"])
+    full = fp32_state_dict(prec, compensation=True)
+    for k, v in ck["model"].items():
+        err = (full[k] - v).abs().max().item()
+        assert err <= 2**-16 * v.abs().max().item(), (k, err)  # ~17 bits kept; BF16 rounding alone is 2**-9
+    torch.testing.assert_close(opt2.state[model2[0].weight]["exp_avg"], opt.state[model[0].weight]["exp_avg"],
+                               rtol=0, atol=0, check_dtype=False)

@@ -91,9 +91,10 @@ class StateIO(OptimizerParts):
 
         Tensors are copied into this optimizer's dtypes and devices (moments into
         ``state_dtype``, ``kahan_comp`` into the parameter dtype, ``step`` to a 0-d FP32 tensor on
-        the parameter's device). A torch checkpoint has no compensation: the buffers start at zero.
-        To move FP32 weights into this run without losing what the cast drops, use
-        :meth:`load_full_precision_params_`.
+        the parameter's device). A torch checkpoint has no compensation: each parameter keeps the
+        one it has (the compensation is the rest of the weight's FP32 value, not optimizer state),
+        or starts at zero. To move FP32 weights into this run without losing what the cast drops,
+        use :meth:`load_full_precision_params_` (before or after this load).
 
         A version-1 state dict (mixprec before counter-based stochastic rounding) loads: its
         seed is kept and its generator states are dropped, so stochastic rounding continues with
@@ -103,40 +104,21 @@ class StateIO(OptimizerParts):
         Raises:
             ValueError: different group or parameter counts; a mixprec checkpoint whose
                 ``compensation`` differs from this optimizer's (resuming would silently drop or
-                invent compensation buffers); an unknown ``version``.
+                invent compensation buffers); an unknown ``version``; a checkpoint of another
+                optimizer class (:meth:`check_loadable`). Nothing is loaded when it raises.
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)  # type: ignore[arg-type]  # torch types it dict; any Mapping passes through, as in torch
             if result is not None:
                 state_dict = result
+        self.check_loadable(state_dict)
         meta = state_dict.get("mixprec")
-        if meta is not None:
-            if meta.get("version") not in _READABLE_VERSIONS:
-                raise ValueError(f"mixprec optimizer state version {meta.get('version')!r}; this mixprec reads "
-                                 f"versions {_READABLE_VERSIONS} (upgrade mixprec?).")
-            if meta.get("compensation") != self.compensation:
-                raise ValueError(
-                    f"the checkpoint was written with compensation={meta.get('compensation')!r}, this optimizer uses "
-                    f"compensation={self.compensation!r}; build it with compensation={meta.get('compensation')!r} to "
-                    "resume, or move only the weights (load_full_precision_params_)."
-                )
         groups = self.param_groups
         saved_groups = deepcopy(state_dict["param_groups"])
-        if len(groups) != len(saved_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} parameter group(s), this optimizer {len(groups)}.")
-        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"parameter group {i} has {len(g['params'])} parameters here and "
-                                 f"{len(sg['params'])} in the state dict.")
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                           chain.from_iterable(g["params"] for g in groups)))
-        new_groups = []
-        for g, sg in zip(groups, saved_groups):
-            sg["params"] = g["params"]
-            if "param_names" in g and "param_names" not in sg:
-                sg["param_names"] = g["param_names"]
-            new_groups.append(sg)
-        for sg in new_groups:
+        new_groups = self._merged_groups(saved_groups)
+        for sg in new_groups:  # checked by check_loadable; run again on these copies for what it normalises
             self._validate_group(sg)
         owner = {id(p): g for g in new_groups for p in g["params"]}
         state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
@@ -144,6 +126,11 @@ class StateIO(OptimizerParts):
             if k in id_map:
                 p = id_map[k]
                 state[p] = self._import_state(p, owner[id(p)], v, copy=True)
+                kept = self.state.get(p, {}).get(_COMP_KEY) if meta is None else None
+                if kept is not None and _COMP_KEY not in state[p]:
+                    # A torch checkpoint has no compensation; the one here belongs to the weights (the rest
+                    # of their FP32 value, e.g. seeded by load_full_precision_params_), not to the moments.
+                    state[p][_COMP_KEY] = kept
             else:
                 state[k] = v
         self.__setstate__({"state": state, "param_groups": new_groups})
@@ -155,6 +142,50 @@ class StateIO(OptimizerParts):
             self._fused_fns.clear()  # the seed's stream keys are constants of the compiled steps
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def check_loadable(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, loading nothing.
+
+        Raises:
+            ValueError: an unknown ``version``; another ``compensation``; different group or
+                parameter counts; hyper-parameters this optimizer does not accept, or missing
+                (a checkpoint of another optimizer class: an AdamW state has no ``momentum``).
+        """
+        meta = state_dict.get("mixprec")
+        if meta is not None:
+            if meta.get("version") not in _READABLE_VERSIONS:
+                raise ValueError(f"mixprec optimizer state version {meta.get('version')!r}; this mixprec reads "
+                                 f"versions {_READABLE_VERSIONS} (upgrade mixprec?).")
+            if meta.get("compensation") != self.compensation:
+                raise ValueError(
+                    f"the checkpoint was written with compensation={meta.get('compensation')!r}, this optimizer uses "
+                    f"compensation={self.compensation!r}; build it with compensation={meta.get('compensation')!r} to "
+                    "resume, or move only the weights (load_full_precision_params_)."
+                )
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} parameter group(s), this optimizer {len(groups)}.")
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"parameter group {i} has {len(g['params'])} parameters here and "
+                                 f"{len(sg['params'])} in the state dict.")
+        for i, sg in enumerate(self._merged_groups(deepcopy(list(saved_groups)))):
+            try:
+                self._validate_group(sg)
+            except KeyError as e:
+                raise ValueError(
+                    f"parameter group {i} of the state dict has no hyper-parameter {e.args[0]!r}, which "
+                    f"{type(self).__name__} needs: a checkpoint of another optimizer class? (its keys: "
+                    f"{sorted(k for k in sg if k != 'params')}). Build the optimizer the checkpoint was saved with."
+                ) from None
+
+    def _merged_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The saved groups (copies, edited in place) holding this optimizer's parameters and names."""
+        for g, sg in zip(self.param_groups, saved_groups):
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+        return saved_groups
 
     # ----- full-precision weights --------------------------------------------------------------------------
     @torch.no_grad()
