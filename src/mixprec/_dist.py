@@ -26,8 +26,11 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "FoundInfJoinHook",
+    "JoinState",
     "agree_found_inf_",
     "agree_optimizers_",
+    "broadcast_from_last_joiner_",
     "cast_fsdp_shards",
     "check_fsdp_policy",
     "check_prepare_target",
@@ -38,6 +41,7 @@ __all__ = [
     "is_distributed",
     "is_dtensor",
     "is_fsdp2",
+    "join_group",
     "local_grad",
     "local_tensor",
     "resolve_group",
@@ -80,6 +84,93 @@ def resolve_group(group: Any = None) -> Any:
             "(torchrun sets the environment it reads)."
         )
     return group if group is not None else dist.group.WORLD
+
+
+class JoinState:
+    """What a scaler needs to take part in torch's ``Join`` context (uneven inputs under DDP).
+
+    Agreeing on ``found_inf`` is a collective per ``unscale_``, which torch.amp's ``GradScaler``
+    does not have: a rank whose inputs ran out leaves the other ranks' all-reduce unmatched
+    (gloo aborts, NCCL hangs). As a joinable listed after the DDP module
+    (``Join([ddp, prec])``), the joined rank shadows it: :meth:`main_hook` runs as many
+    all-reduces of a zero flag per iteration as the owner ran in its last iteration.
+    """
+
+    def __init__(self) -> None:
+        self.config: Any = None  # torch's _JoinConfig, set by Join on the owner
+        self.agrees = 0  # all-reduces in the current iteration
+        self.per_iteration = 1  # in the last completed one
+        self.peers: list[Any] = []  # weak references to DDP modules wrapped for this run (wrap_ddp)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (pickle, deepcopy) is in no Join and wraps no DDP module: weak references do not pickle
+        return {**self.__dict__, "config": None, "peers": []}
+
+    def end_iteration(self) -> None:
+        """The iteration ended: its count of all-reduces is what a joined rank shadows next."""
+        if self.agrees:
+            self.per_iteration, self.agrees = self.agrees, 0
+
+    def check(self, who: str) -> None:
+        """Raise for a Join whose order cannot shadow the flag's all-reduce (called before each one)."""
+        cfg = self.config
+        if cfg is not None and cfg.enable and cfg.is_first_joinable:
+            raise ValueError(
+                f"{who} is the first joinable of torch's Join context; list it after the DDP module, "
+                f"Join([ddp, {who}]): the joined ranks shadow DDP's gradient all-reduces first, then the inf/NaN flag's."
+            )
+        if cfg is None or not cfg.enable:
+            for ref in self.peers:
+                ddp = ref()
+                peer = getattr(ddp, "_join_config", None) if ddp is not None else None
+                if peer is not None and peer.enable:
+                    raise ValueError(
+                        f"the model wrapped by wrap_ddp is inside torch's Join context but {who} is not: it agrees on "
+                        f"inf/NaN across ranks (an all-reduce per step) that a joined rank must shadow; list it after "
+                        f"the DDP module, Join([ddp, {who}])."
+                    )
+
+
+class FoundInfJoinHook:
+    """torch's ``JoinHook`` for a scaler's ``found_inf`` all-reduce (see :class:`JoinState`)."""
+
+    def __init__(self, state: JoinState, device: torch.device, group: Any,
+                 after: Callable[[bool], None] | None = None) -> None:
+        self.state, self.device, self.group, self.after = state, device, group, after
+
+    def main_hook(self) -> None:
+        """On a rank whose inputs ran out: match the other ranks' flag all-reduces of this iteration."""
+        for _ in range(max(1, self.state.per_iteration)):
+            agree_found_inf_(torch.zeros((), dtype=torch.float32, device=self.device), self.group)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """After all ranks joined: the owner's ``after`` (the masters follow DDP's final model), if any."""
+        if self.after is not None:
+            self.after(is_last_joiner)
+
+
+def broadcast_from_last_joiner_(tensors: Iterable[Tensor], is_last_joiner: bool, group: Any,
+                                device: torch.device) -> None:
+    """Broadcast ``tensors`` in place from the rank that joined last (collective; after a ``Join``).
+
+    DDP's join hook broadcasts the last joiner's parameters so the replicas end equal; state
+    beside the parameters (FP32 masters) must follow from the same rank.
+    """
+    dist = torch.distributed
+    me = torch.tensor([dist.get_rank(group) if is_last_joiner else -1], device=device)
+    dist.all_reduce(me, op=dist.ReduceOp.MAX, group=group)
+    src = dist.get_global_rank(group, int(me.item())) if group is not None else int(me.item())
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)
+
+
+def join_group(group: Any) -> Any:
+    """The process group a joinable reports to ``Join``: ``group``, or the default one (as DDP's)."""
+    if group is not None:
+        return group
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group()
 
 
 def agree_found_inf_(found_inf: Tensor, group: Any = None) -> Tensor:

@@ -50,7 +50,7 @@ from torch import Tensor
 # torch's own enum, so code that compares a stage with torch.amp.grad_scaler.OptState works on ours
 from torch.amp.grad_scaler import OptState
 
-from ._dist import agree_found_inf_
+from ._dist import FoundInfJoinHook, JoinState, agree_found_inf_, join_group
 from ._finite import combine_found_inf, group_by_device_and_dtype, unscale_groups
 from ._scaler import (
     DEFAULT_CHECK_INTERVAL,
@@ -214,6 +214,7 @@ class GradScaler:
             self._enabled = False
         self.process_group = process_group
         self.agree_across_ranks = agree_across_ranks
+        self._join = JoinState()
         self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
         # torch's lazy state: the scale and growth tracker the tensors start from (as passed, loaded or unpickled)
         self._init_scale: float = init_scale
@@ -393,6 +394,11 @@ class GradScaler:
             unscale_groups(groups, inv_scale, found_inf)
         if self.agree_across_ranks:
             # a collective: every rank runs it, also one without gradients, so the calls stay matched
+            join = self.__dict__.get("_join")
+            if join is not None and (self.process_group is not None or (torch.distributed.is_available()
+                                     and torch.distributed.is_initialized())):
+                join.check("scaler")  # torch's Join (uneven inputs): counted, so a joined rank can shadow it
+                join.agrees += 1
             agree_found_inf_(found_inf, self.process_group)
         return ({found_inf.device: found_inf} if grads else {}), found_inf
 
@@ -608,6 +614,44 @@ class GradScaler:
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._scaled_since_update = False
         self._resume_device = None
+        join = self.__dict__.get("_join")
+        if join is not None and join.agrees:
+            join.end_iteration()
+
+    # ----- torch's Join (uneven inputs under DDP) ------------------------------------------------------
+    def join_hook(self, **kwargs: Any) -> FoundInfJoinHook:
+        """The hook ``torch.distributed.algorithms.join.Join`` calls on a rank whose inputs ran out.
+
+        This scaler agrees on inf/NaN across ranks (an all-reduce per ``unscale_``, which torch's
+        ``GradScaler`` does not have), so under ``Join`` list it after the DDP module,
+        ``Join([ddp, scaler])``; the joined ranks then shadow that all-reduce. (Or build it with
+        ``agree_across_ranks=False``, torch's behaviour, and list only the DDP module.)
+        """
+        return FoundInfJoinHook(self._join_state(), self.join_device, self.join_process_group)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the flags this scaler all-reduces (for ``Join``)."""
+        return torch.device(self._device if self._device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group this scaler agrees over (for ``Join``): ``process_group`` or the default one."""
+        return join_group(self.process_group)
+
+    @property
+    def _join_config(self) -> Any:
+        return self._join_state().config
+
+    @_join_config.setter
+    def _join_config(self, config: Any) -> None:
+        self._join_state().config = config
+
+    def _join_state(self) -> JoinState:
+        join = self.__dict__.get("_join")
+        if join is None:  # a copy pickled before Join support
+            join = self.__dict__["_join"] = JoinState()
+        return join
 
     # ----- getters and setters ---------------------------------------------------------------------
     def get_scale(self) -> float:

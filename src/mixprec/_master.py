@@ -183,6 +183,15 @@ class MasterWeightOptimizer(Optimizer):
             raise TypeError("this optimizer is already a MasterWeightOptimizer; wrap the plain torch optimizer once.")
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"MasterWeightOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+            # ZeRO steps a per-rank optimizer it built over the model's parameters at construction; the
+            # wrapper cannot point that one at the masters, so the weights never moved, silently.
+            raise TypeError(
+                "MasterWeightOptimizer (the '*-master' policies) cannot wrap torch's ZeroRedundancyOptimizer: ZeRO steps "
+                "its own per-rank optimizer over the model's parameters, which cannot be pointed at the FP32 masters "
+                "(the weights would never change). Use a '*-mixed' policy with ZeRO, FSDP2 (fully_shard) for sharded "
+                "FP32 masters, or a plain optimizer under DDP (mixprec.distributed.wrap_ddp)."
+            )
         check_grad_accumulation(grad_accumulation)
         check_weight_edits(weight_edits)
         if master_storage not in ("full", "remainder"):

@@ -235,6 +235,72 @@ class MixedPrecision(RunCheckpoint):
         state = "prepared" if self.model is not None else "not prepared"
         return f"MixedPrecision({str(self.policy)!r}, scaler={type(self.scaler).__name__}, {state})"
 
+    # ----- torch's Join (uneven inputs under DDP) -----------------------------------------------------
+    def join_hook(self, **kwargs: Any) -> Any:
+        """The hook ``torch.distributed.algorithms.join.Join`` calls on a rank whose inputs ran out.
+
+        Every step agrees on inf/NaN across ranks (an all-reduce per optimizer, which torch.amp's
+        recipe does not have), so under ``Join`` list the run after the DDP module,
+        ``Join([ddp, prec])``: the joined ranks then shadow that all-reduce. A ``wrap_ddp`` model
+        in ``Join([ddp])`` alone raises at the step, naming this. When every rank has joined,
+        DDP broadcasts the last joiner's parameters and this hook its FP32 masters (collectives),
+        so the replicas end equal; optimizer states stay per rank, as in torch.
+
+        Raises:
+            TypeError: the run's scaler is not one of mixprec's (a custom ``LossScaler`` agrees
+                on its own terms).
+        """
+        from ._dist import FoundInfJoinHook
+
+        return FoundInfJoinHook(self._join_state(), self.join_device, self.join_process_group, self._sync_after_join)
+
+    def _sync_after_join(self, is_last_joiner: bool) -> None:
+        """After ``Join``: the FP32 masters (and remainders) follow DDP's final model from the last rank to join."""
+        from ._dist import broadcast_from_last_joiner_
+
+        tensors = [m for o in self.optimizers if isinstance(o, MasterWeightOptimizer)
+                   for p, m in zip(o.model_params, o.masters) if p is not m]
+        tensors += [r for o in self.optimizers if isinstance(o, MasterWeightOptimizer)
+                    for r in getattr(o, "_rems", ()) if r is not None]
+        with torch.no_grad():
+            broadcast_from_last_joiner_(tensors, is_last_joiner, self.join_process_group, self.join_device)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the inf/NaN flag the steps all-reduce (for ``Join``)."""
+        if self.device is None:
+            raise ValueError("MixedPrecision in torch's Join before prepare(): prepare the model first.")
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group the steps agree over (for ``Join``): the scaler's, or the default one."""
+        from ._dist import join_group
+
+        return join_group(getattr(self.scaler, "process_group", None))
+
+    @property
+    def _join_config(self) -> Any:
+        join = getattr(self.scaler, "_join", None)
+        return join.config if join is not None else None
+
+    @_join_config.setter
+    def _join_config(self, config: Any) -> None:
+        self._join_state().config = config
+
+    def _join_state(self) -> Any:
+        join = getattr(self.scaler, "_join", None)
+        if join is None and isinstance(self.scaler, _ScalerBase):  # a scaler pickled before Join support
+            from ._dist import JoinState
+
+            join = self.scaler._join = JoinState()
+        if join is None:
+            raise TypeError(
+                f"MixedPrecision with a {type(self.scaler).__name__} scaler cannot take part in torch's Join: only "
+                "mixprec's scalers (DynamicScaler, StaticScaler, NoOpScaler) count their all-reduces for it."
+            )
+        return join
+
     # ----- prepare ---------------------------------------------------------------------------------
     def prepare(
         self,
@@ -316,7 +382,10 @@ class MixedPrecision(RunCheckpoint):
                 rollback.restore()
             raise
         warn_host_reads(wrapped, facts.device)
-        if facts.fsdp:  # one stochastic-rounding seed on every rank, global positions of the shards
+        if facts.fsdp or self.policy.compensation == "stochastic":
+            # one stochastic-rounding seed on every rank (a broadcast when distributed: plain DDP around a
+            # bf16-pure model kept each rank's own seed, and the replicas drifted apart), global positions
+            # of FSDP2's shards
             from ._dist import agree_optimizers_
 
             agree_optimizers_(wrapped)
@@ -358,6 +427,10 @@ class MixedPrecision(RunCheckpoint):
         def check_unscaled(op: str) -> None:
             prec = ref()
             if prec is None or not prec._scales_loss:
+                return
+            if torch._C._current_graph_task_id() != -1:
+                # Inside a backward: autograd and DDP's reducer (the gradient of a no_sync() micro-batch
+                # read into its bucket) work on the scaled gradient by design, as under torch.amp.
                 return
             rec = prec._records.get(id(optimizer))
             if rec is not None and rec.stage == "backward":

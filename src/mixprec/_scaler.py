@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 import torch
 from torch import Tensor
 
-from ._dist import agree_found_inf_
+from ._dist import JoinState, agree_found_inf_
 from ._errors import unknown_choice
 from ._finite import unscale_and_check_
 from ._scale_history import STATE_KEYS, ScaleHistory, fresh_statistics, loaded_statistics
@@ -587,11 +587,13 @@ class _ScalerBase:
 
     _kind: Literal["noop", "static", "dynamic"]
     _owner = "Scaler"
+    _join: JoinState | None = None  # (copies pickled before it existed take part in no Join)
 
     def __init__(self, config: ScaleConfig, *, device: torch.device | str | None, process_group: Any) -> None:
         config.validate(type(self).__name__)
         self._core = ScaleCore(config, device)
         self.process_group = process_group
+        self._join = JoinState()
 
     # ----- per step --------------------------------------------------------------------------------
     def scale(self, outputs: T) -> T:
@@ -668,6 +670,10 @@ class _ScalerBase:
             inv = None if self._kind == "noop" else core.inv_scale()
         found_inf = unscale_and_check_(grads, inv)
         if self.process_group is not None or _dist_initialized():  # the test inline: no call when single-process
+            join = self._join
+            if join is not None:  # torch's Join (uneven inputs): counted, so a joined rank can shadow it
+                join.check("prec")
+                join.agrees += 1
             agree_found_inf_(found_inf, self.process_group)
         return found_inf
 
@@ -685,6 +691,9 @@ class _ScalerBase:
         if not isinstance(found_inf, Tensor):
             raise TypeError(f"update(found_inf) needs the 0-d tensor unscale_() returned, got {type(found_inf).__name__}.")
         self._core.update(found_inf, used=used)
+        join = self._join
+        if join is not None and join.agrees:
+            join.end_iteration()
 
     @property
     def loss_scale(self) -> Tensor:

@@ -22,6 +22,7 @@ See docs/distributed.md for the launch commands and the table of supported combi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -97,6 +98,16 @@ def reduce_dtype_for(policy: Policy | str, reduce_dtype: ReduceDtype = None) -> 
 
 
 # ----- DDP ------------------------------------------------------------------------------------------
+def _refuse_comm_hook(*args: Any, **kwargs: Any) -> None:
+    """``register_comm_hook`` of a module ``wrap_ddp`` built: torch allows one hook, and mixprec's is it."""
+    raise RuntimeError(
+        "this DistributedDataParallel module was built by mixprec.distributed.wrap_ddp, which registered its own "
+        "communication hook (it reduces the gradients in the policy's reduce dtype and routes them into the FP32 "
+        "masters); torch allows one per module. For compressed reduction pass wrap_ddp(..., reduce_dtype='compute'); "
+        "for a hook of your own, wrap the prepared model in DistributedDataParallel yourself (see docs/distributed.md)."
+    )
+
+
 class _DDPState:
     """What mixprec's DDP communication hook needs (one per wrapped model)."""
 
@@ -124,9 +135,14 @@ class _DDPState:
         """
         if self.views_queued or not self.pairs:
             return
-        self.views_queued = True
         engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(lambda: engine.queue_callback(self.show_views))
+        try:
+            engine.queue_callback(lambda: engine.queue_callback(self.show_views))
+        except RuntimeError:
+            # Outside a backward: DDP's Join hook runs the comm hook on a rank whose inputs ran out,
+            # to shadow the others' reductions; that rank trains no more, so there is nothing to show.
+            return
+        self.views_queued = True
 
     def show_views(self) -> None:
         """Put each reduced master's gradient view in ``param.grad`` in place of DDP's half copy.
@@ -316,6 +332,10 @@ def wrap_ddp(
     state = _DDPState(group, rdtype, masters)
     ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
     ddp.register_comm_hook(state, _reduce_hook)
+    ddp.register_comm_hook = _refuse_comm_hook  # type: ignore[method-assign]  # torch's "called once" error named no reason
+    join = getattr(prec.scaler, "_join", None)
+    if join is not None:  # a Join([ddp]) without the run is refused at the step, by name (_dist.JoinState.check)
+        join.peers.append(weakref.ref(ddp))
 
     def _arm(module: nn.Module, args: Any) -> None:
         # DDP prepares its reducer in forward iff grad is on and it is not under no_sync().
