@@ -417,3 +417,23 @@ def test_complex_parameters_are_averaged_as_torch_averaged_model_does() -> None:
     loaded = EMA(prec, decay=0.5, warmup=False)
     loaded.load_state_dict(ema.state_dict())
     assert torch.equal(loaded.averages["w"], ema.averages["w"])
+
+
+def test_an_update_after_a_load_waits_for_the_next_step() -> None:
+    # Rolling the EMA back in the same process: the step taken before the load is not one for the loaded averages.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    prec = MixedPrecision("bf16-mixed")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ema = EMA(prec, decay=0.5)
+    saved = ema.state_dict()
+    saved = {k: (v.clone() if isinstance(v, torch.Tensor) else {n: t.clone() for n, t in v.items()}
+                 if isinstance(v, dict) else v) for k, v in saved.items()}
+    with prec.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    prec.backward(loss)
+    prec.step(opt)
+    ema.load_state_dict(saved)
+    with pytest.raises(ValueError, match="already averaged"):
+        ema.update()
+    assert int(ema.num_updates) == int(saved["num_updates"])

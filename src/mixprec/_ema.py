@@ -185,7 +185,8 @@ class EMA:
             if info is self._last_info:
                 raise ValueError(
                     "EMA.update(): this step was already averaged (update() called twice after one step, e.g. once per "
-                    "micro-batch under gradient accumulation); call ema.update() once after each prec.step(optimizer)."
+                    "micro-batch under gradient accumulation), or it came before ema.load_state_dict(); call "
+                    "ema.update() once after each prec.step(optimizer)."
                 )
             self._last_info = info
             mask = info.mask(torch.float32).to(self.num_updates.device)
@@ -348,7 +349,8 @@ class EMA:
         for n, a in zip(self.names, self._averages):
             a.copy_(averages[n])
         self.num_updates.copy_(n_up.reshape(()))
-        self._last_info = None
+        # The step before the load is not one for these averages: update() waits for the next step.
+        self._last_info = self.prec.last_step if self.prec is not None else None
 
 
 def _check_decay(decay: Any) -> float:
