@@ -143,9 +143,12 @@ def test_fused_step_carries_data_edits_into_the_masters_like_the_eager_check(ski
 
 
 @pytest.mark.parametrize("how", ["add_param_group", "unfreeze"])
-def test_fused_step_moves_the_weights_of_masters_adopted_later(how):
+def test_fused_step_moves_the_weights_of_masters_adopted_later(how, monkeypatch):
     """The fused kernel writes each master into its model weight (a mirror): masters created after the first
     fused step (a new param group, a parameter unfrozen) get theirs too, so their weights follow their masters."""
+    import mixprec._master as master_mod
+
+    monkeypatch.setattr(master_mod, "_WARNED_UNFROZEN", False)  # once per process: another test may have warned
     a = torch.nn.Parameter(torch.randn(4, 4).to(torch.bfloat16))
     b = torch.nn.Parameter(torch.randn(4, 4).to(torch.bfloat16), requires_grad=how == "add_param_group")
     params = [a] if how == "add_param_group" else [a, b]

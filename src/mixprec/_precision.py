@@ -72,6 +72,18 @@ def scaler_for_policy(policy: Policy | str) -> LossScaler:
 _NO_TOTAL_NORM = not (hasattr(torch.nn.utils, "get_total_norm") and hasattr(torch.nn.utils, "clip_grads_with_norm_"))
 
 
+def autocast_region(policy: Policy, device: torch.device | None) -> autocast | torch.autocast:
+    """:meth:`MixedPrecision.autocast` for ``policy`` on ``device`` (for wrappers that hold no run)."""
+    device_type = resolve_device_type(device)
+    if not policy.tf32 and (device_type != "cuda" or torch.compiler.is_compiling()):
+        return torch.autocast(
+            device_type=device_type,
+            dtype=policy.compute_dtype if policy.uses_autocast else None,
+            enabled=policy.uses_autocast,
+        )
+    return autocast(policy, device)
+
+
 class MixedPrecision(RunCheckpoint):
     """Train any model under a precision policy with one object.
 
@@ -494,15 +506,7 @@ class MixedPrecision(RunCheckpoint):
         nothing, it is a plain ``torch.autocast`` too (a policy without TF32 only): the switches
         would be pure per-step cost.
         """
-        device = self.device if self.device is not None else None
-        device_type = resolve_device_type(device)
-        if not self.policy.tf32 and (device_type != "cuda" or torch.compiler.is_compiling()):
-            return torch.autocast(
-                device_type=device_type,
-                dtype=self.policy.compute_dtype if self.policy.uses_autocast else None,
-                enabled=self.policy.uses_autocast,
-            )
-        return autocast(self.policy, device)
+        return autocast_region(self.policy, self.device)
 
     def backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
         """Backpropagate ``loss``, scaled when the policy scales.

@@ -203,6 +203,7 @@ def _run_ddp_sr(rank: int, world: int) -> dict[str, Any]:
     prec = c.make_prec(SR)
     model = c.make_model()  # same initial weights on every rank (manual_seed(0))
     torch.manual_seed(100 + rank)  # ...but different generator states, hence different default optimizer seeds
+    own_seed = torch.initial_seed()
     model, opt = prec.prepare(model, _optimizer("sr", model))
     seed_before = int(opt.seed)
     ddp = wrap_ddp(prec, model)
@@ -214,6 +215,7 @@ def _run_ddp_sr(rank: int, world: int) -> dict[str, Any]:
         prec.step(opt)
         opt.zero_grad(set_to_none=True)
     return {
+        "own_seed": own_seed,
         "seed_before": seed_before,
         "seed_after": int(opt.seed),
         "params": {n: p.detach().float().reshape(-1).tolist() for n, p in model.named_parameters()},
@@ -305,8 +307,10 @@ def test_fsdp2_dcp_save_resume_bit_for_bit(ranks: list[dict[str, Any]]) -> None:
 
 def test_ddp_stochastic_rounding_replicas_stay_identical(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = ranks[0]["ddp/sr"], ranks[1]["ddp/sr"]
-    assert r0["seed_before"] != r1["seed_before"]  # the generators really differed
-    assert r0["seed_after"] == r1["seed_after"] == r0["seed_before"]  # rank 0's seed everywhere
+    assert r0["own_seed"] != r1["own_seed"]  # the generators really differed
+    # prepare already agreed on rank 0's seed (plain DDP needs it too); wrap_ddp keeps it
+    assert r0["seed_before"] == r1["seed_before"] == r0["own_seed"]
+    assert r0["seed_after"] == r1["seed_after"] == r0["own_seed"]
     assert r0["params"] == r1["params"] and r0["states"] == r1["states"]
     init = {k: v.float().reshape(-1).tolist() for k, v in c.make_model().state_dict().items()}
     assert c.max_diff(init, r0["params"]) > 1e-2  # it trained

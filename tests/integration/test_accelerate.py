@@ -142,3 +142,29 @@ def test_the_frameworks_are_imported_lazily_with_an_install_hint(monkeypatch):
         acc_mod._import_accelerate()
     with pytest.raises(ImportError, match=re.escape("needs the `transformers` package: pip install transformers")):
         tr_mod._import_transformers()
+
+
+def test_a_deep_copy_of_the_prepared_model_runs_its_own_weights_and_the_model_pickles(tmp_path):
+    # The forward Accelerate's prepare installs was a closure: deepcopy (AveragedModel, a best-model
+    # snapshot, a teacher) kept the original's, so the copy ran the live weights; torch.save failed.
+    import copy
+
+    transformers.TrainingArguments("unused", use_cpu=True, report_to=[])
+    accelerator = MixprecAccelerator("bf16-mixed", cpu=True)
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x = TokenDataset().batch(0)
+    snapshot = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in snapshot.parameters():
+            p.zero_()
+        zeroed = snapshot(input_ids=x).logits
+        live = model(input_ids=x).logits
+    assert torch.count_nonzero(zeroed) == 0 and torch.count_nonzero(live) > 0
+    assert zeroed.dtype == live.dtype == torch.float32  # the copy still runs under the run's autocast and casts
+    torch.save(model, tmp_path / "model.pt")
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=x).logits, live, rtol=0, atol=0)
+    assert "input_ids" in __import__("inspect").signature(model.forward).parameters  # Trainer's column filter

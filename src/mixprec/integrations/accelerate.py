@@ -45,7 +45,9 @@ is missing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -54,7 +56,7 @@ import torch
 from torch import nn
 
 from .._policy import Policy
-from .._precision import MixedPrecision
+from .._precision import MixedPrecision, autocast_region
 from .._prepare import model_params_of
 
 __all__ = ["MixprecAccelerator", "as_mixed_precision", "attach", "check_accelerator"]
@@ -121,6 +123,27 @@ def _inner_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+class _AutocastForward:
+    """``forward(*args)`` inside the run's autocast region: the ``forward`` of a model Accelerate prepared.
+
+    An object, not a closure: ``copy.deepcopy(model)`` (``AveragedModel``, a teacher, a best-model
+    snapshot) copies it with the model, so the copy's forward runs the copy's weights (a closure is
+    copied by reference and ran the original's), and ``torch.save(model)`` pickles it. It holds the
+    policy and the device, not the ``MixedPrecision``, so a copy of the model does not copy the run.
+    """
+
+    def __init__(self, forward: Any, policy: Any, device: torch.device | None) -> None:
+        self.forward, self.policy, self.device = forward, policy, device
+        with contextlib.suppress(TypeError, ValueError):  # Trainer reads the real arguments (unused-column removal)
+            self.__signature__ = inspect.signature(forward)
+        self.__name__ = getattr(forward, "__name__", "forward")
+        self.__doc__ = getattr(forward, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with autocast_region(self.policy, self.device):
+            return self.forward(*args, **kwargs)
+
+
 def _autocast_forward(model: nn.Module, prec: MixedPrecision) -> None:
     """Run ``model.forward`` inside ``prec.autocast()``, as Accelerate's ``mixed_precision`` does with ``torch.autocast``.
 
@@ -128,14 +151,8 @@ def _autocast_forward(model: nn.Module, prec: MixedPrecision) -> None:
     ``unwrap_model(..., keep_fp32_wrapper=False)`` looks for it.
     """
     forward = model.forward
-
-    @functools.wraps(forward)
-    def forward_in_autocast(*args: Any, **kwargs: Any) -> Any:
-        with prec.autocast():
-            return forward(*args, **kwargs)
-
     model._original_forward = forward  # type: ignore[assignment]  # a plain attribute on the module
-    model.forward = forward_in_autocast
+    model.forward = _AutocastForward(forward, prec.policy, prec.device)
 
 
 class _MixprecAcceleratorMixin:
