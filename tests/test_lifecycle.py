@@ -554,3 +554,50 @@ def test_a_scheduler_advances_for_an_applied_step_whose_scale_update_escalates()
             ob.zero_grad()
     assert caught and applied_b >= 2
     assert sched.last_epoch == applied_b
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "fp16-mixed", "fp16-master"])
+@pytest.mark.parametrize("clear", ["optimizer", "model"])
+def test_a_batch_skipped_on_its_gradient_norm_after_clipping_is_dropped(preset: str, clear: str) -> None:
+    """norm = prec.clip_grad_norm_(c); if too large: zero_grad and go on (raised 'call step() first')."""
+    def run(skip_batch: bool) -> tuple[torch.Tensor, float, int]:
+        model = _mlp()
+        prec = mp.MixedPrecision(preset, scaler=_scaler() if preset.startswith("fp16") else None)
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for i, (x, y) in enumerate(_data(4)):
+            if i == 1 and not skip_batch:
+                continue  # the reference never sees batch 1
+            with prec.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            prec.backward(loss * float("inf") if i == 1 else loss)
+            norm = prec.clip_grad_norm_(1e3)
+            if i == 1:
+                assert not torch.isfinite(norm)
+                (opt if clear == "optimizer" else model).zero_grad()
+                continue
+            prec.step(opt)
+            opt.zero_grad()
+        return model[0].weight.detach().float().clone(), float(prec.scaler.loss_scale), int(prec.applied_steps)
+
+    skipped, scale_skipped, applied_skipped = run(True)
+    ref, scale_ref, applied_ref = run(False)
+    assert torch.equal(skipped, ref)  # the dropped batch changed no weight
+    assert applied_skipped == applied_ref == 3
+    if preset.startswith("fp16"):
+        assert scale_skipped == scale_ref / 2  # its overflow backed the scale off, as scaler.update() would
+
+
+def test_backward_after_clip_with_the_gradients_still_there_says_how_to_skip() -> None:
+    model = _mlp()
+    prec = mp.MixedPrecision("bf16-mixed")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(1)[0]
+    for _ in range(2):
+        with prec.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        if _:
+            with pytest.raises(ValueError, match=r"call step\(\) first, or, to skip this batch, clear the gradients"):
+                prec.backward(loss)
+        else:
+            prec.backward(loss)
+            prec.clip_grad_norm_(1.0)

@@ -32,7 +32,7 @@ from ._master import (
     check_grad_accumulation,
     check_weight_edits,
 )
-from ._master_grad import MasterGradView
+from ._master_grad import FROM_VIEW, MasterGradView
 from ._policy import DYNAMIC_SCALE_RANGE, Policy
 from ._prepare import (
     Rollback,
@@ -534,15 +534,12 @@ class MixedPrecision(RunCheckpoint):
         if backward_kwargs and backward_kwargs.get("create_graph") and self.policy.has_masters \
                 and self.grad_accumulation == "fp32":
             raise ValueError(CREATE_GRAPH_FP32_ACCUMULATION)
-        if self._iteration_flags and self.scale_update == "auto":
-            self._end_iteration()
         records = self._records.values()
         for rec in records:
             if rec.stage == "unscaled":
-                raise ValueError(
-                    "backward() after the gradients were unscaled (by clip_grad_norm_ or unscale_) in the same step "
-                    "would mix scaled and unscaled gradients; call step() first."
-                )
+                self._abandon_unscaled(rec)
+        if self._iteration_flags and self.scale_update == "auto":
+            self._end_iteration()
         # Autocast regions end before backward, so the TF32 switch they set is gone here; the
         # backward matmuls are as large as the forward ones and follow the policy too. The switches
         # only act on CUDA (cuBLAS/cuDNN): elsewhere the region would be pure per-step cost.
@@ -582,6 +579,33 @@ class MixedPrecision(RunCheckpoint):
             # FSDP2's DTensor gradients: unscale/check the local shard (found_inf is agreed across ranks after).
             grads = [local_grad(g) for g in grads]
         return grads
+
+    def _abandon_unscaled(self, rec: OptimizerRecord) -> None:
+        """A backward after ``unscale_``/``clip_grad_norm_`` with no step: allowed when the gradients were cleared.
+
+        That is a batch skipped on its gradient norm (``norm = prec.clip_grad_norm_(c); if not
+        norm.isfinite(): opt.zero_grad(); continue``): the iteration ends without a step, its
+        inf/NaN flag counted for the scale update (an overflow backs the FP16 scale off, as
+        ``scaler.update()`` after a skipped ``scaler.step`` does in torch.amp). With gradients
+        still there, the backward would add scaled gradients to unscaled ones: raises.
+        """
+        opt = rec.optimizer
+        if isinstance(opt, MasterWeightOptimizer):
+            # under FP32 accumulation a master gradient written through a view the user dropped is stale
+            left = any(p.grad is not None for p in opt.model_params) or any(
+                m.grad is not None and not getattr(m.grad, FROM_VIEW, False)
+                for p, m in zip(opt.model_params, opt.masters) if p is not m)
+        else:
+            left = self._has_grads(opt)
+        if left:
+            raise ValueError(
+                "backward() after the gradients were unscaled (by clip_grad_norm_ or unscale_) in the same step "
+                "would mix scaled and unscaled gradients; call step() first, or, to skip this batch, clear the "
+                "gradients (optimizer.zero_grad()) before the next backward."
+            )
+        if rec.found_inf is not None:
+            self._iteration_flags.append(rec.found_inf)
+        rec.stage, rec.found_inf = "idle", None
 
     def _has_grads(self, optimizer: Optimizer) -> bool:
         holders = optimizer.masters if isinstance(optimizer, MasterWeightOptimizer) else optimizer_tensors(optimizer)
