@@ -941,3 +941,42 @@ def test_a_failure_while_wrapping_rolls_back_casts_hooks_and_optimizers(monkeypa
     prec.step(o1)
     prec.step(o2)
     assert not torch.equal(model[0].weight.float(), before["0.weight"].bfloat16().float())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_for_inference_ends_a_copied_run_as_it_ends_the_original(how: str) -> None:
+    # The twin's model was not registered: after for_inference the twin trained the cast model on.
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    prec = MixedPrecision("bf16-master")
+    prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    twin = copy.deepcopy(prec) if how == "deepcopy" else pickle.loads(pickle.dumps(prec))
+    assert twin.model is not model
+    for_inference(twin.model, "bf16")
+    with torch.no_grad():
+        assert twin.model(torch.randn(3, 4)).dtype == torch.float32
+    with pytest.raises(ValueError, match="cast for inference by for_inference"):
+        twin.backward(twin.model(torch.randn(3, 4)).float().sum())
+    # the original run goes on
+    with prec.autocast():
+        loss = prec.model(torch.randn(3, 4)).float().pow(2).sum()
+    prec.backward(loss)
+    prec.step(prec.optimizers[0])
+
+
+def test_for_inference_without_islands_casts_batchnorm_statistics_like_model_half() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model.train()
+    model(torch.randn(8, 3, 6, 6))  # running statistics away from their defaults
+    ref = copy.deepcopy(model).half().eval()
+    x = torch.randn(2, 3, 6, 6)
+    out = for_inference(model, "fp16", fp32_islands=())(x)
+    assert model[1].running_mean.dtype == torch.float16 and model[1].num_batches_tracked.dtype == torch.int64
+    torch.testing.assert_close(out.half(), ref(x.half()), rtol=0, atol=0)
+    # with the default islands the BatchNorm stays FP32, statistics included
+    kept = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    for_inference(kept, "fp16")
+    assert kept[1].weight.dtype == kept[1].running_mean.dtype == torch.float32

@@ -651,4 +651,12 @@ def for_inference(
             uncast_module(m)
     revert_linears(target)  # FP8 linears (f8= policies) evaluate as the plain linears they were
     cast_module(target, policy)
+    # A BatchNorm outside the islands (fp32_islands=() for an all-half model): its running statistics
+    # take the dtype too, as model.half() gives them (FP32 statistics beside a half weight: torch's
+    # "expected scalar type Half but found Float" at the first forward). prepare() refuses this
+    # for training; in eval the statistics are constants.
+    kept = {id(m) for _, island in island_modules(target, policy) for m in island.modules()}
+    for m in target.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and id(m) not in kept:
+            _cast_buffers(m, dt, skip=set())
     return model.eval()

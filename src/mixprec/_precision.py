@@ -242,6 +242,11 @@ class MixedPrecision(RunCheckpoint):
             if isinstance(opt, MasterWeightOptimizer):
                 opt.set_unscale_callback(self._unscale_callback(opt))
             self._records[id(opt)] = rec
+        model = self.model
+        if model is not None and not getattr(self, "_closed", None):
+            # for_inference(copy.model) ends the copy as it ends the original (the registry holds it weakly)
+            for target in {id(m): m for m in (model, getattr(model, "_orig_mod", model))}.values():
+                register_run(target, self._close_for_inference)
 
     def __repr__(self) -> str:
         state = "prepared" if self.model is not None else "not prepared"
