@@ -343,6 +343,21 @@ def test_keyword_labels_keep_their_dtype_through_the_root_input_cast(policy: str
     assert model.seen["labels"] == half
 
 
+class _Siamese(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (self.enc(source) - self.enc(target)).pow(2).sum(-1)
+
+
+def test_a_keyword_target_that_is_an_activation_is_cast_like_a_positional_one() -> None:
+    model = cast_module(_Siamese(), "bf16-master")
+    a, b = torch.randn(2, 4), torch.randn(2, 4)
+    torch.testing.assert_close(model(a, target=b), model(a, b), rtol=0, atol=0)  # outside autocast: no dtype error
+
+
 def _reparametrized(kind: str) -> nn.Module:
     torch.manual_seed(0)
     lin = nn.Linear(8, 8)

@@ -601,3 +601,59 @@ def test_backward_after_clip_with_the_gradients_still_there_says_how_to_skip() -
         else:
             prec.backward(loss)
             prec.clip_grad_norm_(1.0)
+
+
+def test_logging_idioms_on_detached_master_gradients_work_after_the_unscale_and_raise_before() -> None:
+    import io
+    import pickle
+
+    prec, opt, model = _fp16_master_after_backward()
+    g = model[0].weight.grad
+    for read in (lambda: g.detach().cpu().numpy(), lambda: g.data.tolist(), lambda: copy.deepcopy(g.detach()),
+                 lambda: pickle.dumps(g.detach())):
+        with pytest.raises(ValueError, match="while it still carries the loss scale"):
+            read()
+    prec.unscale_(opt)
+    master = opt.master_for(model[0].weight).grad
+    assert (g.detach().cpu().numpy() == master.numpy()).all()
+    assert g.data.tolist() == master.tolist()
+    copied = copy.deepcopy(g.data)
+    assert type(copied) is torch.Tensor and torch.equal(copied, master) and copied.data_ptr() != master.data_ptr()
+    buf = io.BytesIO()
+    torch.save(g.detach(), buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=True), master)
+
+
+def test_zeroing_gradient_rows_by_mask_before_the_unscale_matches_after() -> None:
+    results = []
+    for before in (True, False):
+        prec, opt, model = _fp16_master_after_backward()
+        mask = torch.zeros(16, dtype=torch.bool)
+        mask[::3] = True
+        if not before:
+            prec.unscale_(opt)
+        model[0].weight.grad[mask] = 0  # index_put_ of a Python 0: scale-free
+        prec.step(opt)
+        results.append(model[0].weight.detach().clone())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    prec, opt, model = _fp16_master_after_backward()
+    with pytest.raises(ValueError, match="torch op 'slice'"):
+        model[0].weight.grad[:4] = 0
+
+
+def test_a_scaled_read_in_a_gradient_hook_of_a_single_process_is_caught() -> None:
+    model = _mlp()
+    prec = mp.MixedPrecision("fp16-master")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.norm()))
+    x, y = _data(1)[0]
+    for micro in range(2):  # the second backward accumulates into the view: its read goes through the check
+        with prec.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        if micro:
+            with pytest.raises(ValueError, match="while it still carries the loss scale"):
+                prec.backward(loss)
+        else:
+            prec.backward(loss)

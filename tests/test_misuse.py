@@ -208,7 +208,8 @@ MISUSES = [
            "unscale_()/clip_grad_norm_()/step() without backward() in this step"),
     Misuse("backward-after-clip", "unscaled", "fp16-mixed", lambda c: c.prec.backward(c.loss()), ValueError,
            "backward() after the gradients were unscaled (by clip_grad_norm_ or unscale_) in the same step would mix "
-           "scaled and unscaled gradients; call step() first."),
+           "scaled and unscaled gradients; call step() first, or, to skip this batch, clear the gradients "
+           "(optimizer.zero_grad()) before the next backward."),
     Misuse("plain-loss-backward", "trained", "fp16-mixed", lambda c: c.prec.step(c.opt), ValueError,
            "Call prec.backward(loss) instead of loss.backward() (it scales the loss when the policy needs it)",
            arrange=lambda c: c.loss().backward()),

@@ -980,3 +980,17 @@ def test_for_inference_without_islands_casts_batchnorm_statistics_like_model_hal
     kept = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     for_inference(kept, "fp16")
     assert kept[1].weight.dtype == kept[1].running_mean.dtype == torch.float32
+
+
+def test_a_prepare_that_raises_in_a_later_optimizer_leaves_no_hooks_or_step_guards() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    adam = torch.optim.Adam(model[0].parameters())
+    sgd = torch.optim.SGD([model[1].weight, model[1].bias, model[1].weight], lr=0.1)  # listed twice
+    with pytest.raises(ValueError, match=r"a parameter of shape \(2, 8\) appears twice"):
+        MixedPrecision("fp16-master").prepare(model, adam, sgd)
+    assert "step" not in adam.__dict__ and "step" not in sgd.__dict__  # no guard left on either optimizer
+    for p in model.parameters():
+        assert p.dtype == torch.float32 and not getattr(p, "_post_accumulate_grad_hooks", None)
+    model(torch.randn(3, 4)).sum().backward()  # plain FP32 training goes on
+    adam.step()

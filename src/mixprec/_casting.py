@@ -227,7 +227,9 @@ def _island_forward(
 #: Keyword arguments of the root's ``forward`` that the input cast leaves alone: targets, not
 #: activations (Hugging Face's ``model(**batch)`` passes regression and soft labels as FP32
 #: ``labels``; rounded to BF16 they move by up to 2**-9 relative, in FP16 beyond 65504 they are inf).
-TARGET_KWARGS = frozenset({"labels", "label", "targets", "target"})
+#: Only the Hugging Face spellings: ``target``/``targets`` are activations in some models (a
+#: siamese ``forward(source, target)``), and left in FP32 they met a half Linear outside autocast.
+TARGET_KWARGS = frozenset({"labels", "label"})
 
 
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

@@ -234,8 +234,12 @@ class MasterWeightOptimizer(Optimizer):
         self._frozen: list[torch.Tensor] = []  # half params adopted while frozen (no master yet)
         self._own32: tuple[torch.Tensor, ...] = ()  # params of the master dtype at adoption (their own masters)
         self._before_read: Callable[[str], None] | None = None
-        for group in optimizer.param_groups:
-            group["params"] = [self._adopt(p) for p in group["params"]]
+        try:
+            for group in optimizer.param_groups:
+                group["params"] = [self._adopt(p) for p in group["params"]]
+        except BaseException:
+            self.remove_hooks()  # the parameters adopted before the failure were hooked
+            raise
         _realias_params(optimizer)
         self._refresh_pairs()
         self._initial.clear()
@@ -282,7 +286,11 @@ class MasterWeightOptimizer(Optimizer):
     def _adopt(self, p: torch.Tensor) -> torch.Tensor:
         """Register ``p`` and return the tensor the wrapped optimizer should hold for it."""
         if any(p is q for q in self._model_params):
-            raise ValueError("a parameter appears twice in the optimizer's param groups.")
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} appears twice in the optimizer's param groups (a tied weight "
+                "listed again?); torch only warns, but its FP32 master would be stepped twice: list each parameter once "
+                "(model.parameters() yields a tied one once)."
+            )
         self._pairs = None
         if not p.dtype.is_floating_point or p.dtype == self.master_dtype:
             self._model_params.append(p)

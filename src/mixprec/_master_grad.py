@@ -18,8 +18,12 @@ master's FP32 gradient:
   gradients before the views, so an unscale triggered by the view would come too late;
 * in-place writes (``mul_`` from clipping, ``zero_``, ``clamp_``) change the master gradient;
   edits that commute with the loss scale (``zero_``, ``fill_(0)``, ``masked_fill_(mask, 0)``,
-  ``mul_``/``div_`` by a mask or a factor) are allowed before the unscale too;
+  ``p.grad[mask] = 0``, ``mul_``/``div_`` by a mask or a factor) are allowed before the unscale too;
 * ``detach()`` and ``.data`` return another view of the same master gradient (same guard);
+  ``numpy()``, ``tolist()``, ``copy.deepcopy`` and pickling (``torch.save``) give the FP32 master
+  gradient's, checked the same way;
+* a read inside a backward (a gradient hook) is checked too, except under a process group, where
+  DDP's reducer reads a ``no_sync()`` micro-batch's accumulated gradient into its bucket;
 * ``param.grad = None`` (``model.zero_grad()``) drops the view: the next backward's gradient
   then *replaces* the master gradient instead of adding to it, so clearing the model's
   gradients clears what the next step uses.
@@ -54,6 +58,7 @@ _NO_READ = {_aten.zero_.default, _aten.detach_.default, _DETACH, _aten.zeros_lik
 # too). Filling or masking with a value is scale-free only when the value is 0 (_scale_free).
 _SCALE_FREE = {_aten.mul_.Tensor, _aten.mul_.Scalar, _aten.div_.Tensor, _aten.div_.Scalar}
 _ZERO_FILL = {_aten.fill_.Scalar, _aten.masked_fill_.Scalar}
+_INDEX_PUT_ = _aten.index_put_.default
 
 
 def _scale_free(func: Any, args: Any) -> bool:
@@ -63,6 +68,11 @@ def _scale_free(func: Any, args: Any) -> bool:
     if func in _ZERO_FILL:
         value = args[-1]
         return isinstance(args[0], MasterGradView) and isinstance(value, (int, float)) and value == 0
+    if func is _INDEX_PUT_:  # p.grad[mask] = 0: a Python 0 arrives as a CPU scalar tensor (read without a sync)
+        values, accumulate = args[2], args[3] if len(args) > 3 else False
+        return (isinstance(args[0], MasterGradView) and not accumulate and isinstance(values, torch.Tensor)
+                and not isinstance(values, MasterGradView) and values.device.type == "cpu" and values.numel() == 1
+                and values.item() == 0)
     return False
 
 
@@ -99,6 +109,28 @@ class MasterGradView(torch.Tensor):
         g = self._master.grad
         state = "empty" if g is None else f"norm {float(g.norm()):.4g}"
         return f"MasterGradView(shape={tuple(self.shape)}, {self.dtype} parameter, FP32 master gradient: {state})"
+
+    # Tensor methods that do not dispatch to aten (they need storage): checked, then the master gradient's.
+    def _checked(self, op: str) -> torch.Tensor:
+        if self._before_read is not None:
+            self._before_read(op)
+        return self.master_grad()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The FP32 master gradient as a NumPy array (gradient logging: ``p.grad.detach().cpu().numpy()``)."""
+        return self._checked("numpy").numpy(force=force)
+
+    def tolist(self) -> Any:
+        """The FP32 master gradient as nested lists."""
+        return self._checked("tolist").tolist()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        """A plain copy of the FP32 master gradient (a copy has no master to be a window on)."""
+        return self._checked("deepcopy").clone()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickle (``torch.save(p.grad)``) as the plain FP32 master gradient."""
+        return self._checked("pickle").__reduce_ex__(protocol)
 
     def master_grad(self) -> torch.Tensor:
         """The FP32 master gradient (zeros if it was cleared), as a plain tensor."""

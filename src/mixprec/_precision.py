@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from ._autocast import autocast, resolve_device_type, tf32
 from ._casting import cast_module, register_run
-from ._dist import local_grad
+from ._dist import is_distributed, local_grad
 from ._errors import check_fused
 from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
@@ -445,9 +445,10 @@ class MixedPrecision(RunCheckpoint):
             prec = ref()
             if prec is None or not prec._scales_loss:
                 return
-            if torch._C._current_graph_task_id() != -1:
-                # Inside a backward: autograd and DDP's reducer (the gradient of a no_sync() micro-batch
-                # read into its bucket) work on the scaled gradient by design, as under torch.amp.
+            if torch._C._current_graph_task_id() != -1 and is_distributed():
+                # Inside a backward under a process group: DDP's reducer reads the gradient of a no_sync()
+                # micro-batch into its bucket, on the scaled gradient by design (as under torch.amp). A
+                # single process has no reducer: a hook's read there is the user's, and is checked.
                 return
             rec = prec._records.get(id(optimizer))
             if rec is not None and rec.stage == "backward":
@@ -456,7 +457,7 @@ class MixedPrecision(RunCheckpoint):
                     f"{prec.policy.label!r}), so the result would be off by the scale; call prec.unscale_(optimizer) "
                     "first, or use prec.clip_grad_norm_(max_norm), which unscales for you (torch.amp's GradScaler asks "
                     "the same: scaler.unscale_(optimizer) before clipping). Edits the scale does not change work before "
-                    "the unscale too: zero_(), fill_(0), masked_fill_(mask, 0), mul_/div_ by a mask or a factor."
+                    "the unscale too: zero_(), fill_(0), masked_fill_(mask, 0), p.grad[mask] = 0, mul_/div_ by a mask or a factor."
                 )
 
         return check_unscaled

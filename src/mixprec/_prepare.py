@@ -238,9 +238,12 @@ def wrap_optimizers(
                 opt = to_compensated(opt, policy, originals, fused=fused)
             wrapped.append(opt)
     except BaseException:
-        for opt in wrapped:  # the wrappers already built hooked the parameters: unhook before Rollback restores
+        from ._stepping import remove_step_guard
+
+        for opt in wrapped:  # the wrappers already built hooked the parameters and guarded their optimizers
             if isinstance(opt, MasterWeightOptimizer):
                 opt.remove_hooks()
+                remove_step_guard(opt.optimizer)
         raise
     return wrapped
 

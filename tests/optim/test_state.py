@@ -239,3 +239,33 @@ def test_a_plain_torch_checkpoint_loads_into_bf16_pure_with_its_fp32_digits_in_e
         assert err <= 2**-16 * v.abs().max().item(), (k, err)  # ~17 bits kept; BF16 rounding alone is 2**-9
     torch.testing.assert_close(opt2.state[model2[0].weight]["exp_avg"], opt.state[model[0].weight]["exp_avg"],
                                rtol=0, atol=0, check_dtype=False)
+
+
+def test_parameters_absent_from_a_torch_checkpoint_keep_their_compensation_and_step() -> None:
+    import copy
+
+    import mixprec as mp
+    from mixprec.checkpoint import fp32_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model[0].parameters(), lr=1e-2)  # the torch run trained layer 0 only
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    ck = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(opt.state_dict())}
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    prec = mp.MixedPrecision("bf16-pure")
+    model2, opt2 = prec.prepare(model2, torch.optim.AdamW(model2[0].parameters(), lr=1e-2))
+    opt2.add_param_group({"params": list(model2[1].parameters())})
+    ck["optimizer"]["param_groups"].append({**ck["optimizer"]["param_groups"][0], "params": [2, 3]})
+    prec.load_model_state_dict(ck["model"])
+    opt2.load_state_dict(ck["optimizer"])  # no state for layer 1's parameters in the checkpoint
+    full = fp32_state_dict(prec, compensation=True)
+    for k, v in ck["model"].items():
+        assert (full[k] - v).abs().max().item() <= 2**-16 * v.abs().max().item(), k
+    with prec.autocast():
+        loss = model2(torch.randn(4, 8)).float().sum()
+    prec.backward(loss)
+    prec.step(opt2)
+    assert opt2.state[model2[1].weight]["exp_avg"].abs().sum() > 0  # its moments started at zero and stepped

@@ -133,6 +133,11 @@ class StateIO(OptimizerParts):
                     state[p][_COMP_KEY] = kept
             else:
                 state[k] = v
+        if meta is None:  # parameters with no entry in the torch checkpoint keep their compensation too
+            for p in chain.from_iterable(g["params"] for g in groups):
+                kept = self.state.get(p, {}).get(_COMP_KEY)
+                if kept is not None and p not in state:
+                    state[p] = {_COMP_KEY: kept}
         self.__setstate__({"state": state, "param_groups": new_groups})
         self._key_cache.clear()
         self._plan_cache.clear()  # the eager step's cached views would keep the old states' memory alive
