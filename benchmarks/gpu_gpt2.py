@@ -4,7 +4,7 @@
 One command, one process::
 
     python benchmarks/gpu_gpt2.py                    # all defaults (about 1-2 minutes on an H100)
-    python benchmarks/gpu_gpt2.py --out results/     # also the JSON records and the PNG plots
+    python benchmarks/gpu_gpt2.py --out results/     # also the JSON records (plots: mixprec compare --out)
     python benchmarks/gpu_gpt2.py --compile          # every row torch.compile'd (inductor), baselines too
     python benchmarks/gpu_gpt2.py --budget 120       # start no row that would end after 120 s
     python benchmarks/gpu_gpt2.py --profile          # per row: top CUDA kernels and CPU time, mixprec minus torch.amp
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=1024, help="context length (default 1024)")
     p.add_argument("--n-embd", type=int, default=768, help="model width, heads of 64 (default 768; FP8 gains from ~2048)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense peak TFLOP/s when the GPU is not in the table")
-    p.add_argument("--out", default=os.environ.get("OUT"), help="write gpu_gpt2.json, each pair's record and plots here (default: $OUT if set)")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="write gpu_gpt2.json and each pair's JSON record here (default: $OUT if set)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile every row's model, the torch-amp baselines' too (default backend inductor); "
                         "step times exclude compilation, reported per row as cold and warm compile seconds "

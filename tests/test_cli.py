@@ -225,3 +225,31 @@ def test_unwritable_output_paths_are_refused_before_the_run(tmp_path: Path, caps
     assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
     assert main(["doctor", "--out", str(a_file)]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-w", "cnn", "-o", "batch_size=1498"], "batch_size=1498 needs 1498 training images, but there are 1497"),
+    (["-w", "cnn", "-o", "held_out=1797"], "held_out=1797 needs 1798 images"),
+    (["-w", "gpt", "-o", "block_size=50000"], "block_size=50000 needs 50002 characters of held-out text"),
+    (["-w", "hf-gpt2", "-o", "n_embd=30"], "hf-gpt2: n_embd=30 must be a multiple of n_head=4"),
+    (["-w", "hf-gpt2", "-o", "dropout=2"], "dropout=2.0 must be in [0, 1)"),
+])
+def test_workload_sizes_the_data_cannot_serve_are_usage_errors(args: list[str], says: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # a cnn batch larger than its training split looped forever; the others were tracebacks from torch/transformers
+    line = _one_line_error(capsys, main(["compare", *args, *FAST, "-p", "bf16-mixed"]))
+    assert says in line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a write that fails: disk full)")
+def test_an_output_that_cannot_be_written_is_one_error_line_and_the_others_are_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "plots"
+    rc = main(["compare", *TINY_LM, *FAST, "-p", "fp32", "--baseline", "none", "--out", str(out_dir), "--json", "/dev/full"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in err
+    assert "mixprec compare: error: could not write /dev/full" in err
+    assert (out_dir / "compare.json").exists() and list(out_dir.glob("*.png"))
+    rc = main(["check", "gpt", *TINY_LM, "--json", "/dev/full"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and err.strip().splitlines()[-1].startswith("mixprec check: error: could not write /dev/full")

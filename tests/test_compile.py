@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -477,3 +478,46 @@ def test_fused_step_compiles_the_same_graphs_for_2_and_6_blocks() -> None:
     six = _fused_step_graphs(6)
     assert two == six
     assert two[0] == 1  # one graph: the tile step
+
+
+@pytest.mark.parametrize("preset, fused", [("fp16-mixed", None), ("bf16-master", True), ("bf16-pure", None)])
+def test_a_compiled_train_step_around_prec_step_and_ema_matches_eager_without_recompiles(preset, fused) -> None:
+    """torch.compile of the whole step (forward, prec.backward, prec.step, ema.update): the step and the EMA run
+    eagerly behind a graph break. Traced, the scale history recompiled every step, fused=True built its optimizer
+    mid-trace (AttributeError) and the masters' edit check in ema.update raised a view error."""
+    import torch._dynamo.utils as dutils
+
+    import mixprec as mp
+
+    def run(compiled: bool) -> tuple[list[torch.Tensor], list[int]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        prec = mp.MixedPrecision(preset, fused=fused)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        ema = mp.EMA(prec, decay=0.9)
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with prec.autocast():
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad(set_to_none=True)
+            ema.update()
+            return loss.detach()
+
+        step = torch.compile(train_step, backend="aot_eager") if compiled else train_step
+        graphs = []
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            step(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+            graphs.append(int(dutils.counters["stats"]["unique_graphs"]))
+        return [p.detach().float().clone() for p in model.parameters()] + list(ema.averages.values()), graphs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager, _ = run(False)
+        traced, graphs = run(True)
+    for a, b in zip(eager, traced):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert graphs[2] == graphs[-1], graphs  # no new graphs after the warm-up steps

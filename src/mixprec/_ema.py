@@ -29,6 +29,13 @@ EMA_STATE_VERSION = 1
 _STATE_KEYS = ("version", "decay", "warmup", "num_updates", "averages")
 
 
+@torch._dynamo.disable
+def _update_outside_trace(ema: EMA, info: StepInfo | None) -> None:
+    """``EMA.update`` reached from a traced frame: eagerly, behind a graph break (the masters' edit check
+    works on cached views made without gradients, which a trace refuses to see written)."""
+    ema.update(info)
+
+
 def _average_dtype(t: torch.Tensor) -> torch.dtype:
     """FP32 for a real parameter; a complex one keeps its complex dtype (``.float()`` would drop its imaginary part)."""
     return t.dtype if t.is_complex() else torch.float32
@@ -173,6 +180,8 @@ class EMA:
         update is ``torch._foreach_lerp_`` per device with 0-d tensor weights (a ``lerp_`` kernel per
         tensor; plus an FP32 upcast of half-precision parameters under ``*-pure`` policies).
         """
+        if torch.compiler.is_compiling():  # torch.compile(ema.update), or a compiled train step around it
+            return _update_outside_trace(self, info)
         if info is None and self.prec is not None:
             info = self.prec.last_step
             if info is None:

@@ -84,6 +84,19 @@ def autocast_region(policy: Policy, device: torch.device | None) -> autocast | t
     return autocast(policy, device)
 
 
+@torch._dynamo.disable
+def _step_outside_trace(prec: MixedPrecision, optimizer: Optimizer, schedulers: Iterable[Any]) -> StepInfo:
+    """``prec.step`` reached from a traced frame (``torch.compile`` of a whole train step, or of ``opt.step``).
+
+    The step runs eagerly, behind one graph break (as torch.amp's ``GradScaler.step``, whose
+    ``found_inf`` read breaks the graph too): traced, dynamo guarded on the run's Python
+    bookkeeping (the scale history's step count: a recompile every step), built the fused
+    step's optimizer mid-trace, and failed on the compiled tile step's symbolic shapes. The
+    model's graph is unaffected, and the step keeps its own compiled kernels.
+    """
+    return prec.step(optimizer, schedulers=schedulers)
+
+
 class MixedPrecision(RunCheckpoint):
     """Train any model under a precision policy with one object.
 
@@ -749,6 +762,8 @@ class MixedPrecision(RunCheckpoint):
         """
         # The per-step hot path: its Python cost is what mixprec adds to every step of a small model
         # (issue 14: no more than torch.amp's), so lookups are inlined and nothing is validated twice.
+        if torch.compiler.is_compiling():
+            return _step_outside_trace(self, optimizer, schedulers)
         rec = self._record(optimizer, "step()")
         if schedulers:
             schedulers = _check_schedulers(schedulers)

@@ -231,3 +231,15 @@ def test_a_nan_made_in_fp32_is_traced_to_its_module() -> None:
     assert r.verdict == "fail" and "inf/NaN in FP32 already" in r.reasons[0]
     assert r.reasons[1] == "first nan in FP32: forward, in the output of '1' (Log)."
     assert r.trace is not None and r.trace.found
+
+
+def test_an_fp8_policy_that_runs_no_layer_in_fp8_says_so_in_the_report() -> None:
+    pytest.importorskip("torchao")
+    from mixprec.numerics import check as run_check
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4))  # 4 output features: no FP8 GEMM for it
+    res = run_check(model, torch.randn(8, 16), "fp8-rowwise", lambda m, b: m(b).float().pow(2).mean())
+    assert res.verdict == "pass"
+    assert any("runs no layer in FP8" in n and "plain BF16 autocast" in n for n in res.notes), res.notes
+    assert any("runs no layer in FP8" in n for n in res.to_dict()["notes"])

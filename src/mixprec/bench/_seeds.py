@@ -119,6 +119,7 @@ def parse_seeds(spec: str | Sequence[int]) -> list[int]:
     """
     shown = spec if isinstance(spec, str) else ",".join(str(s) for s in spec)
     out: list[int] = []
+    backwards = ""
     try:
         if isinstance(spec, str):
             for part in (p.strip() for p in spec.split(",")):
@@ -126,6 +127,8 @@ def parse_seeds(spec: str | Sequence[int]) -> list[int]:
                     continue
                 lo, dash, hi = part.partition("-")
                 if dash and lo.strip():
+                    if int(hi) < int(lo):
+                        backwards = part
                     out.extend(range(int(lo), int(hi) + 1))
                 else:
                     out.append(int(part))
@@ -133,6 +136,10 @@ def parse_seeds(spec: str | Sequence[int]) -> list[int]:
             out = [int(s) for s in spec]
     except ValueError:
         raise BenchError(f"--seeds {shown}: expected comma-separated integers, e.g. --seeds 0,1,2") from None
+    if backwards:
+        lo, _, hi = backwards.partition("-")
+        raise BenchError(f"--seeds {shown}: the range {backwards} runs backwards; write it low-high, "
+                         f"e.g. --seeds {hi.strip()}-{lo.strip()}")
     if len(set(out)) != len(out):
         raise BenchError(f"--seeds {shown}: a seed is repeated; give distinct seeds, e.g. --seeds 0,1,2")
     if len(out) < 2:

@@ -157,6 +157,9 @@ def _lm_workload(
     description: str,
 ) -> Workload:
     """A character-level language-model workload: the batches, held-out split and units every LM shares."""
+    block = int(o["block_size"])
+    _check_split(name, "characters of held-out text (block_size + 2)", min(len(train), len(held_out)), block + 2,
+                 "block_size", block)
     return Workload(
         name=name,
         model=model,
@@ -306,6 +309,8 @@ def make_cnn(**options: Any) -> Workload:
     g = torch.Generator().manual_seed(o["seed"])
     perm = torch.randperm(len(x), generator=g)
     n_held = int(o["held_out"])
+    _check_split("cnn", "images (held_out plus one training image)", len(x), n_held + 1, "held_out", n_held)
+    _check_split("cnn", "training images", len(x) - n_held, int(o["batch_size"]), "batch_size", int(o["batch_size"]))
     held, train = perm[:n_held], perm[n_held:]
     mean, std = x[train].mean(), x[train].std()
     xn = (x - mean) / std
@@ -402,7 +407,17 @@ def _options(name: str, defaults: dict[str, Any], given: dict[str, Any]) -> dict
     for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "width", "eval_batches", "held_out"):
         if k in out and out[k] <= 0:
             raise BenchError(f"{name} workload option {k}={out[k]} must be positive")
+    if "n_head" in out and "n_embd" in out and out["n_embd"] % out["n_head"]:
+        raise BenchError(f"{name}: n_embd={out['n_embd']} must be a multiple of n_head={out['n_head']}")
+    if "dropout" in out and not 0.0 <= out["dropout"] < 1.0:
+        raise BenchError(f"{name} workload option dropout={out['dropout']} must be in [0, 1)")
     return out
+
+
+def _check_split(name: str, what: str, n: int, need: int, key: str, value: int) -> None:
+    """Refuse a size the data cannot serve (the batches would never come: an endless loop)."""
+    if need > n:
+        raise BenchError(f"{name} workload option {key}={value} needs {need} {what}, but there are {n}; use a smaller {key}.")
 
 
 def _convert(name: str, key: str, v: Any, want: type) -> Any:

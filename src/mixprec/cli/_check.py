@@ -68,5 +68,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if json_to_stdout:
             print(payload)
         else:
-            Path(args.json).write_text(payload)
+            try:
+                Path(args.json).write_text(payload)
+            except OSError as e:
+                _common.write_failed(prog, args.json, e)
+                return 1
     return 1 if res.verdict == "fail" else 0

@@ -170,6 +170,11 @@ def run_failed(prog: str, error: Exception) -> int:
     return 1
 
 
+def write_failed(prog: str, path: Any, error: OSError) -> None:
+    """Report an output file that could not be written (one stderr line); the caller writes the rest and exits 1."""
+    print(f"{prog}: error: could not write {path}: {error.strerror or error}", file=sys.stderr)
+
+
 def load(spec: str, opts: dict[str, Any]) -> Any:
     """The workload, via mixprec.bench.load_workload (its errors are user errors)."""
     from ..bench import BenchError, load_workload

@@ -200,19 +200,31 @@ def _run_compare(args: argparse.Namespace, options: dict[str, Any]) -> int:
         if msg not in seen and not msg.startswith("fp16 on CPU"):
             seen.add(msg)
             _say(console, report_file, f"warning: {msg}", dim=True)
+    from . import _common
+
+    unwritten = False  # an output that cannot be written (a full disk) must not cost the others
     if args.json is not None:
-        write_json(seeds if seeds is not None else result, args.json)
-        if not json_to_stdout:
-            _say(console, report_file, f"JSON written to {args.json}")
+        try:
+            write_json(seeds if seeds is not None else result, args.json)
+            if not json_to_stdout:
+                _say(console, report_file, f"JSON written to {args.json}")
+        except OSError as e:
+            _common.write_failed("mixprec compare", args.json, e)
+            unwritten = True
     if args.out is not None:
         out = Path(args.out)
-        paths = write_plots(result, out, seeds=seeds)
-        write_json(seeds if seeds is not None else result, out / "compare.json")
-        _say(console, report_file, f"Plots and compare.json written to {out}/: {', '.join(p.name for p in paths)}")
+        try:
+            paths = write_plots(result, out, seeds=seeds)
+            write_json(seeds if seeds is not None else result, out / "compare.json")
+            _say(console, report_file, f"Plots and compare.json written to {out}/: {', '.join(p.name for p in paths)}")
+        except OSError as e:
+            _common.write_failed("mixprec compare", out, e)
+            unwritten = True
     elif args.json is None:
         _say(console, report_file, "Add --out DIR for plots (loss curves, loss scale, memory, speed) and JSON.", dim=True)
-    # Exit 1 when nothing could be measured (every row unavailable or failed).
-    return 0 if any(r.status == "ok" for run in (seeds.runs if seeds else [result]) for r in run.rows) else 1
+    # Exit 1 when nothing could be measured (every row unavailable or failed), or an output was not written.
+    ok = any(r.status == "ok" for run in (seeds.runs if seeds else [result]) for r in run.rows)
+    return 0 if ok and not unwritten else 1
 
 
 def _console(file: Any) -> Any:

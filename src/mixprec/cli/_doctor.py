@@ -211,8 +211,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         return 2
     json_to_stdout = args.json == "-"
     out_file = sys.stderr if json_to_stdout else sys.stdout
-    print(f"{prog}: workload {w.name}, policy {pol.label}, device {dev}, {args.steps} monitored FP32 step(s)",
-          file=out_file)
+    print(f"{prog}: workload {w.name}, policy {pol.label}, device {dev}, up to {args.steps} monitored FP32 step(s) "
+          "(as many as the workload has batches)", file=out_file)
     try:
         res = run_doctor(w, pol, steps=args.steps, every=args.every, device=dev, seed=args.seed,
                          run_check=not args.no_check)
@@ -246,17 +246,26 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                                                title=f"{w.name}: activation-gradient magnitudes (FP32 run, "
                                                      f"{res.steps} steps) vs the FP16/BF16 ranges"))
     payload = json.dumps(res.to_dict(), indent=1)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "doctor.json").write_text(payload)
-    written.append(out / "doctor.json")
+    unwritten = False
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "doctor.json").write_text(payload)
+        written.append(out / "doctor.json")
+    except OSError as e:
+        _common.write_failed(prog, out / "doctor.json", e)
+        unwritten = True
     if args.json is not None:
         if json_to_stdout:
             print(payload)
         else:
-            Path(args.json).write_text(payload)
-            written.append(Path(args.json))
+            try:
+                Path(args.json).write_text(payload)
+                written.append(Path(args.json))
+            except OSError as e:
+                _common.write_failed(prog, args.json, e)
+                unwritten = True
     print(f"written: {', '.join(str(p) for p in written)}", file=out_file)
-    return 1 if res.check is not None and res.check.verdict == "fail" else 0
+    return 1 if unwritten or (res.check is not None and res.check.verdict == "fail") else 0
 
 
 def add_doctor(subparsers: Any) -> None:

@@ -432,7 +432,15 @@ def check(
         scale = 1.0
     else:
         scale = pol.init_scale if pol.init_scale is not None else (1.0 if pol.loss_scale == "static" else 2.0**16)
-    pol_model = cast_module(apply_fp8(_fp32_base(model, dropout), pol, batch, loss_fn), pol)  # apply_fp8: f8= policies
+    with warnings.catch_warnings(record=True) as fp8_notes:  # apply_fp8: f8= policies
+        warnings.simplefilter("always")
+        fp8_model = apply_fp8(_fp32_base(model, dropout), pol, batch, loss_fn)
+    for w in fp8_notes:  # "runs no layer in FP8": the report (and its JSON) says what actually ran
+        if issubclass(w.category, UserWarning) and "FP8" in str(w.message):
+            notes.append(" ".join(str(w.message).split()))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    pol_model = cast_module(fp8_model, pol)
     backoffs = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # e.g. autocast's "fp16 on CPU" notices
