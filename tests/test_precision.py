@@ -589,7 +589,11 @@ def test_backward_runs_with_the_policys_tf32_switch(preset, device):
 
 
 @pytest.mark.parametrize("preset", ["bf16-master", "bf16-pure"])
-def test_fused_reaches_the_optimizers_prepare_builds_and_trains_like_eager(preset):
+def test_fused_reaches_the_optimizers_prepare_builds_and_trains_like_eager(preset, monkeypatch):
+    import mixprec.optim._fused_step as fused_step
+
+    monkeypatch.setattr(fused_step, "_FUSED_CACHE", {})  # compiled tiles are shared per process: compile here
+
     def run(fused):
         torch.manual_seed(0)
         model = make("mlp")
@@ -994,3 +998,17 @@ def test_a_prepare_that_raises_in_a_later_optimizer_leaves_no_hooks_or_step_guar
         assert p.dtype == torch.float32 and not getattr(p, "_post_accumulate_grad_hooks", None)
     model(torch.randn(3, 4)).sum().backward()  # plain FP32 training goes on
     adam.step()
+
+
+@pytest.mark.parametrize("policy", ["fp16-master", "p=f16,c=f16,o=f32,m=none,ls=dynamic"])
+def test_weights_beyond_fp16_range_are_refused_before_the_cast_makes_them_inf(policy: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight[3, 1] = 1.5e5
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"parameter '0.weight' has values up to 1.5e\+05, beyond FP16's maximum 65504"):
+        MixedPrecision(policy).prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model[0].weight.dtype == torch.float32 and torch.equal(model[0].weight, before)
+    # an FP32 island or a BF16 policy takes it
+    MixedPrecision("bf16-master").prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

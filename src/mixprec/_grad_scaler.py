@@ -122,6 +122,16 @@ def _takes_grad_scaler_kwarg(optimizer: Any) -> bool:
     return found
 
 
+@torch._dynamo.disable
+def _update_outside_trace(scaler: GradScaler, new_scale: float | Tensor | None) -> None:
+    """``GradScaler.update`` reached from a traced frame: eagerly, behind a graph break.
+
+    Traced, dynamo guarded on the scale history's Python step count and pending list, which
+    change every step: a recompile per step until the recompile limit.
+    """
+    scaler.update(new_scale)
+
+
 class GradScaler:
     """Drop-in replacement for ``torch.amp.GradScaler``, with on-device extras.
 
@@ -578,6 +588,8 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        if torch.compiler.is_compiling():  # a compiled train step around scaler.update(): see _update_outside_trace
+            return _update_outside_trace(self, new_scale)
         core = self._require_core("update")
         scale = core.scale
         assert scale is not None  # _require_core materialised it (internal invariant)

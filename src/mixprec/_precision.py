@@ -72,18 +72,6 @@ def scaler_for_policy(policy: Policy | str) -> LossScaler:
 _NO_TOTAL_NORM = not (hasattr(torch.nn.utils, "get_total_norm") and hasattr(torch.nn.utils, "clip_grads_with_norm_"))
 
 
-def autocast_region(policy: Policy, device: torch.device | None) -> autocast | torch.autocast:
-    """:meth:`MixedPrecision.autocast` for ``policy`` on ``device`` (for wrappers that hold no run)."""
-    device_type = resolve_device_type(device)
-    if not policy.tf32 and (device_type != "cuda" or torch.compiler.is_compiling()):
-        return torch.autocast(
-            device_type=device_type,
-            dtype=policy.compute_dtype if policy.uses_autocast else None,
-            enabled=policy.uses_autocast,
-        )
-    return autocast(policy, device)
-
-
 @torch._dynamo.disable
 def _step_outside_trace(prec: MixedPrecision, optimizer: Optimizer, schedulers: Iterable[Any]) -> StepInfo:
     """``prec.step`` reached from a traced frame (``torch.compile`` of a whole train step, or of ``opt.step``).
@@ -525,7 +513,16 @@ class MixedPrecision(RunCheckpoint):
         nothing, it is a plain ``torch.autocast`` too (a policy without TF32 only): the switches
         would be pure per-step cost.
         """
-        return autocast_region(self.policy, self.device)
+        # Reads only .policy and .device: integrations.accelerate calls it on an object holding those two.
+        policy, device = self.policy, self.device
+        device_type = resolve_device_type(device)
+        if not policy.tf32 and (device_type != "cuda" or torch.compiler.is_compiling()):
+            return torch.autocast(
+                device_type=device_type,
+                dtype=policy.compute_dtype if policy.uses_autocast else None,
+                enabled=policy.uses_autocast,
+            )
+        return autocast(policy, device)
 
     def backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
         """Backpropagate ``loss``, scaled when the policy scales.

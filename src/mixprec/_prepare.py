@@ -137,6 +137,8 @@ def check_prepare(
     policy.check_islands(model)
     if policy.param_dtype != torch.float32 and policy.buffers == "keep" and not keep_dtypes:
         _check_batch_norms(model, policy, island_modules)
+    if policy.param_dtype == torch.float16 and not keep_dtypes:
+        _check_fp16_range(model, policy, island_modules)
     device = model_device(model)
     check_device_support(policy.compute_dtype, device)
     if half and policy.has_masters and not keep_dtypes:
@@ -152,6 +154,37 @@ def check_prepare(
     elif not policy.has_masters and policy.param_dtype != torch.float32:
         warn_tiny_eps(optimizers, policy.param_dtype)
     return PrepareFacts(device, fsdp, floating)
+
+
+def _check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any) -> None:
+    """Refuse finite FP32 weights that the cast to FP16 would turn into inf (every step would then skip).
+
+    One reduction per parameter and one host read, at ``prepare`` only. FSDP2 shards (DTensors)
+    are not checked (their local values are the shard's; the cast happens per rank).
+    """
+    from ._dist import is_dtensor
+
+    kept = {id(t) for _, m in island_modules(model, policy) for t in m.parameters()}
+    named = [(n, p) for n, p in model.named_parameters() if id(p) not in kept and p.dtype == torch.float32
+             and not is_dtensor(p) and p.numel()]
+    if not named:
+        return
+    with torch.no_grad():
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, p) in enumerate(named):
+            by_device.setdefault(p.device, []).append(i)
+        peaks = torch.empty(len(named))
+        for idx in by_device.values():  # one host read per device
+            peaks[idx] = torch.stack([named[i][1].detach().abs().amax() for i in idx]).float().cpu()
+    big = (peaks > torch.finfo(torch.float16).max).nonzero().flatten().tolist()
+    if big:
+        name = named[big[0]][0]
+        raise ValueError(
+            f"parameter {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond FP16's maximum 65504: cast to FP16 "
+            f"for policy {policy.label!r} they become inf and every step would be skipped ({len(big)} such "
+            "parameter(s)). Use a BF16 policy (FP32's range), keep the module in FP32 with an island "
+            f"(i=norm+name:{name.rsplit('.', 1)[0] or name}), or rescale those weights."
+        )
 
 
 def _check_batch_norms(model: nn.Module, policy: Policy, island_modules: Any) -> None:

@@ -357,8 +357,6 @@ class ScaleCore:
                 step's ``StepInfo.scale``): the history then records the step by reference,
                 without a kernel (:meth:`ScaleHistory.record_snapshot`).
         """
-        if torch.compiler.is_compiling():  # a compiled train step around the update: see _update_outside_trace
-            return _update_outside_trace(self, found_inf, decide, used)
         scale = self.scale
         if scale is None:
             scale = self.ensure(found_inf.device, bind=False)
@@ -582,16 +580,6 @@ def _collect_grads(grads_or_params: Iterable[Tensor | None]) -> list[Tensor]:
         else:
             out.append(t)
     return out
-
-
-@torch._dynamo.disable
-def _update_outside_trace(core: ScaleCore, found_inf: Tensor, decide: bool, used: Tensor | None) -> None:
-    """``ScaleCore.update`` reached from a traced frame: eagerly, behind a graph break.
-
-    Traced, dynamo guarded on the history's Python step count and pending list, which change
-    every step: a recompile per step until the recompile limit.
-    """
-    core.update(found_inf, decide=decide, used=used)
 
 
 class _ScalerBase:

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from .._policy import Policy
-from .._precision import MixedPrecision, autocast_region
+from .._precision import MixedPrecision
 from .._prepare import model_params_of
 
 __all__ = ["MixprecAccelerator", "as_mixed_precision", "attach", "check_accelerator"]
@@ -140,7 +140,7 @@ class _AutocastForward:
         self.__doc__ = getattr(forward, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with autocast_region(self.policy, self.device):
+        with MixedPrecision.autocast(self):  # type: ignore[arg-type]  # it reads .policy and .device only
             return self.forward(*args, **kwargs)
 
 
