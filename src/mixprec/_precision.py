@@ -373,7 +373,9 @@ class MixedPrecision(RunCheckpoint):
         if check_batch is not None:
             from .numerics import preflight
 
-            self.check_result = preflight(model, check_batch, self.policy, loss_fn, on_fail=on_check_fail)
+            floor = self.scaler._core.cfg.floor if isinstance(self.scaler, DynamicScaler) else None
+            self.check_result = preflight(model, check_batch, self.policy, loss_fn, on_fail=on_check_fail,
+                                          _fail_arg="on_check_fail='warn' to prepare()", min_scale=floor)
 
         # --- from here on the model and optimizers change ---
         if self.policy.fp8 != "none":  # f8= policies: the chosen nn.Linear -> torchao FP8 (mixprec._fp8)

@@ -279,9 +279,14 @@ def test_the_fp32_rerun_of_a_prepared_run_takes_its_masters() -> None:
 
     prec = mixprec.MixedPrecision("fp16-master")
     model = HugeWeight()
+    with torch.no_grad():
+        model.a.weight[0, 0] = 1.0  # prepare refuses weights beyond FP16's range: the 1e5 comes after it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 on a CPU
-        model, _ = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.no_grad():  # as a run whose master grew past FP16's range: the weight is its FP16 rounding
+        opt.master_for(model.a.weight)[0, 0] = 1e5
+        model.a.weight[0, 0] = 1e5
     assert torch.isinf(model.a.weight).any()  # the FP16 weight; its master holds 1e5
     with prec.autocast():
         r = trace_nonfinite(model, X, _loss)

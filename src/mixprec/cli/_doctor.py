@@ -19,7 +19,7 @@ from typing import Any
 from .._autocast import autocast
 from .._policy import Policy
 from ..numerics import NumericsMonitor, audit, check
-from ..numerics._findings import jsonable
+from ..numerics._findings import fp32_divergence, jsonable, mark_fp32_divergence
 from ..numerics._fp8_plan import fp8_stats_table
 from . import _common
 from ._common import WORKLOAD_HELP, ArgError, add_common, add_workload, resolve_workload
@@ -52,7 +52,8 @@ examples:
   mixprec doctor cnn -p bf16-master               # the workload may also be positional, as in check
   mixprec doctor gpt -p fp8-rowwise --no-plot     # with the per-layer FP8 table
 
-exit status: 0 done, 1 the pre-flight check failed (or the run failed), 2 bad arguments.
+exit status: 0 done, 1 the pre-flight check failed (or the run failed, or the monitored FP32 run itself
+  diverged: a non-finite or exploding loss, not a precision problem), 2 bad arguments.
 """
 
 
@@ -64,6 +65,31 @@ def _scale_for(policy: Any, check_result: Any) -> float:
     if policy.init_scale is not None:
         return float(policy.init_scale)
     return 2.0**16 if policy.loss_scale == "dynamic" else 1.0
+
+
+def _with_island(report: Any, island: str | None) -> Any:
+    """``report`` with the FP32 island the pre-flight check found necessary in its FP16 islands and policy.
+
+    The FP32 monitored run cannot see an overflow inside FP16 computation (attention scores, say),
+    so the check's trace is the only witness: the printed FP16 policy must carry its island, or it
+    fails the same check.
+
+    Args:
+        report: The monitor's :class:`~mixprec.numerics.NumericsReport`.
+        island: A policy ``i=`` entry (``"name:attn"``), or ``None`` (nothing to add).
+
+    Returns:
+        The report, updated (a copy) when the island was missing.
+    """
+    if island is None or island in report.recommended_islands:
+        return report
+    fp16_policy = report.fp16_policy
+    if fp16_policy is not None:
+        p = Policy.parse(fp16_policy)
+        if island not in p.fp32_islands:
+            fp16_policy = str(dataclasses.replace(p, fp32_islands=(*p.fp32_islands, island)))
+    return dataclasses.replace(report, recommended_islands=[*report.recommended_islands, island],
+                               fp16_policy=fp16_policy)
 
 
 @dataclasses.dataclass
@@ -149,6 +175,11 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
                 opt.zero_grad(set_to_none=True)
                 losses.append(float(loss.detach()))
     report = mon.report(loss_scale=_scale_for(pol, check_result), device=dev)
+    diverged = fp32_divergence(losses)
+    if diverged is not None:
+        # The reference run itself blew up: its huge activations and gradients would otherwise read as FP16
+        # overflows and an absurd loss scale, with a precision change advised that diverges the same way.
+        report = mark_fp32_divergence(report, diverged)
     trace = getattr(check_result, "trace", None)
     if check_result is not None and check_result.verdict == "fail" and trace is not None and trace.found:
         # The monitored run is FP32 (finite); the check ran the policy: its first inf/NaN leads the findings,
@@ -158,8 +189,11 @@ def run_doctor(workload: Any, policy: Any = "fp16-mixed", *, steps: int = 10, ev
             cause = (" (finite in FP32: precision is the cause)" if trace.fp32_rerun.precision_is_cause
                      else " (also non-finite in FP32: not a precision problem)")
         advice = f" {trace.advice}" if trace.advice else ""
-        report.findings.insert(0, f"Under {pol.label} the first {trace.kind} appears in the {trace.phase} {trace.location}"
+        # (after the FP32 run's own divergence, which explains it, when there was one)
+        report.findings.insert(0 if diverged is None else 1, f"Under {pol.label} the first {trace.kind} appears in the {trace.phase} {trace.location}"
                                   f"{cause}; the pre-flight check fails.{advice}")
+        if diverged is None and pol.compute_dtype == torch.float16:
+            report = _with_island(report, trace.recommended_island)
     fp8_stats = mon.fp8_stats() if pol.fp8 != "none" else None
 
     audit_result = None
@@ -265,7 +299,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                 _common.write_failed(prog, args.json, e)
                 unwritten = True
     print(f"written: {', '.join(str(p) for p in written)}", file=out_file)
-    return 1 if unwritten or (res.check is not None and res.check.verdict == "fail") else 0
+    # A diverged FP32 run is a failed run (exit 1): the report has no precision advice to act on.
+    failed = res.report.fp32_diverged is not None or (res.check is not None and res.check.verdict == "fail")
+    return 1 if unwritten or failed else 0
 
 
 def add_doctor(subparsers: Any) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "ScaleRange",
     "build_report",
     "format_table",
+    "fp32_divergence",
     "jsonable",
     "print_tables",
     "rich_console",
@@ -45,6 +46,10 @@ FLUSHED_ZERO_WARN = 0.1
 #: at the bottom of FP16's range, where the missing ones were flushed. (Zeros from ReLUs, unused embedding
 #: rows or masks come with gradients in FP16's normal range and are not flagged.)
 FLUSHED_SUBNORMAL_HINT = 0.05
+#: A monitored FP32 loss this many times its first value (and beyond FP16's maximum) has exploded:
+#: the run diverged in FP32 itself (a learning rate 10x too high typically grows the loss by orders
+#: of magnitude within a few steps; noisy but healthy losses stay within a few x of the first).
+DIVERGENCE_FACTOR = 1e3
 
 
 # ----- small formatting helpers ---------------------------------------------------------------------
@@ -367,12 +372,16 @@ class NumericsReport:
             weight elements whose update is below half an ulp (``None`` without an optimizer), over
             the parameters that would be stored in half precision (FP32 islands left out).
         recommended_islands: FP32 islands to add for FP16 (policy ``i=`` entries).
-        recommended_preset: The preset mixprec recommends for this model on this device.
+        recommended_preset: The preset mixprec recommends for this model on this device
+            (``"none"`` when the FP32 run itself diverged: :attr:`fp32_diverged`).
         fp16_policy: A policy string for FP16 with the recommended scale and islands, or ``None``
             when FP16 cannot work.
         findings: The reasoning, one sentence per finding.
         histograms: Pooled log2 histograms (``activations``, ``activation_grads``, ``param_grads``):
             ``{"total", "zero", "nonfinite", "absmax", "bins": {k: count}}`` (bin k: ``[2**k, 2**(k+1))``).
+        fp32_diverged: Why the monitored FP32 run itself diverged (see :func:`fp32_divergence`), or
+            ``None``. When set, the statistics describe a diverging model, not a precision problem:
+            no precision change, FP32 island or loss scale is recommended.
     """
 
     device: str
@@ -392,6 +401,7 @@ class NumericsReport:
     fp16_policy: str | None
     findings: list[str]
     histograms: dict[str, dict[str, Any]]
+    fp32_diverged: str | None = None
 
     def module(self, name: str) -> ModuleNumerics:
         """The statistics of one module by qualified name (KeyError when not watched)."""
@@ -466,6 +476,10 @@ class NumericsReport:
             lines.append(f"Updates below half an ulp of the weight: {_pct(st['bf16'])} in BF16, {_pct(st['f16'])} in FP16.")
         lines.append("Findings:")
         lines.extend(f"  - {f}" for f in self.findings)
+        if self.fp32_diverged is not None:
+            lines.append("Recommended preset: none: the FP32 run itself diverged; fix it (learning rate, data, "
+                         "initialisation) before choosing a precision.")
+            return lines
         islands = "+".join(self.recommended_islands) or "-"
         lines.append(f"Recommended preset: {self.recommended_preset}. FP32 islands for FP16: {islands}.")
         if self.fp16_policy:
@@ -485,6 +499,63 @@ class NumericsReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def fp32_divergence(losses: Sequence[float]) -> str | None:
+    """Why a run's losses show that it diverged, or ``None`` when they do not.
+
+    A run diverged when a loss is inf/NaN, or when a loss exceeds both FP16's maximum and
+    ``DIVERGENCE_FACTOR`` times the first loss's magnitude (an explosion, not noise).
+
+    Args:
+        losses: The losses of consecutive training steps (Python floats; NaN/inf allowed).
+
+    Returns:
+        A sentence naming the step and the loss, or ``None``.
+
+    Example:
+        >>> fp32_divergence([0.69, 14.9, 1.2e5, float("inf")]) is not None
+        True
+        >>> fp32_divergence([0.69, 0.6, 0.5]) is None
+        True
+    """
+    if not losses:
+        return None
+    first = abs(losses[0]) if math.isfinite(losses[0]) else None
+    for i, v in enumerate(losses):
+        if not math.isfinite(v):
+            return f"the loss became {v} at step {i} (first loss {_g(losses[0])})"
+        if first is not None and abs(v) > F16.max and abs(v) > DIVERGENCE_FACTOR * first:
+            return f"the loss grew from {_g(losses[0])} to {_g(v)} by step {i}"
+    return None
+
+
+def mark_fp32_divergence(report: NumericsReport, reason: str) -> NumericsReport:
+    """The report of a monitored FP32 run that diverged: no precision advice from its statistics.
+
+    The activations and gradients of a diverging model exceed any format's range (FP16's, then
+    FP32's), so the overflow, loss-scale, island and stagnation figures say nothing about precision:
+    they are dropped from the recommendations, and the findings say the FP32 run itself diverged.
+
+    Args:
+        report: The report built from the run's statistics.
+        reason: What showed the divergence (:func:`fp32_divergence`).
+
+    Returns:
+        A copy of ``report`` with ``fp32_diverged`` set, one finding, no islands, no FP16 policy,
+        no loss-scale range and no stagnation figures.
+    """
+    finding = (f"The monitored FP32 run itself diverged: {reason}. This is not a precision problem (no "
+               "format, FP32 island or loss scale fixes it; bf16-mixed diverges the same way): lower the learning "
+               "rate (or add warm-up / gradient clipping), check the data and the initialisation, then run mixprec "
+               "doctor again. The activation and gradient figures below were recorded while the model diverged.")
+    return dataclasses.replace(
+        report, fp32_diverged=reason, findings=[finding], recommended_islands=[], fp16_policy=None,
+        recommended_preset="none",
+        scale_range=ScaleRange(low=None, high=None, recommended=None, feasible=False,
+                               max_lost=report.scale_range.max_lost),
+        stagnation={"bf16": None, "f16": None, "worst": []},
+    )
 
 
 def _underflow(h: Log2Histogram, scale: float) -> dict[str, dict[str, float]]:
@@ -540,7 +611,8 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
     Exact zeros in gradients computed in FP16 can be values that already flushed (the underflow
     figures count non-zero values only): a parameter with at least ``FLUSHED_ZERO_WARN`` zeros
     whose non-zero values are FP16 subnormals at the loss scale (at least
-    ``FLUSHED_SUBNORMAL_HINT``) is named in a finding.
+    ``FLUSHED_SUBNORMAL_HINT``) is named in a finding, and so is one whose recorded gradients were
+    zero everywhere (nothing left to sit at FP16's bottom: it never trains).
 
     Args:
         modules / params: Per-module and per-parameter statistics.
@@ -617,18 +689,29 @@ def build_report(*, modules: list[ModuleNumerics], params: list[ParamNumerics], 
     # Flushed values arrive as exact zeros, which the underflow figures above (non-zero values only) cannot
     # count: name the FP16-computed gradients that are mostly zeros with their other values at FP16's bottom.
     f16_modules = {m.name for m in modules if "f16" in m.act_dtypes or "f16" in m.grad_dtypes}
-    flushed = [p for p in params if ("f16" in p.grad_dtypes or p.module in f16_modules)
-               and p.grad_zero >= FLUSHED_ZERO_WARN and p.grad_subnormal_f16_at_scale >= FLUSHED_SUBNORMAL_HINT]
-    if flushed:
+    # A gradient that is zero everywhere has no non-zero values left to sit at FP16's bottom: every one may have
+    # flushed, and the parameter never trains; it is named too (grad_zero counts recorded gradients only, so a
+    # parameter that never received one is not).
+    f16_grads = [p for p in params if "f16" in p.grad_dtypes or p.module in f16_modules]
+    all_zero = [p for p in f16_grads if p.grad_zero >= 1.0]
+    flushed = [p for p in f16_grads if FLUSHED_ZERO_WARN <= p.grad_zero < 1.0
+               and p.grad_subnormal_f16_at_scale >= FLUSHED_SUBNORMAL_HINT]
+    if flushed or all_zero:
         flushed.sort(key=lambda p: -p.grad_zero)
-        names = ", ".join(f"{p.name} {_pct(p.grad_zero)}" for p in flushed[:5]) + (", ..." if len(flushed) > 5 else "")
-        mods = ", ".join(dict.fromkeys(p.module or "(root)" for p in flushed))
+        parts = []
+        if all_zero:
+            zs = ", ".join(p.name for p in all_zero[:5]) + (", ..." if len(all_zero) > 5 else "")
+            parts.append(f"every value zero in {zs}: these weights never train")
+        if flushed:
+            names = ", ".join(f"{p.name} {_pct(p.grad_zero)}" for p in flushed[:5]) + (", ..." if len(flushed) > 5 else "")
+            parts.append(f"zero fraction {names}, with the non-zero values FP16 subnormals at the loss scale "
+                         f"{_pow2(loss_scale)}")
+        mods = ", ".join(dict.fromkeys(p.module or "(root)" for p in [*all_zero, *flushed]))
         findings.append(
-            f"Gradients computed in FP16 are largely exact zeros (zero fraction: {names}; modules {mods}) while their "
-            f"non-zero values are FP16 subnormals at the loss scale {_pow2(loss_scale)}: zeros in FP16 gradients can be "
-            "underflow, values flushed to zero before the monitor saw them, which the underflow figures (non-zero "
-            "values only) do not count. Use a larger loss scale, dynamic scaling (ls=dynamic) or bf16; monitoring an "
-            "FP32 run (as mixprec doctor does) measures what FP16 loses.")
+            f"Gradients computed in FP16 are largely exact zeros ({'; '.join(parts)}; modules {mods}): zeros in FP16 "
+            "gradients can be underflow, values flushed to zero before the monitor saw them, which the underflow "
+            "figures (non-zero values only) do not count. Use a larger loss scale, dynamic scaling (ls=dynamic) or "
+            "bf16; monitoring an FP32 run (as mixprec doctor does) measures what FP16 loses.")
 
     # stagnation, over the weights a half-precision preset would store in half precision: an FP32
     # island's weights (norm layers under every preset) stay FP32, so their small updates are kept.

@@ -670,19 +670,44 @@ class NumericsMonitor:
         if not snap:
             return
         half_ulp_bits = {"bf16": 7, "f16": 10}
+        live_bits = {torch.bfloat16: 7, torch.float16: 10}
+        # Weights stored in half precision round a swamped update away: the weight does not change (delta == 0),
+        # so delta alone cannot see stagnation there. An element whose gradient was non-zero was meant to move;
+        # unless the step was skipped (a non-finite gradient anywhere: the loss scaler skips the whole step),
+        # which is decided on the device (no host sync).
+        # Compensated optimizers (mixprec.optim with compensation='kahan' or 'stochastic', bf16-pure) carry an
+        # unchanged weight's update in their buffer or in expectation: nothing is lost there, so only delta counts.
+        compensated = getattr(self.optimizer, "compensation", "none") not in (None, "none")
+        grads = [] if compensated else [
+            live.grad for _, live, _ in snap if live.dtype in live_bits and isinstance(live.grad, torch.Tensor)
+            and live.grad.shape == live.shape and not live.grad.is_sparse]
+        stepped = (torch.stack([torch.isfinite(g).all().to(grads[0].device) for g in grads]).all()
+                   if grads else None)
         for name, live, before in snap:
             delta = live.detach().float() - before.float()
             w = before.float().abs()
             # A zero weight can take any update (small values are representable), so it counts
             # as updated but never as stagnant.
             updated = (delta != 0) & torch.isfinite(delta)
+            stuck = None
+            g = live.grad
+            if (stepped is not None and live.dtype in live_bits and isinstance(g, torch.Tensor)
+                    and g.shape == live.shape and not g.is_sparse):
+                # meant to move (finite non-zero gradient, the step taken) but unchanged: below half an ulp
+                # of the stored format, and of any format with as few or fewer mantissa bits. (Whether it
+                # would have moved in a wider format is unknown: not counted stagnant there.)
+                stuck = (delta == 0) & (g != 0) & torch.isfinite(g) & (w > 0) & stepped.to(g.device)
+                updated = updated | stuck
             # half an ulp of w in a format with m mantissa bits: 2**(floor(log2 w) - m - 1);
             # frexp gives w = f * 2**e with f in [0.5, 1), so floor(log2 w) = e - 1.
             e = torch.frexp(torch.where(w > 0, w, 1.0)).exponent
             counts = [updated.sum()]
             for m in half_ulp_bits.values():
                 half_ulp = torch.ldexp(torch.ones_like(w), (e - 2 - m))
-                counts.append((updated & (w > 0) & (delta.abs() < half_ulp)).sum())
+                below = updated & (w > 0) & (delta.abs() < half_ulp)
+                if stuck is not None and m > live_bits[live.dtype]:
+                    below = below & ~stuck
+                counts.append(below.sum())
             c = torch.stack(counts)
             rec = self._params.get(name)
             if rec is None:

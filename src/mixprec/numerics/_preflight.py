@@ -27,7 +27,7 @@ from .._casting import cast_module, is_prepared, uncast_module
 from .._dtypes import device_supports, dtype_name
 from .._errors import NumericsError
 from .._fp8 import revert_linears
-from .._policy import Policy
+from .._policy import DYNAMIC_SCALE_RANGE, Policy
 from .._tree import tree_leaves
 from ._findings import format_table, jsonable, print_tables
 from ._fp8_plan import apply_fp8
@@ -338,6 +338,7 @@ def check(
     thresholds: CheckThresholds | None = None,
     loss_scale: float | None = None,
     max_backoffs: int = 30,
+    min_scale: float | None = None,
     seed: int = 0,
     trace: bool = True,
     dropout: bool = False,
@@ -357,6 +358,10 @@ def check(
             else 1 for static and 2**16 for dynamic). A dynamic policy halves it while the
             gradients overflow, at most ``max_backoffs`` times, as its scaler would.
         max_backoffs: See ``loss_scale``.
+        min_scale: The dynamic scaler's floor: the backoff stops there, as the scaler does (its
+            steps are all skipped below it). Default: the floor of the scaler the policy makes
+            (``scaler_for_policy``: 1, or ``init_scale`` when the policy starts below 1). Pass
+            your scaler's ``min_scale`` when you train with a scaler of your own.
         seed: Seeds the RNG identically for both runs.
         dropout: Keep dropout on. Off by default: the comparison is about rounding, and on GPUs
             kernels of different dtypes can draw different dropout masks from the same seed
@@ -442,6 +447,15 @@ def check(
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     pol_model = cast_module(fp8_model, pol)
     backoffs = 0
+    # The floor of the scaler the policy trains with (scaler_for_policy: DynamicScaler's default floor, widened
+    # down to ls=dynamic:S when S is below it): a scale below it is one training never reaches.
+    if min_scale is not None:
+        floor = float(min_scale)
+    elif pol.init_scale is not None:
+        floor = min(DYNAMIC_SCALE_RANGE[0], pol.init_scale)
+    else:
+        floor = DYNAMIC_SCALE_RANGE[0]
+    at_floor = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # e.g. autocast's "fp16 on CPU" notices
         while True:
@@ -449,6 +463,9 @@ def check(
             fwd_ok = (lossp is None or math.isfinite(lossp)) and _finite(outp)
             bwd_ok = _finite(list(gradsp.values()))
             if fwd_ok and not bwd_ok and pol.loss_scale == "dynamic" and loss_scale is None and backoffs < max_backoffs:
+                if scale / 2 < floor:
+                    at_floor = True
+                    break
                 scale /= 2
                 backoffs += 1
                 continue
@@ -460,8 +477,14 @@ def check(
     trace_result = None
     if not (fwd_ok and bwd_ok):
         where = "forward (loss or outputs)" if not fwd_ok else f"backward (gradients, at loss scale {scale:g})"
-        reasons.append(f"under {name} the {where} has inf/NaN" + (
-            f" even after {backoffs} halvings of the loss scale" if backoffs else "") + ".")
+        if at_floor:
+            reasons.append(
+                f"under {name} the gradients overflow even at the dynamic loss scale's floor {scale:g} (after {backoffs} "
+                f"halving(s)): the scaler cannot go lower, so training would skip every step. Use bf16 ('bf16-mixed': "
+                f"FP32's range) or keep the overflowing module in FP32 (an FP32 island, i=name:<module>).")
+        else:
+            reasons.append(f"under {name} the {where} has inf/NaN" + (
+                f" even after {backoffs} halvings of the loss scale" if backoffs else "") + ".")
         if trace:
             try:
                 trace_result = trace_nonfinite(_fp32_base(model, dropout), batch, loss_fn, pol, loss_scale=scale,
@@ -532,8 +555,21 @@ def check(
             g_lost = lost_n / nonzero_n if nonzero_n else 0.0
             if g_lost > th.grad_lost_fail:
                 worse("fail")
-                reasons.append(f"{g_lost:.1%} of the non-zero gradient elements are zero under {name} (underflow; limit "
-                               f"{th.grad_lost_fail:.0%}): use a larger loss scale (this run: {scale:g}) or bf16.")
+                if pol.fp8 != "none":
+                    # FP8 scales each tensor (or row) by its own amax (docs/fp8.md): a loss scale multiplies the amax
+                    # too and changes nothing, and the policy computes in BF16 already. The cure is per layer.
+                    lossy = [c for c in sorted(comparisons, key=lambda c: -c.lost) if c.lost > th.grad_lost_warn][:3]
+                    where = f" (most in {', '.join(c.name for c in lossy)})" if lossy else ""
+                    rowwise = "" if pol.fp8.startswith("rowwise") else "fp8-rowwise (a scale per row, robust to outliers), "
+                    fix = (f"FP8's per-{'row' if pol.fp8.startswith('rowwise') else 'tensor'} scaling flushes the small "
+                           f"values next to the largest, which no loss scale changes: use f8_layers=auto "
+                           f"(mixprec.numerics.fp8_plan measures each linear and keeps the lossy ones in BF16), "
+                           f"{rowwise}or keep those layers in BF16 (f8_layers globs that leave them out).")
+                else:
+                    where = ""
+                    fix = f"use a larger loss scale (this run: {scale:g}) or bf16."
+                reasons.append(f"{g_lost:.1%} of the non-zero gradient elements are zero under {name}{where} (underflow; "
+                               f"limit {th.grad_lost_fail:.0%}): {fix}")
             elif g_lost > th.grad_lost_warn:
                 worse("warn")
                 reasons.append(f"{g_lost:.2%} of the non-zero gradient elements underflow to zero under {name} "
@@ -562,6 +598,7 @@ def preflight(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     *,
     on_fail: Literal["warn", "raise"] = "warn",
+    _fail_arg: str = "on_fail='warn'",
     **check_kwargs: Any,
 ) -> CheckResult:
     """Run :func:`check` before training; warn or raise on a bad verdict. Never changes precision.
@@ -586,10 +623,12 @@ def preflight(
         raise ValueError(f"on_fail={on_fail!r}; use 'warn' or 'raise'.")
     res = check(model, batch, policy, loss_fn, **check_kwargs)
     if res.verdict == "fail" and on_fail == "raise":
+        # The hint names the argument the user wrote (_fail_arg: MixedPrecision.prepare forwards its on_check_fail).
+        arg = _fail_arg
         raise NumericsError(
             f"pre-flight check failed for policy {Policy.parse(policy).label!r}:\n{res}\n"
             "mixprec does not switch precision for you: choose another policy (e.g. 'bf16-mixed' or 'fp32'), add FP32 "
-            "islands, or pass on_fail='warn' to train anyway."
+            f"islands, or pass {arg} to train anyway."
         )
     if res.verdict != "pass":
         warnings.warn(f"mixprec pre-flight check: {res.verdict.upper()}\n{res}", UserWarning, stacklevel=2)

@@ -130,6 +130,11 @@ class TraceResult:
         compute_dtype: The format the traced step computed in (``"bf16"``, ``"f16"``, ``"f32"``):
             the policy's compute dtype, the enclosing autocast's, else the dtype of the failing
             values. Advice never suggests the format the step already computed in.
+        nonfinite_state: Parameters and buffers of the model that already held inf/NaN before
+            the step (``"parameter '2.weight' (nan)"``): an earlier bad update or a corrupted
+            checkpoint, not this step, put them there. Every non-finite parameter is named; a
+            buffer holding NaN always, one holding only ``±inf`` (an attention mask can) only
+            when it belongs to the module blamed (or the root's code is blamed).
     """
 
     found: bool
@@ -149,6 +154,7 @@ class TraceResult:
     callee: str | None = None
     callee_island: bool = False
     compute_dtype: str | None = None
+    nonfinite_state: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def location(self) -> str:
@@ -186,6 +192,11 @@ class TraceResult:
         elif self.module is not None or self.where == "loss":
             head += parts_head.get(self.where or "", "")
         parts = [head + "."]
+        if self.nonfinite_state:
+            held = ", ".join(self.nonfinite_state[:5]) + (", ..." if len(self.nonfinite_state) > 5 else "")
+            parts.append(f"The model already held inf/NaN before this step: {held}. An earlier update, the code that set it, or a corrupted "
+                         "checkpoint put it there, not this step's precision: find the step that made it, and reload a "
+                         "finite checkpoint.")
         if self.input_stats:
             amax = max(s.absmax for s in self.input_stats)
             what = "inputs" if self.phase == "forward" else "incoming gradient"
@@ -311,6 +322,17 @@ class TraceResult:
             find = "find the overflowing operation in the model's forward and run it in FP32 (mixprec.autocast.fp32())."
             return f"Use bf16, or {find}" if use_bf16 else find[0].upper() + find[1:]
         return ""
+
+    @property
+    def recommended_island(self) -> str | None:
+        """The FP32 island :attr:`advice` recommends, as a policy ``i=`` entry (``"name:<module>"``), or ``None``.
+
+        ``None`` when the advice keeps no module in FP32 (precision is not the cause, the module's
+        output itself exceeds the format's range, or the culprit is the root's own code).
+        """
+        if self.module and f"i=norm+name:{self.module}" in self.advice:
+            return f"name:{self.module}"
+        return None
 
     def _format_limit(self) -> tuple[str, str]:
         """(``"f16"``, ``"65504"``): the exceeded formats of the traced step and their maxima, for the advice."""
@@ -810,6 +832,10 @@ def trace_nonfinite(
 
     Host syncs: one per tensor checked (a diagnostic, not for the training loop).
 
+    The global RNG (CPU, and CUDA on the devices the model uses) is left as it was found: the
+    traced step draws from it (dropout) as a training step would, then it is restored, so a run
+    that traces a batch continues exactly as one that did not (as :func:`check` does).
+
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
         >>> with torch.no_grad():
@@ -820,7 +846,43 @@ def trace_nonfinite(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace_nonfinite needs an nn.Module, got {type(model).__name__}")
+    cuda = {t.device for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda.add(torch.device("cuda", torch.cuda.current_device()))
+    devices = sorted({d.index if d.index is not None else torch.cuda.current_device() for d in cuda})
+    with torch.random.fork_rng(devices=devices):
+        return _trace(model, batch, loss_fn, policy, loss_scale=loss_scale, backward=backward, rerun_fp32=rerun_fp32,
+                      copy_model=copy_model, stats_dtype=stats_dtype)
+
+
+def _nonfinite_state(model: nn.Module) -> list[tuple[str, str, str]]:
+    """``(kind, name, what)`` for each floating parameter and buffer of ``model`` holding inf/NaN.
+
+    ``kind`` is ``"parameter"`` or ``"buffer"``, ``what`` ``"nan"``, ``"inf"`` or ``"inf and nan"``.
+    Host syncs: two per tensor (a diagnostic).
+    """
+    target = _compile_target(model)
+    out = []
+    for kind, named in (("parameter", target.named_parameters()), ("buffer", target.named_buffers())):
+        for n, t in named:
+            if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+                continue
+            v = t.detach()
+            if v.layout != torch.strided:
+                v = v.to_dense()
+            nan = bool(torch.isnan(v).any())
+            inf = bool(torch.isinf(v).any())
+            if nan or inf:
+                out.append((kind, n, "inf and nan" if nan and inf else ("nan" if nan else "inf")))
+    return out
+
+
+def _trace(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+           policy: Policy | str | None, *, loss_scale: float, backward: bool, rerun_fp32: bool, copy_model: bool,
+           stats_dtype: str | torch.dtype | None) -> TraceResult:
+    """:func:`trace_nonfinite`'s body, run inside its fork of the RNG."""
     pol = Policy.parse(policy) if policy is not None else None
+    state = _nonfinite_state(model)  # before any cast (FP16 casting can make inf of large finite weights)
     if pol is not None and is_prepared(model):
         raise ValueError(
             "this model is already prepared (cast_module / MixedPrecision.prepare): trace it as it is with policy=None "
@@ -905,8 +967,12 @@ def trace_nonfinite(
         else:
             truth, source = _fp32_truth(model, traced, pol is not None)
             rerun = _rerun(ev, tracer, device_type, truth, source)
+    # buffers with only ±inf can be masks on purpose: named only where the blame falls (the module, or the root's code)
+    held = [f"{kind} {n!r} ({what})" for kind, n, what in state
+            if kind == "parameter" or "nan" in what or module == ""
+            or (module is not None and n.startswith(f"{module}."))]
     return TraceResult(
-        found=True, phase=ev.phase, module=module, module_type=mtype, where=ev.where, detail=ev.detail,
+        nonfinite_state=held, found=True, phase=ev.phase, module=module, module_type=mtype, where=ev.where, detail=ev.detail,
         kind=_kind(ev.bad), input_stats=[tensor_stats(t, stats_name) for t in ev.incoming],
         output_stats=[tensor_stats(t, stats_name) for t in ev.bad], stats_dtype=stats_name, fp32_rerun=rerun,
         loss=loss_value, policy=pol_str, loss_scale=loss_scale, callee=ev.callee,
