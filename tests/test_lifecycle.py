@@ -557,7 +557,7 @@ def test_a_scheduler_advances_for_an_applied_step_whose_scale_update_escalates()
 
 
 @pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "fp16-mixed", "fp16-master"])
-@pytest.mark.parametrize("clear", ["optimizer", "model"])
+@pytest.mark.parametrize("clear", ["optimizer", "model", "zeros"])
 def test_a_batch_skipped_on_its_gradient_norm_after_clipping_is_dropped(preset: str, clear: str) -> None:
     """norm = prec.clip_grad_norm_(c); if too large: zero_grad and go on (raised 'call step() first')."""
     def run(skip_batch: bool) -> tuple[torch.Tensor, float, int]:
@@ -573,7 +573,10 @@ def test_a_batch_skipped_on_its_gradient_norm_after_clipping_is_dropped(preset: 
             norm = prec.clip_grad_norm_(1e3)
             if i == 1:
                 assert not torch.isfinite(norm)
-                (opt if clear == "optimizer" else model).zero_grad()
+                if clear == "zeros":
+                    opt.zero_grad(set_to_none=False)  # cleared to zeros: the documented alternative
+                else:
+                    (opt if clear == "optimizer" else model).zero_grad()
                 continue
             prec.step(opt)
             opt.zero_grad()
@@ -657,3 +660,37 @@ def test_a_scaled_read_in_a_gradient_hook_of_a_single_process_is_caught() -> Non
                 prec.backward(loss)
         else:
             prec.backward(loss)
+
+
+def test_a_checkpoint_right_after_a_skipped_batch_keeps_its_scale_back_off() -> None:
+    def build() -> tuple[mp.MixedPrecision, nn.Module, torch.optim.Optimizer]:
+        model = _mlp()
+        prec = mp.MixedPrecision("fp16-mixed", scaler=_scaler())
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return prec, model, opt
+
+    def batch(prec: mp.MixedPrecision, model: nn.Module, opt: torch.optim.Optimizer, i: int, skip: bool) -> None:
+        x, y = _data(4)[i]
+        with prec.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        prec.backward(loss * float("inf") if skip else loss)
+        prec.clip_grad_norm_(1e3)
+        if skip:
+            opt.zero_grad()
+            return
+        prec.step(opt)
+        opt.zero_grad()
+
+    prec, model, opt = build()
+    batch(prec, model, opt, 0, False)
+    batch(prec, model, opt, 1, True)
+    state = copy.deepcopy(prec.state_dict())
+    for i in (2, 3):
+        batch(prec, model, opt, i, False)
+    prec2, model2, opt2 = build()
+    prec2.load_state_dict(state)
+    for i in (2, 3):
+        batch(prec2, model2, opt2, i, False)
+    assert float(prec2.scaler.loss_scale) == float(prec.scaler.loss_scale)
+    assert prec2.scaler.statistics()["skipped_steps"] == prec.scaler.statistics()["skipped_steps"] == 1
+    assert torch.equal(model2[0].weight, model[0].weight)

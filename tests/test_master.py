@@ -578,3 +578,26 @@ def test_a_parameter_resized_after_prepare_gets_a_clear_error(preset):
         emb.data = torch.cat([emb.data, emb.data[:4]])  # what resize_token_embeddings does to the parameter
     with pytest.raises(RuntimeError, match=r"changed shape after"):
         step()
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+def test_optimizer_state_looked_up_by_model_parameter_is_the_masters_and_saving_still_works(preset: str) -> None:
+    # torch-style logging: opt.state[p] for p in model.parameters(); it found {} and left an entry that broke saves
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    prec = mp.MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for _ in range(2):
+        with prec.autocast():
+            loss = model(torch.randn(3, 4)).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+    for p in model.parameters():
+        st = opt.state[p]
+        assert st is opt.optimizer.state[opt.master_for(p)] and "exp_avg_sq" in st
+        assert p in opt.state
+    assert len(opt.state) == len(list(model.parameters()))
+    prec.state_dict()  # no stray entry under a model parameter

@@ -135,13 +135,28 @@ class FoundInfJoinHook:
     """torch's ``JoinHook`` for a scaler's ``found_inf`` all-reduce (see :class:`JoinState`)."""
 
     def __init__(self, state: JoinState, device: torch.device, group: Any,
-                 after: Callable[[bool], None] | None = None) -> None:
-        self.state, self.device, self.group, self.after = state, device, group, after
+                 after: Callable[[bool], None] | None = None,
+                 update: Callable[[list[Tensor]], None] | None = None) -> None:
+        self.state, self.device, self.group, self.after, self.update = state, device, group, after, update
 
     def main_hook(self) -> None:
-        """On a rank whose inputs ran out: match the other ranks' flag all-reduces of this iteration."""
+        """On a rank whose inputs ran out: match the other ranks' flag all-reduces of this iteration.
+
+        Torch calls it once per DDP forward of the other ranks. Under ``no_sync()`` accumulation
+        only the synchronising micro-batch is followed by a step: the DDP modules ``wrap_ddp``
+        registered say which (DDP's own join hook, which runs first, sets their
+        ``require_forward_param_sync`` from the other ranks). The agreed flags then go to
+        ``update`` (the owner's scale update), so this rank's loss scale follows the others' and
+        the replicas still agree after the ``Join``.
+        """
+        peers = [d for d in (ref() for ref in self.state.peers) if d is not None]
+        if peers and not any(getattr(d, "require_forward_param_sync", True) for d in peers):
+            return  # a no_sync() micro-batch on the other ranks: no step, no flag
+        flags = []
         for _ in range(max(1, self.state.per_iteration)):
-            agree_found_inf_(torch.zeros((), dtype=torch.float32, device=self.device), self.group)
+            flags.append(agree_found_inf_(torch.zeros((), dtype=torch.float32, device=self.device), self.group))
+        if self.update is not None:
+            self.update(flags)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """After all ranks joined: the owner's ``after`` (the masters follow DDP's final model), if any."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ._checkpoint import canonical_name
+from ._errors import eager_only
 from ._master import MasterWeightOptimizer
 from ._precision import MixedPrecision
 from ._stepping import StepInfo
@@ -29,7 +30,9 @@ EMA_STATE_VERSION = 1
 _STATE_KEYS = ("version", "decay", "warmup", "num_updates", "averages")
 
 
-@torch._dynamo.disable
+@eager_only(
+    "mixprec.EMA.update runs eagerly behind one graph break: keep it outside torch.compile(fullgraph=True)"
+)
 def _update_outside_trace(ema: EMA, info: StepInfo | None) -> None:
     """``EMA.update`` reached from a traced frame: eagerly, behind a graph break (the masters' edit check
     works on cached views made without gradients, which a trace refuses to see written)."""
@@ -194,8 +197,8 @@ class EMA:
             if info is self._last_info:
                 raise ValueError(
                     "EMA.update(): this step was already averaged (update() called twice after one step, e.g. once per "
-                    "micro-batch under gradient accumulation), or it came before ema.load_state_dict(); call "
-                    "ema.update() once after each prec.step(optimizer)."
+                    "micro-batch under gradient accumulation), it came before ema.load_state_dict(), or no step ran "
+                    "since (a batch skipped without a step); call ema.update() once after each prec.step(optimizer)."
                 )
             self._last_info = info
             mask = info.mask(torch.float32).to(self.num_updates.device)

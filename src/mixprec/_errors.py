@@ -7,9 +7,12 @@ here keep that wording uniform.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-__all__ = ["NumericsError", "check_fused", "closest", "unknown_choice"]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+__all__ = ["NumericsError", "check_fused", "closest", "eager_only", "unknown_choice"]
 
 
 class NumericsError(RuntimeError):
@@ -71,3 +74,19 @@ def check_fused(fused: object) -> None:
     """
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused must be True, False or None (on where it pays off), got {fused!r}")
+
+
+def eager_only(reason: str) -> Callable[[_F], _F]:
+    """Decorator: the function runs eagerly when a ``torch.compile`` trace reaches it (one graph break).
+
+    ``reason`` is what dynamo's graph-break message (``fullgraph=True``) says, instead of its
+    generic "remove the torch.compiler.disable call".
+    """
+    def wrap(fn: _F) -> _F:
+        import torch
+
+        try:
+            return torch._dynamo.disable(fn, reason=reason)
+        except TypeError:  # a torch whose disable() takes no reason
+            return torch._dynamo.disable(fn)
+    return wrap

@@ -51,6 +51,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from ._dist import FoundInfJoinHook, JoinState, agree_found_inf_, join_group
+from ._errors import eager_only
 from ._finite import combine_found_inf, group_by_device_and_dtype, unscale_groups
 from ._scaler import (
     DEFAULT_CHECK_INTERVAL,
@@ -122,7 +123,9 @@ def _takes_grad_scaler_kwarg(optimizer: Any) -> bool:
     return found
 
 
-@torch._dynamo.disable
+@eager_only(
+    "mixprec.GradScaler.update runs eagerly behind one graph break (its statistics are Python state): keep it outside torch.compile(fullgraph=True)"
+)
 def _update_outside_trace(scaler: GradScaler, new_scale: float | Tensor | None) -> None:
     """``GradScaler.update`` reached from a traced frame: eagerly, behind a graph break.
 
@@ -639,7 +642,14 @@ class GradScaler:
         ``Join([ddp, scaler])``; the joined ranks then shadow that all-reduce. (Or build it with
         ``agree_across_ranks=False``, torch's behaviour, and list only the DDP module.)
         """
-        return FoundInfJoinHook(self._join_state(), self.join_device, self.join_process_group)
+        return FoundInfJoinHook(self._join_state(), self.join_device, self.join_process_group,
+                                update=self._update_while_joined)
+
+    def _update_while_joined(self, flags: list[Tensor]) -> None:
+        """On a joined rank: the scale update the other ranks' ``update()`` made (their agreed flags)."""
+        core = self._core
+        if core is not None and core.scale is not None:
+            core.update(combine_found_inf(flags, core.scale.device))
 
     @property
     def join_device(self) -> torch.device:

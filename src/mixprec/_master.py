@@ -12,7 +12,7 @@ import functools
 import operator
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Literal
 
 import torch
@@ -547,12 +547,18 @@ class MasterWeightOptimizer(Optimizer):
 
     @property
     def state(self) -> Any:
-        """The wrapped optimizer's per-master state."""
-        return self.optimizer.state
+        """The wrapped optimizer's per-master state, also looked up by model parameter.
+
+        ``opt.state[p]`` for a half model parameter ``p`` is its master's entry (torch-style
+        logging loops over ``model.parameters()``): the state is keyed by the masters, and a
+        lookup by the model parameter found nothing and left an empty entry behind that broke
+        every later ``state_dict()``.
+        """
+        return _StateByParam(self)
 
     @state.setter
     def state(self, value: Any) -> None:
-        self.optimizer.state = value
+        self.optimizer.state = value._mwo.optimizer.state if isinstance(value, _StateByParam) else value
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -1233,6 +1239,45 @@ class MasterWeightOptimizer(Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+class _StateByParam(MutableMapping[Any, Any]):
+    """:attr:`MasterWeightOptimizer.state`: the wrapped optimizer's state; a model parameter's key is its master."""
+
+    __slots__ = ("_mwo",)
+
+    def __init__(self, mwo: MasterWeightOptimizer) -> None:
+        self._mwo = mwo
+
+    def _key(self, key: Any) -> Any:
+        view = self._mwo._views.get(id(key)) if isinstance(key, torch.Tensor) else None
+        return view._master if view is not None and _same(view, key) else key
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._mwo.optimizer.state[self._key(key)]  # a defaultdict: a new entry goes under the master
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._mwo.optimizer.state[self._key(key)] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._mwo.optimizer.state[self._key(key)]
+
+    def __contains__(self, key: object) -> bool:
+        return self._key(key) in self._mwo.optimizer.state
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._mwo.optimizer.state)
+
+    def __len__(self) -> int:
+        return len(self._mwo.optimizer.state)
+
+    def __repr__(self) -> str:
+        return repr(self._mwo.optimizer.state)
+
+
+def _same(view: MasterGradView, key: torch.Tensor) -> bool:
+    """Whether ``view`` (found by ``id``) belongs to ``key``: same shape and device as the parameter it was made for."""
+    return tuple(view.shape) == tuple(key.shape) and view.device == key.device
 
 
 def _realias_params(optimizer: Optimizer) -> None:

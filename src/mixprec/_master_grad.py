@@ -164,7 +164,11 @@ class MasterGradView(torch.Tensor):
             if isinstance(leaf, cls) and leaf._before_read is not None and id(leaf._before_read) not in seen:
                 seen.add(id(leaf._before_read))
                 leaf._before_read(func.overloadpacket.__name__)
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        unwrapped = tree_map(_unwrap, args)
+        if func is _INDEX_PUT_ and isinstance(args[0], cls) and isinstance(unwrapped[2], torch.Tensor):
+            # p.grad[idx] = v: the values come in the parameter's dtype, index_put_ wants the master's
+            unwrapped = (*unwrapped[:2], unwrapped[2].to(unwrapped[0].dtype), *unwrapped[3:])
+        out = func(*unwrapped, **tree_map(_unwrap, kwargs))
         schema = func._schema
         first = schema.arguments[0] if schema.arguments else None
         if first is not None and first.alias_info is not None and first.alias_info.is_write:

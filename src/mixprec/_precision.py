@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from ._autocast import autocast, resolve_device_type, tf32
 from ._casting import cast_module, register_run
 from ._dist import is_distributed, local_grad
-from ._errors import check_fused
+from ._errors import check_fused, eager_only
 from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
 from ._master import (
@@ -72,7 +72,9 @@ def scaler_for_policy(policy: Policy | str) -> LossScaler:
 _NO_TOTAL_NORM = not (hasattr(torch.nn.utils, "get_total_norm") and hasattr(torch.nn.utils, "clip_grads_with_norm_"))
 
 
-@torch._dynamo.disable
+@eager_only(
+    "mixprec's step (prec.step, optimizer.step() of a prepared optimizer) runs eagerly behind one graph break, as torch.amp's GradScaler.step does: keep it outside torch.compile(fullgraph=True)"
+)
 def _step_outside_trace(prec: MixedPrecision, optimizer: Optimizer, schedulers: Iterable[Any]) -> StepInfo:
     """``prec.step`` reached from a traced frame (``torch.compile`` of a whole train step, or of ``opt.step``).
 
@@ -270,7 +272,12 @@ class MixedPrecision(RunCheckpoint):
         """
         from ._dist import FoundInfJoinHook
 
-        return FoundInfJoinHook(self._join_state(), self.join_device, self.join_process_group, self._sync_after_join)
+        return FoundInfJoinHook(self._join_state(), self.join_device, self.join_process_group, self._sync_after_join,
+                                self._update_while_joined)
+
+    def _update_while_joined(self, flags: list[torch.Tensor]) -> None:
+        """On a joined rank: the scale update the other ranks' iteration made (their agreed flags)."""
+        self.scaler.update(combine_found_inf(flags))
 
     def _sync_after_join(self, is_last_joiner: bool) -> None:
         """After ``Join``: the FP32 masters (and remainders) follow DDP's final model from the last rank to join."""
@@ -598,7 +605,7 @@ class MixedPrecision(RunCheckpoint):
             grads = [local_grad(g) for g in grads]
         return grads
 
-    def _abandon_unscaled(self, rec: OptimizerRecord) -> None:
+    def _abandon_unscaled(self, rec: OptimizerRecord, raise_if_left: bool = True) -> None:
         """A backward after ``unscale_``/``clip_grad_norm_`` with no step: allowed when the gradients were cleared.
 
         That is a batch skipped on its gradient norm (``norm = prec.clip_grad_norm_(c); if not
@@ -607,15 +614,9 @@ class MixedPrecision(RunCheckpoint):
         ``scaler.update()`` after a skipped ``scaler.step`` does in torch.amp). With gradients
         still there, the backward would add scaled gradients to unscaled ones: raises.
         """
-        opt = rec.optimizer
-        if isinstance(opt, MasterWeightOptimizer):
-            # under FP32 accumulation a master gradient written through a view the user dropped is stale
-            left = any(p.grad is not None for p in opt.model_params) or any(
-                m.grad is not None and not getattr(m.grad, FROM_VIEW, False)
-                for p, m in zip(opt.model_params, opt.masters) if p is not m)
-        else:
-            left = self._has_grads(opt)
-        if left:
+        if not self._cleared(rec.optimizer):
+            if not raise_if_left:
+                return
             raise ValueError(
                 "backward() after the gradients were unscaled (by clip_grad_norm_ or unscale_) in the same step "
                 "would mix scaled and unscaled gradients; call step() first, or, to skip this batch, clear the "
@@ -624,6 +625,22 @@ class MixedPrecision(RunCheckpoint):
         if rec.found_inf is not None:
             self._iteration_flags.append(rec.found_inf)
         rec.stage, rec.found_inf = "idle", None
+
+    def _cleared(self, opt: Optimizer) -> bool:
+        """Whether ``opt``'s gradients were cleared since the unscale: ``None``, or zeros (``set_to_none=False``).
+
+        Host reads: one per gradient left as a tensor (this path runs only for a batch skipped after an unscale).
+        """
+        grads: list[torch.Tensor] = []
+        if isinstance(opt, MasterWeightOptimizer):
+            # under FP32 accumulation a master gradient written through a view the user dropped is stale
+            grads += [p.grad for p in opt.model_params if p.grad is not None and not isinstance(p.grad, MasterGradView)]
+            grads += [m.grad for p, m in zip(opt.model_params, opt.masters) if p is not m and m.grad is not None
+                      and (getattr(m.grad, FROM_VIEW, False) is False or isinstance(p.grad, MasterGradView))]
+        else:
+            holders = optimizer_tensors(opt)
+            grads += [t.grad for t in (*holders, *model_params_of(opt)) if t.grad is not None]
+        return not any(bool((g.coalesce().values() if g.is_sparse else g).ne(0).any()) for g in grads)
 
     def _has_grads(self, optimizer: Optimizer) -> bool:
         holders = optimizer.masters if isinstance(optimizer, MasterWeightOptimizer) else optimizer_tensors(optimizer)

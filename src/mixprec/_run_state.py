@@ -80,6 +80,12 @@ class RunCheckpoint:
         """
         model = self._require_prepared("state_dict()")
         names, tied = parameter_names(model, self.optimizers)
+        abandon = getattr(self, "_abandon_unscaled", None)
+        for rec in self._records.values():
+            if rec.stage == "unscaled" and abandon is not None:
+                # a batch skipped after its unscale (gradients cleared, no step): its inf/NaN flag joins the open
+                # iteration now, as the next backward would fold it, so the checkpoint keeps the scale's back-off
+                abandon(rec, raise_if_left=False)
         flags = self._iteration_flags
         pending = None
         if flags:

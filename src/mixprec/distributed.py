@@ -305,6 +305,11 @@ def wrap_ddp(
 
     from ._master import MasterWeightOptimizer
 
+    if isinstance(prec, nn.Module) and not isinstance(model, nn.Module):
+        raise TypeError(
+            f"wrap_ddp(prec, model) takes the MixedPrecision first, then the model; got a {type(prec).__name__} and a "
+            f"{type(model).__name__}: call wrap_ddp(prec, model) (DistributedDataParallel takes the module first)."
+        )
     if prec.model is None:
         raise ValueError("wrap_ddp(prec, model): prec is not prepared; call model, opt = prec.prepare(model, opt) first.")
     if isinstance(model, DistributedDataParallel):

@@ -123,6 +123,16 @@ def _inner_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+class _Unbound:
+    """``forward`` as something Accelerate can bind to the model again: calling it drops the bound model."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+
+    def __call__(self, _model: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+
 class _AutocastForward:
     """``forward(*args)`` inside the run's autocast region: the ``forward`` of a model Accelerate prepared.
 
@@ -138,6 +148,9 @@ class _AutocastForward:
             self.__signature__ = inspect.signature(forward)
         self.__name__ = getattr(forward, "__name__", "forward")
         self.__doc__ = getattr(forward, "__doc__", None)
+        # Accelerate's unwrap_model(keep_fp32_wrapper=False) follows __wrapped__ and binds what it finds to the
+        # model (types.MethodType): a callable that drops that first argument and calls the forward before ours.
+        self.__wrapped__ = _Unbound(forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with MixedPrecision.autocast(self):  # type: ignore[arg-type]  # it reads .policy and .device only
