@@ -601,3 +601,37 @@ def test_optimizer_state_looked_up_by_model_parameter_is_the_masters_and_saving_
         assert p in opt.state
     assert len(opt.state) == len(list(model.parameters()))
     prec.state_dict()  # no stray entry under a model parameter
+
+
+class _SignSGD(torch.optim.Optimizer):
+    """A user optimizer that steps its own cached list of parameters (as LBFGS keeps ``_params``)."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        params = list(params)
+        super().__init__(params, {"lr": lr})
+        self.plist = list(params)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.plist:
+            if p.grad is not None:
+                p.add_(p.grad.sign(), alpha=-self.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+def test_a_user_optimizer_stepping_its_own_parameter_list_trains_the_masters(preset: str) -> None:
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    prec = mp.MixedPrecision(preset)
+    model, opt = prec.prepare(model, _SignSGD(model.parameters(), lr=1e-2))
+    for _ in range(3):
+        with prec.autocast():
+            loss = model(torch.randn(3, 4)).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+    for p, b in zip(model.parameters(), before):
+        assert (p.float() - b).abs().max() > 0.02  # three sign steps of 0.01 (it moved by rounding only before)

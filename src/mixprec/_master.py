@@ -240,7 +240,7 @@ class MasterWeightOptimizer(Optimizer):
         except BaseException:
             self.remove_hooks()  # the parameters adopted before the failure were hooked
             raise
-        _realias_params(optimizer)
+        _realias_params(optimizer, {id(p): m for p, m in zip(self._model_params, self._masters) if p is not m})
         self._refresh_pairs()
         self._initial.clear()
         self._rekey_state()
@@ -421,7 +421,7 @@ class MasterWeightOptimizer(Optimizer):
             self._refresh_pairs()
             for group in self.optimizer.param_groups:
                 group["params"] = [master if q is p else q for q in group["params"]]
-            _realias_params(self.optimizer)
+            _realias_params(self.optimizer, {id(p): master})
             self._attach(p, master)
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
                 master.grad = p.grad.to(self.master_dtype)  # gradients from before the hook existed
@@ -1280,10 +1280,27 @@ def _same(view: MasterGradView, key: torch.Tensor) -> bool:
     return tuple(view.shape) == tuple(key.shape) and view.device == key.device
 
 
-def _realias_params(optimizer: Optimizer) -> None:
-    """Point an optimizer's own alias of its parameter list at the masters (LBFGS keeps ``_params``, taken at construction)."""
+def _realias_params(optimizer: Optimizer, masters: Mapping[int, torch.Tensor] | None = None) -> None:
+    """Point an optimizer's own aliases of its parameters at the masters.
+
+    LBFGS keeps ``_params`` (taken at construction), and a user's optimizer may keep its own list
+    (``self.plist = list(params)``) and step that: it would step the half weights, which the copy
+    back from the unchanged masters then overwrote (silently no training). Every list or tuple
+    attribute of tensors that holds an adopted parameter gets the masters in their places.
+
+    Args:
+        optimizer: The wrapped optimizer.
+        masters: ``id(model parameter) -> master`` of the parameters that have one.
+    """
     if isinstance(getattr(optimizer, "_params", None), list) and optimizer.param_groups:
         optimizer._params = optimizer.param_groups[0]["params"]  # type: ignore[attr-defined]
+    if not masters:
+        return
+    for name, value in list(vars(optimizer).items()):
+        if name in ("param_groups", "state", "defaults") or not isinstance(value, (list, tuple)) or not value:
+            continue
+        if all(isinstance(t, torch.Tensor) for t in value) and any(id(t) in masters for t in value):
+            setattr(optimizer, name, type(value)(masters.get(id(t), t) for t in value))
 
 
 def _grad_version(g: torch.Tensor) -> tuple[int, int]:

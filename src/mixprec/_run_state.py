@@ -217,13 +217,15 @@ def _unalias_state(optimizer: Optimizer, entry: Any) -> None:
     state dict kept to roll back to (or compared against) would silently change. Only tensors
     that alias the given ones are copied (a load from another device copied them already).
     """
-    given = {t.data_ptr() for t in tree_leaves(entry) if t.numel()}
+    # Plain tensors only: a tensor subclass (torchao's quantised optimizer states) may have no storage
+    # of its own and no clone; it stays shared with the given dict.
+    given = {t.data_ptr() for t in tree_leaves(entry) if type(t) is torch.Tensor and t.numel()}
     if not given:
         return
     for state in optimizer.state.values():
         if isinstance(state, dict):
             for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() in given:
+                if type(v) is torch.Tensor and v.numel() and v.data_ptr() in given:
                     state[k] = v.clone()
 
 
