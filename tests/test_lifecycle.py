@@ -694,3 +694,24 @@ def test_a_checkpoint_right_after_a_skipped_batch_keeps_its_scale_back_off() -> 
     assert float(prec2.scaler.loss_scale) == float(prec.scaler.loss_scale)
     assert prec2.scaler.statistics()["skipped_steps"] == prec.scaler.statistics()["skipped_steps"] == 1
     assert torch.equal(model2[0].weight, model[0].weight)
+
+
+@pytest.mark.parametrize("preset", ["fp16-mixed", "fp16-master", "bf16-master"])
+def test_state_dict_between_clip_and_step_of_an_all_zero_gradient_batch_changes_nothing(preset: str) -> None:
+    # a fully masked batch: its gradients are exactly zero and still that step's (state_dict folded them as cleared)
+    def run(save: bool) -> torch.Tensor:
+        model = _mlp()
+        prec = mp.MixedPrecision(preset, scaler=_scaler() if preset.startswith("fp16") else None)
+        model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for i, (x, y) in enumerate(_data(3)):
+            with prec.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            prec.backward(loss * 0 if i == 1 else loss)
+            prec.clip_grad_norm_(1.0)
+            if save:
+                prec.state_dict()
+            prec.step(opt)
+            opt.zero_grad(set_to_none=False)
+        return model[0].weight.detach().float().clone()
+
+    assert torch.equal(run(True), run(False))

@@ -635,3 +635,64 @@ def test_a_user_optimizer_stepping_its_own_parameter_list_trains_the_masters(pre
         opt.zero_grad()
     for p, b in zip(model.parameters(), before):
         assert (p.float() - b).abs().max() > 0.02  # three sign steps of 0.01 (it moved by rounding only before)
+
+
+def test_state_get_and_pop_of_a_parameter_without_state_insert_nothing() -> None:
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)  # a frozen backbone outside the optimizer
+    prec = mp.MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, torch.optim.AdamW(model[1].parameters(), lr=1e-2))
+    with prec.autocast():
+        loss = model(torch.randn(3, 4)).float().pow(2).mean()
+    prec.backward(loss)
+    prec.step(opt)
+    n = len(opt.state)
+    assert [opt.state.get(p) is not None for p in model.parameters()] == [False, False, True, True]
+    assert opt.state.pop(model[0].weight, "default") == "default"
+    assert len(opt.state) == n
+    prec.state_dict()
+
+
+class _NestedSGD(torch.optim.Optimizer):
+    """Keeps its parameters per group and by index, and adds to its list in add_param_group."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        self.per_group: list[list[torch.Tensor]] = []
+        super().__init__(params, {"lr": lr})
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        self.per_group.append(list(self.param_groups[-1]["params"]))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for params in self.per_group:
+            for p in params:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-self.param_groups[0]["lr"])
+
+
+def test_nested_parameter_lists_and_groups_added_later_train_the_masters() -> None:
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    head_before = model[1].weight.detach().clone()
+    prec = mp.MixedPrecision("bf16-master")
+    with pytest.warns(UserWarning, match="add_param_group"):
+        model, opt = prec.prepare(model, _NestedSGD(model[0].parameters()))
+        import mixprec._master as master_mod
+
+        master_mod._WARNED_ADDED = False
+        opt.add_param_group({"params": list(model[1].parameters())})
+    for _ in range(3):
+        with prec.autocast():
+            loss = model(torch.randn(3, 4)).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+    assert all(t.dtype == torch.float32 for params in opt.optimizer.per_group for t in params)  # the masters
+    assert (model[1].weight.float() - head_before).abs().max() > 0.02

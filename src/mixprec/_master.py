@@ -8,6 +8,7 @@ applied step the masters are copied back into the model's half-precision paramet
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 import warnings
@@ -532,7 +533,10 @@ class MasterWeightOptimizer(Optimizer):
         n_before = len(self.optimizer.param_groups)
         self.optimizer.add_param_group(group)
         new = self.optimizer.param_groups[n_before]
-        new["params"] = [self._adopt(p) for p in new["params"]]
+        added = list(new["params"])
+        new["params"] = [self._adopt(p) for p in added]
+        # the inner optimizer's own lists took the half parameters (its add_param_group, or the user's append)
+        _realias_params(self.optimizer, {id(p): m for p, m in zip(added, new["params"]) if p is not m})
         self._refresh_pairs()
 
     # ----- the optimizer surface ---------------------------------------------------------------
@@ -1256,6 +1260,17 @@ class _StateByParam(MutableMapping[Any, Any]):
     def __getitem__(self, key: Any) -> Any:
         return self._mwo.optimizer.state[self._key(key)]  # a defaultdict: a new entry goes under the master
 
+    def get(self, key: Any, default: Any = None) -> Any:
+        """As ``dict.get``: no entry is created (the defaultdict's ``[]`` would)."""
+        return self._mwo.optimizer.state.get(self._key(key), default)  # dict.get: no defaultdict insert
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        """As ``dict.pop``."""
+        return self._mwo.optimizer.state.pop(self._key(key), *default)
+
+    def __copy__(self) -> Any:
+        return copy.copy(self._mwo.optimizer.state)
+
     def __setitem__(self, key: Any, value: Any) -> None:
         self._mwo.optimizer.state[self._key(key)] = value
 
@@ -1297,10 +1312,33 @@ def _realias_params(optimizer: Optimizer, masters: Mapping[int, torch.Tensor] | 
     if not masters:
         return
     for name, value in list(vars(optimizer).items()):
-        if name in ("param_groups", "state", "defaults") or not isinstance(value, (list, tuple)) or not value:
-            continue
-        if all(isinstance(t, torch.Tensor) for t in value) and any(id(t) in masters for t in value):
-            setattr(optimizer, name, type(value)(masters.get(id(t), t) for t in value))
+        if name not in ("param_groups", "state", "defaults"):
+            swapped = _swap_tensors(value, masters, depth=2)
+            if swapped is not value:
+                setattr(optimizer, name, swapped)
+
+
+def _swap_tensors(value: Any, masters: Mapping[int, torch.Tensor], depth: int) -> Any:
+    """``value`` with adopted parameters replaced by their masters, in lists, tuples and dict values (nested
+    up to ``depth``); ``value`` itself when nothing changed (and for anything else, named tuples included)."""
+    if isinstance(value, torch.Tensor):
+        return masters.get(id(value), value)
+    if depth <= 0:
+        return value
+    if isinstance(value, dict):
+        out = {k: _swap_tensors(v, masters, depth - 1) for k, v in value.items()}
+        if any(out[k] is not v for k, v in value.items()):
+            value.update(out)  # in place (a dict subclass keeps its type)
+        return value
+    if isinstance(value, (list, tuple)) and not hasattr(type(value), "_fields"):
+        items = [_swap_tensors(v, masters, depth - 1) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if isinstance(value, list):
+            value[:] = items  # in place: other references to the user's list see the masters too
+            return value
+        return type(value)(items)
+    return value
 
 
 def _grad_version(g: torch.Tensor) -> tuple[int, int]:

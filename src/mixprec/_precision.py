@@ -605,7 +605,7 @@ class MixedPrecision(RunCheckpoint):
             grads = [local_grad(g) for g in grads]
         return grads
 
-    def _abandon_unscaled(self, rec: OptimizerRecord, raise_if_left: bool = True) -> None:
+    def _abandon_unscaled(self, rec: OptimizerRecord, raise_if_left: bool = True, zeros: bool = True) -> None:
         """A backward after ``unscale_``/``clip_grad_norm_`` with no step: allowed when the gradients were cleared.
 
         That is a batch skipped on its gradient norm (``norm = prec.clip_grad_norm_(c); if not
@@ -614,7 +614,7 @@ class MixedPrecision(RunCheckpoint):
         ``scaler.update()`` after a skipped ``scaler.step`` does in torch.amp). With gradients
         still there, the backward would add scaled gradients to unscaled ones: raises.
         """
-        if not self._cleared(rec.optimizer):
+        if not self._cleared(rec.optimizer, zeros):
             if not raise_if_left:
                 return
             raise ValueError(
@@ -626,8 +626,11 @@ class MixedPrecision(RunCheckpoint):
             self._iteration_flags.append(rec.found_inf)
         rec.stage, rec.found_inf = "idle", None
 
-    def _cleared(self, opt: Optimizer) -> bool:
-        """Whether ``opt``'s gradients were cleared since the unscale: ``None``, or zeros (``set_to_none=False``).
+    def _cleared(self, opt: Optimizer, zeros: bool = True) -> bool:
+        """Whether ``opt``'s gradients were cleared since the unscale: ``None``, or (``zeros``) zeros (``set_to_none=False``).
+
+        ``state_dict()`` asks with ``zeros=False``: between a clip and its step a batch's gradients
+        may be exactly zero (a fully masked batch) and are still that step's.
 
         Host reads: one per gradient left as a tensor (this path runs only for a batch skipped after an unscale).
         """
@@ -640,6 +643,8 @@ class MixedPrecision(RunCheckpoint):
         else:
             holders = optimizer_tensors(opt)
             grads += [t.grad for t in (*holders, *model_params_of(opt)) if t.grad is not None]
+        if not zeros:
+            return not grads
         return not any(bool((g.coalesce().values() if g.is_sparse else g).ne(0).any()) for g in grads)
 
     def _has_grads(self, optimizer: Optimizer) -> bool:

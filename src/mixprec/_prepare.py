@@ -176,14 +176,15 @@ def _check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any) -> 
         peaks = torch.empty(len(named))
         for idx in by_device.values():  # one host read per device
             peaks[idx] = torch.stack([named[i][1].detach().abs().amax() for i in idx]).float().cpu()
-    big = (peaks > torch.finfo(torch.float16).max).nonzero().flatten().tolist()
+    big = (peaks >= 65520.0).nonzero().flatten().tolist()  # what rounds to inf (65504 + half an ulp)
     if big:
         name = named[big[0]][0]
+        owner = name.rpartition(".")[0]  # a root's own parameter has no module to make an island of
+        island = f"keep the module in FP32 with an island (i=norm+name:{owner}), " if owner else ""
         raise ValueError(
             f"parameter {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond FP16's maximum 65504: cast to FP16 "
             f"for policy {policy.label!r} they become inf and every step would be skipped ({len(big)} such "
-            "parameter(s)). Use a BF16 policy (FP32's range), keep the module in FP32 with an island "
-            f"(i=norm+name:{name.rsplit('.', 1)[0] or name}), or rescale those weights."
+            f"parameter(s)). Use a BF16 policy (FP32's range), {island}or rescale those weights."
         )
 
 

@@ -85,7 +85,7 @@ class RunCheckpoint:
             if rec.stage == "unscaled" and abandon is not None:
                 # a batch skipped after its unscale (gradients cleared, no step): its inf/NaN flag joins the open
                 # iteration now, as the next backward would fold it, so the checkpoint keeps the scale's back-off
-                abandon(rec, raise_if_left=False)
+                abandon(rec, raise_if_left=False, zeros=False)
         flags = self._iteration_flags
         pending = None
         if flags:
