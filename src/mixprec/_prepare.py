@@ -159,23 +159,32 @@ def check_prepare(
 def _check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any) -> None:
     """Refuse finite FP32 weights that the cast to FP16 would turn into inf (every step would then skip).
 
-    One reduction per parameter and one host read, at ``prepare`` only. FSDP2 shards (DTensors)
-    are not checked (their local values are the shard's; the cast happens per rank).
+    One reduction per parameter and one host read per device, at ``prepare`` only. FSDP2 shards
+    (DTensors): each rank's local maximum, then one all-reduce (MAX) so every rank decides alike
+    (a collective: every rank calls ``prepare``).
     """
-    from ._dist import is_dtensor
+    from ._dist import is_distributed, is_dtensor, local_tensor
 
     kept = {id(t) for _, m in island_modules(model, policy) for t in m.parameters()}
     named = [(n, p) for n, p in model.named_parameters() if id(p) not in kept and p.dtype == torch.float32
-             and not is_dtensor(p) and p.numel()]
+             and (p.numel() or is_dtensor(p))]
     if not named:
         return
+    sharded = any(is_dtensor(p) for _, p in named)
     with torch.no_grad():
         by_device: dict[torch.device, list[int]] = {}
         for i, (_, p) in enumerate(named):
-            by_device.setdefault(p.device, []).append(i)
-        peaks = torch.empty(len(named))
+            by_device.setdefault(local_tensor(p).device, []).append(i)
+        peaks = torch.zeros(len(named))
         for idx in by_device.values():  # one host read per device
-            peaks[idx] = torch.stack([named[i][1].detach().abs().amax() for i in idx]).float().cpu()
+            local = [local_tensor(named[i][1]).detach() for i in idx]
+            peaks[idx] = torch.stack([t.abs().amax() if t.numel() else t.new_zeros(()) for t in local]).float().cpu()
+        if sharded and is_distributed():
+            dist = torch.distributed
+            dev = next(iter(by_device))
+            both = peaks.to(dev)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            peaks = both.cpu()
     big = (peaks >= 65520.0).nonzero().flatten().tolist()  # what rounds to inf (65504 + half an ulp)
     if big:
         name = named[big[0]][0]

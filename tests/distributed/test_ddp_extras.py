@@ -184,6 +184,23 @@ def _join_then_train_on(policy: str, rank: int, accum: int) -> dict[str, Any]:
     return {"weights": _flat(model), "scale": float(prec.scaler.loss_scale)}
 
 
+def _fsdp_weight_beyond_fp16() -> str | None:
+    """An FP32 weight of 1e6 on one rank's shard under FSDP2 fp16-master: every rank must refuse it alike."""
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e6
+    prec = mp.MixedPrecision("fp16-master")
+    mp.distributed.fully_shard(model, prec.policy, modules=[model[0], model[2]])
+    try:
+        prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     c.init(rank, port)
     warnings.simplefilter("ignore")
@@ -199,6 +216,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     results["pure-sr"] = _pure_stochastic_under_plain_ddp(rank)
     results["no-sync-plain"] = _no_sync_accumulation("plain", rank)
     results["join-fp16"] = _join_then_train_on("fp16-master", rank, 1)
+    results["fsdp-range"] = _fsdp_weight_beyond_fp16()
     results["join-accum"] = _join_then_train_on("bf16-mixed", rank, 2)
     results["join-fp16-accum"] = _join_then_train_on("fp16-mixed", rank, 2)
     results["no-sync-wrap"] = _no_sync_accumulation("wrap", rank)
@@ -274,3 +292,9 @@ def test_after_a_join_the_replicas_and_loss_scales_stay_equal(ranks: list[dict[s
     assert r0["weights"] == r1["weights"]
     if name != "join-accum":
         assert r0["scale"] < 2.0**8  # both backed off for the overflows (make_prec starts FP16 at 2**8)
+
+
+def test_fsdp2_shards_beyond_fp16_range_are_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    # the check skipped DTensor shards: NaN losses and no applied step, no error
+    for r in ranks:
+        assert "parameter '0.weight' has values up to 1e+06, beyond FP16's maximum 65504" in (r["fsdp-range"] or "")

@@ -359,3 +359,25 @@ def test_monitor_keeps_delta_only_counting_for_compensated_bf16_updates() -> Non
     stag, moved, n = _stagnation_run("bf16-pure")
     assert 0 < moved < n  # most BF16 weights have not moved yet (their updates wait in the buffer) ...
     assert stag == 0.0  # ... and are not reported as lost
+
+
+def test_monitor_counts_no_stagnation_for_a_group_at_learning_rate_zero() -> None:
+    # a warm-up's first step (HF's linear warm-up starts at lr=0): nothing was meant to move
+    import mixprec as mp
+    from mixprec.numerics import NumericsMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    prec = mp.MixedPrecision("bf16-true")
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    with NumericsMonitor(model, every=1, optimizer=opt) as mon:
+        for _ in range(4):
+            with prec.autocast():
+                loss = (model(x).float() - y).pow(2).mean()
+            prec.backward(loss)
+            prec.step(opt)
+            sched.step()
+            opt.zero_grad()
+    assert mon.report().stagnation.get("bf16", 0.0) < 0.05

@@ -683,6 +683,10 @@ class NumericsMonitor:
             and live.grad.shape == live.shape and not live.grad.is_sparse]
         stepped = (torch.stack([torch.isfinite(g).all().to(grads[0].device) for g in grads]).all()
                    if grads else None)
+        # A parameter whose group's learning rate is 0 (a warm-up's first step, a frozen group) was not meant
+        # to move: unchanged is not stagnant there. (A tensor lr is read once per group: a sampled step only.)
+        resting = {id(t) for g in getattr(self.optimizer, "param_groups", []) if _is_zero(g.get("lr", 1.0))
+                   for t in g["params"]}
         for name, live, before in snap:
             delta = live.detach().float() - before.float()
             w = before.float().abs()
@@ -692,7 +696,7 @@ class NumericsMonitor:
             stuck = None
             g = live.grad
             if (stepped is not None and live.dtype in live_bits and isinstance(g, torch.Tensor)
-                    and g.shape == live.shape and not g.is_sparse):
+                    and g.shape == live.shape and not g.is_sparse and id(live) not in resting):
                 # meant to move (finite non-zero gradient, the step taken) but unchanged: below half an ulp
                 # of the stored format, and of any format with as few or fewer mantissa bits. (Whether it
                 # would have moved in a wider format is unknown: not counted stagnant there.)
@@ -776,3 +780,10 @@ class NumericsMonitor:
         return (f"NumericsMonitor({len(self._modules)} modules, {len(self._params)} params, every={self.every}, "
                 f"{self._sampled_steps} sampled steps, {state})")
 
+
+def _is_zero(lr: Any) -> bool:
+    """Whether a param group's learning rate is 0 (a number, or a 0-d tensor: one host read)."""
+    try:
+        return float(lr) == 0.0
+    except (TypeError, ValueError):
+        return False
