@@ -106,6 +106,11 @@ class JoinState:
         # a copy (pickle, deepcopy) is in no Join and wraps no DDP module: weak references do not pickle
         return {**self.__dict__, "config": None, "peers": []}
 
+    def count(self, who: str) -> None:
+        """One flag all-reduce of this iteration, about to run: checked (:meth:`check`) and counted."""
+        self.check(who)
+        self.agrees += 1
+
     def end_iteration(self) -> None:
         """The iteration ended: its count of all-reduces is what a joined rank shadows next."""
         if self.agrees:

@@ -63,6 +63,7 @@ from ._scaler import (
     ScaleConfig,
     ScaleCore,
     ScalerStateError,
+    _dist_initialized,
     check_loaded_counters,
     check_loaded_scale,
     check_scaler_state,
@@ -408,10 +409,8 @@ class GradScaler:
         if self.agree_across_ranks:
             # a collective: every rank runs it, also one without gradients, so the calls stay matched
             join = self.__dict__.get("_join")
-            if join is not None and (self.process_group is not None or (torch.distributed.is_available()
-                                     and torch.distributed.is_initialized())):
-                join.check("scaler")  # torch's Join (uneven inputs): counted, so a joined rank can shadow it
-                join.agrees += 1
+            if join is not None and (self.process_group is not None or _dist_initialized()):
+                join.count("scaler")  # torch's Join (uneven inputs): counted, so a joined rank can shadow it
             agree_found_inf_(found_inf, self.process_group)
         return ({found_inf.device: found_inf} if grads else {}), found_inf
 

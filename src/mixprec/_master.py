@@ -1254,8 +1254,9 @@ class _StateByParam(MutableMapping[Any, Any]):
         self._mwo = mwo
 
     def _key(self, key: Any) -> Any:
+        # by id: the optimizer holds its model parameters, so no other live tensor can share one's id
         view = self._mwo._views.get(id(key)) if isinstance(key, torch.Tensor) else None
-        return view._master if view is not None and _same(view, key) else key
+        return view._master if view is not None else key
 
     def __getitem__(self, key: Any) -> Any:
         return self._mwo.optimizer.state[self._key(key)]  # a defaultdict: a new entry goes under the master
@@ -1290,25 +1291,20 @@ class _StateByParam(MutableMapping[Any, Any]):
         return repr(self._mwo.optimizer.state)
 
 
-def _same(view: MasterGradView, key: torch.Tensor) -> bool:
-    """Whether ``view`` (found by ``id``) belongs to ``key``: same shape and device as the parameter it was made for."""
-    return tuple(view.shape) == tuple(key.shape) and view.device == key.device
-
-
-def _realias_params(optimizer: Optimizer, masters: Mapping[int, torch.Tensor] | None = None) -> None:
+def _realias_params(optimizer: Optimizer, masters: Mapping[int, torch.Tensor]) -> None:
     """Point an optimizer's own aliases of its parameters at the masters.
 
     LBFGS keeps ``_params`` (taken at construction), and a user's optimizer may keep its own list
     (``self.plist = list(params)``) and step that: it would step the half weights, which the copy
-    back from the unchanged masters then overwrote (silently no training). Every list or tuple
-    attribute of tensors that holds an adopted parameter gets the masters in their places.
+    back from the unchanged masters then overwrote (silently no training). Every list, tuple or
+    dict attribute (nested two deep) that holds an adopted parameter gets the masters in their places.
 
     Args:
         optimizer: The wrapped optimizer.
         masters: ``id(model parameter) -> master`` of the parameters that have one.
     """
     if isinstance(getattr(optimizer, "_params", None), list) and optimizer.param_groups:
-        optimizer._params = optimizer.param_groups[0]["params"]  # type: ignore[attr-defined]
+        optimizer._params = optimizer.param_groups[0]["params"]  # type: ignore[attr-defined]  # the same list, as LBFGS built it
     if not masters:
         return
     for name, value in list(vars(optimizer).items()):

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from ._autocast import autocast, resolve_device_type, tf32
 from ._casting import cast_module, register_run
-from ._dist import is_distributed, local_grad
+from ._dist import FoundInfJoinHook, JoinState, broadcast_from_last_joiner_, is_distributed, join_group, local_grad
 from ._errors import check_fused, eager_only
 from ._finite import combine_found_inf
 from ._fused import FusedShadow, fusable_plain, runs_compiled
@@ -270,8 +270,6 @@ class MixedPrecision(RunCheckpoint):
             TypeError: the run's scaler is not one of mixprec's (a custom ``LossScaler`` agrees
                 on its own terms).
         """
-        from ._dist import FoundInfJoinHook
-
         return FoundInfJoinHook(self._join_state(), self.join_device, self.join_process_group, self._sync_after_join,
                                 self._update_while_joined)
 
@@ -281,8 +279,6 @@ class MixedPrecision(RunCheckpoint):
 
     def _sync_after_join(self, is_last_joiner: bool) -> None:
         """After ``Join``: the FP32 masters (and remainders) follow DDP's final model from the last rank to join."""
-        from ._dist import broadcast_from_last_joiner_
-
         tensors = [m for o in self.optimizers if isinstance(o, MasterWeightOptimizer)
                    for p, m in zip(o.model_params, o.masters) if p is not m]
         tensors += [r for o in self.optimizers if isinstance(o, MasterWeightOptimizer)
@@ -300,8 +296,6 @@ class MixedPrecision(RunCheckpoint):
     @property
     def join_process_group(self) -> Any:
         """The group the steps agree over (for ``Join``): the scaler's, or the default one."""
-        from ._dist import join_group
-
         return join_group(getattr(self.scaler, "process_group", None))
 
     @property
@@ -316,8 +310,6 @@ class MixedPrecision(RunCheckpoint):
     def _join_state(self) -> Any:
         join = getattr(self.scaler, "_join", None)
         if join is None and isinstance(self.scaler, _ScalerBase):  # a scaler pickled before Join support
-            from ._dist import JoinState
-
             join = self.scaler._join = JoinState()
         if join is None:
             raise TypeError(

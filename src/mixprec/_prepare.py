@@ -410,6 +410,7 @@ def check_disjoint(optimizers: Sequence[Optimizer]) -> None:
 
 def check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:
     from . import optim as mp_optim
+    from .optim._parts import _PARAM_DTYPES  # what the converted optimizers accept (their add_param_group's check)
 
     for i, opt in enumerate(optimizers):
         comp = getattr(opt, "compensation", None)
@@ -433,7 +434,7 @@ def check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:
                         f"{policy.label!r} steps with mixprec.optim, which is not differentiable. Build the optimizer "
                         "with differentiable=False, or use a master-weight policy such as 'bf16-master'."
                     )
-                odd = next((t for t in g["params"] if not (t.is_floating_point() and t.dtype.itemsize >= 2)), None)
+                odd = next((t for t in g["params"] if t.dtype not in _PARAM_DTYPES), None)
                 if odd is not None:
                     raise ValueError(
                         f"optimizer {i} ({type(opt).__name__}) holds a {odd.dtype} parameter of shape {tuple(odd.shape)}; "

@@ -672,8 +672,7 @@ class _ScalerBase:
         if self.process_group is not None or _dist_initialized():  # the test inline: no call when single-process
             join = self._join
             if join is not None:  # torch's Join (uneven inputs): counted, so a joined rank can shadow it
-                join.check("prec")
-                join.agrees += 1
+                join.count("prec")
             agree_found_inf_(found_inf, self.process_group)
         return found_inf
 

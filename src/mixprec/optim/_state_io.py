@@ -126,18 +126,15 @@ class StateIO(OptimizerParts):
             if k in id_map:
                 p = id_map[k]
                 state[p] = self._import_state(p, owner[id(p)], v, copy=True)
-                kept = self.state.get(p, {}).get(_COMP_KEY) if meta is None else None
-                if kept is not None and _COMP_KEY not in state[p]:
-                    # A torch checkpoint has no compensation; the one here belongs to the weights (the rest
-                    # of their FP32 value, e.g. seeded by load_full_precision_params_), not to the moments.
-                    state[p][_COMP_KEY] = kept
             else:
                 state[k] = v
-        if meta is None:  # parameters with no entry in the torch checkpoint keep their compensation too
+        if meta is None:
+            # A torch checkpoint has no compensation; each parameter's (with an entry there or not) belongs to its
+            # weight (the rest of its FP32 value, e.g. seeded by load_full_precision_params_), not to the moments.
             for p in chain.from_iterable(g["params"] for g in groups):
                 kept = self.state.get(p, {}).get(_COMP_KEY)
-                if kept is not None and p not in state:
-                    state[p] = {_COMP_KEY: kept}
+                if kept is not None and _COMP_KEY not in state.get(p, {}):
+                    state[p][_COMP_KEY] = kept
         self.__setstate__({"state": state, "param_groups": new_groups})
         self._key_cache.clear()
         self._plan_cache.clear()  # the eager step's cached views would keep the old states' memory alive
