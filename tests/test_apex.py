@@ -121,6 +121,23 @@ def test_apex_loop_equals_mixed_precision_loop_bit_for_bit(level, overrides, pol
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_the_initialized_model_pickles_and_the_loaded_copy_computes_the_same(level):
+    """As with Apex, ``torch.save(model)`` works after ``initialize`` (its hooks were closures at first)."""
+    model, _ = _apex_loop(level, {}, _batches(2, overflow_at=()))
+    model.eval()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        expected, got = model(x), loaded(x)
+    assert got.dtype == expected.dtype
+    assert torch.equal(got, expected)
+    _assert_bitwise(_params(loaded), _params(model))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_delay_unscale_accumulation_equals_mixed_precision_accumulation(level):
     batches = _batches(6, overflow_at=(3,))
     a_model, _ = _apex_loop(level, {}, batches, accumulate=2, delay_unscale=True)

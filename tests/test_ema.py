@@ -226,6 +226,31 @@ def test_applied_swaps_in_the_average_and_restores_bit_exactly(preset):
     assert_same(ema.averages, ema2.averages)
 
 
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "bf16-master-r16", "fp16-master"])
+def test_training_or_saving_inside_applied_raises_and_changes_nothing(preset):
+    prec, model, opt, ema = setup(preset, decay=0.5)
+    for step in range(2):
+        train_step(prec, model, opt, step)
+        ema.update()
+    before = state_of(prec, model)
+    calls = {"prec.state_dict": prec.state_dict, "clip": lambda: prec.clip_grad_norm_(1.0)}
+    if isinstance(opt, MasterWeightOptimizer):
+        calls["optimizer.state_dict"] = opt.state_dict  # carries weight edits into the masters: the averages
+    with ema.applied():
+        for call in calls.values():
+            with pytest.raises(RuntimeError, match=r"inside `with ema.applied\(\):`"):
+                call()
+        with pytest.raises(RuntimeError, match=r"backward\(\): called inside `with ema.applied"):
+            train_step(prec, model, opt, 2)
+        with ema.applied():  # nested: the inner block's end keeps the outer one's refusal
+            pass
+        with pytest.raises(RuntimeError, match="ema.applied"):
+            prec.state_dict()
+    assert_same(state_of(prec, model), before)
+    prec.state_dict()  # after the block: allowed again
+    train_step(prec, model, opt, 2)
+
+
 def test_applied_and_copy_to_another_model():
     prec, model, opt, ema = setup("bf16-master", decay=0.5)
     train_step(prec, model, opt, 0)

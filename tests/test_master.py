@@ -637,6 +637,55 @@ def test_a_user_optimizer_stepping_its_own_parameter_list_trains_the_masters(pre
         assert (p.float() - b).abs().max() > 0.02  # three sign steps of 0.01 (it moved by rounding only before)
 
 
+class _DeepSGD(torch.optim.Optimizer):
+    """Keeps its parameters three containers deep, where mixprec does not re-point them."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        params = list(params)
+        super().__init__(params, {"lr": lr})
+        self.holder = {"a": {"b": [params]}}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.holder["a"]["b"][0]:
+            if p.grad is not None:
+                p.add_(p.grad.sign(), alpha=-self.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master"])
+def test_an_optimizer_stepping_half_weights_it_keeps_out_of_reach_is_an_error(preset: str) -> None:
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    prec = mp.MixedPrecision(preset, scaler=mp.DynamicScaler(init_scale=2.0) if preset.startswith("fp16") else None)
+    model, opt = prec.prepare(model, _DeepSGD(model.parameters()))
+    with prec.autocast():
+        loss = model(torch.randn(3, 4)).float().pow(2).mean()
+    prec.backward(loss)
+    with pytest.raises(RuntimeError, match=r"_DeepSGD.step\(\) wrote model parameter 0 .* not its FP32 master"):
+        prec.step(opt)
+
+
+def test_the_inner_step_watch_ends_after_the_first_step_that_moved_a_master() -> None:
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    prec = mp.MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, _SignSGD(model.parameters()))  # (torch's optimizers are not watched)
+    assert opt._watch_inner == 8
+    for _ in range(2):
+        with prec.autocast():
+            loss = model(torch.randn(3, 4)).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+        assert opt._watch_inner == 0  # one step: the masters moved
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]})
+    assert opt._watch_inner == 8  # watched again for the new parameters
+
+
 def test_state_get_and_pop_of_a_parameter_without_state_insert_nothing() -> None:
     import mixprec as mp
 

@@ -262,8 +262,12 @@ class EMA:
         The training weights are kept in a copy (in their own dtype) and copied back bit for bit
         when the block ends, also when it raises. Masters are never touched: they stay exact,
         and the restored half weights equal ``round(master)`` again, so no edit is carried into
-        the masters at the next step. Do not step, save (``prec.state_dict()``) or edit weights
-        inside the block: those would see the averaged weights.
+        the masters at the next step. Inside the block (on the tracked model of an ``EMA(prec)``)
+        ``prec.backward``, ``prec.step``/``optimizer.step()`` of a master-weight optimizer,
+        ``prec.clip_grad_norm_`` and ``prec.state_dict()``/``optimizer.state_dict()`` raise a
+        ``RuntimeError``: they would take the averages for the training weights (a checkpoint of
+        the averages; under ``*-master`` the averages carried into the masters). Save after the
+        block; save the averages with ``ema.state_dict()``.
 
         Args:
             model: Default: the tracked model. Or another model with the same parameter names
@@ -279,14 +283,28 @@ class EMA:
         Memory: one copy of the tracked parameters in the model's dtypes, for the block.
         """
         targets = self._targets(model, "applied")
+        # The run's own model holds the averages for the block: refuse what would take them for the
+        # training weights (backward, a step, state_dict, clipping) until it ends.
+        runs = self._block_run() if (model is None or model is self.model) else []
         with torch.no_grad():
             saved = [t.detach().clone() for t in targets]
             _copy(targets, self._averages)
+        for obj, _ in runs:
+            obj._ema_applied = _APPLIED_MESSAGE
         try:
             yield model if model is not None else self.model
         finally:
+            for obj, before in runs:
+                obj._ema_applied = before
             with torch.no_grad():
                 _copy(targets, saved)
+
+    def _block_run(self) -> list[tuple[Any, Any]]:
+        """The run and its master-weight optimizers to mark during :meth:`applied`, with their marks before (nested blocks)."""
+        if self.prec is None:
+            return []
+        objs: list[Any] = [self.prec, *(o for o in self.prec.optimizers if isinstance(o, MasterWeightOptimizer))]
+        return [(o, o.__dict__.get("_ema_applied")) for o in objs]
 
     # ----- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -363,6 +381,14 @@ class EMA:
         self.num_updates.copy_(n_up.reshape(()))
         # The step before the load is not one for these averages: update() waits for the next step.
         self._last_info = self.prec.last_step if self.prec is not None else None
+
+
+_APPLIED_MESSAGE = (
+    "called inside `with ema.applied():`, while the model holds the EMA averages, not its training weights (this "
+    "would train on, clip or save the averages as the run's weights; under '*-master' they would be carried into the "
+    "FP32 masters). Leave the block first: it restores the training weights bit for bit. To save the averages, "
+    "save ema.state_dict() beside prec.state_dict()."
+)
 
 
 def _check_decay(decay: Any) -> float:

@@ -162,6 +162,13 @@ class MasterWeightOptimizer(Optimizer):
     _edit_views: EditViews | None = None  # the edit check's cached 1-D views (built at its first use)
     _own32: tuple[torch.Tensor, ...] = ()  # set in __init__; the default reads instances pickled before it existed
     master_storage: MasterStorage = "full"  # set in __init__; the default reads instances pickled before it existed
+    # How many more of the wrapped optimizer's steps to watch for writes to half weights
+    # (_check_inner_step): set at construction and when parameters are added, for optimizers that
+    # are not torch's own; 0 after a step that moved a master.
+    _watch_inner = 0
+    # Set by ``EMA.applied()`` while the model holds the averages: carrying them into the masters
+    # (a step, ``state_dict()``) would make them the training weights; the message says so.
+    _ema_applied: str | None = None
 
     def __init__(
         self,
@@ -250,6 +257,7 @@ class MasterWeightOptimizer(Optimizer):
         # The wrapped optimizer steps the masters only from inside step(): called directly it would
         # apply gradients that may still be loss-scaled and never copy the masters back.
         self._inner_guard = install_step_guard(optimizer, "refuse")
+        self._watch_inner = _inner_watch_steps(optimizer)
 
     # ----- copies ---------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -423,6 +431,7 @@ class MasterWeightOptimizer(Optimizer):
             for group in self.optimizer.param_groups:
                 group["params"] = [master if q is p else q for q in group["params"]]
             _realias_params(self.optimizer, {id(p): master})
+            self._watch_inner = _inner_watch_steps(self.optimizer)
             self._attach(p, master)
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
                 master.grad = p.grad.to(self.master_dtype)  # gradients from before the hook existed
@@ -486,6 +495,8 @@ class MasterWeightOptimizer(Optimizer):
 
     def _sync_edits(self) -> None:
         """:meth:`sync_edits_` without its ``no_grad`` decorator (the step runs with grad mode off)."""
+        if self._ema_applied is not None:
+            raise RuntimeError(f"{type(self).__name__} step()/state_dict() {self._ema_applied}")
         if self.master_storage == "remainder":
             return
         if self._pairs is None:
@@ -538,6 +549,7 @@ class MasterWeightOptimizer(Optimizer):
         # the inner optimizer's own lists took the half parameters (its add_param_group, or the user's append)
         _realias_params(self.optimizer, {id(p): m for p, m in zip(added, new["params"]) if p is not m})
         self._refresh_pairs()
+        self._watch_inner = _inner_watch_steps(self.optimizer)
 
     # ----- the optimizer surface ---------------------------------------------------------------
     @property
@@ -1047,6 +1059,10 @@ class MasterWeightOptimizer(Optimizer):
                 self._record_versions()
             return result
         guard = self._inner_guard  # the wrapped optimizer's step, below its refuse-guard (inside(), inlined)
+        watch = self._watch_inner > 0 and not args and self.master_storage == "full"
+        if watch:
+            params, masters = self._pair_lists
+            before = [(_local(p)._version, _local(m)._version) for p, m in zip(params, masters)]
         guard.depth += 1
         try:
             if found_inf is None and grad_scale is None:
@@ -1059,8 +1075,40 @@ class MasterWeightOptimizer(Optimizer):
                 result = step_or_skip(self.optimizer, found_inf, grad_scale, args, {}, twin=True)[1]
         finally:
             guard.depth -= 1
+        if watch:
+            self._check_inner_step(params, masters, before)
         self._copy_to_model()
         return result
+
+    def _check_inner_step(self, params: list[torch.Tensor], masters: list[torch.Tensor],
+                          before: list[tuple[int, int]]) -> None:
+        """Raise when the wrapped optimizer's step wrote a half model weight and not its master.
+
+        An optimizer that keeps its own reference to the model's parameters where
+        :func:`_realias_params` cannot re-point it (deeper containers, named tuples, objects) steps
+        the half weights, which the copy back from the unchanged masters then overwrites: training
+        would silently do nothing. Watched (version counters only, no host read) until the first
+        step that moved a master (a skipped step moves nothing), at most :data:`_WATCH_STEPS` steps
+        (torch's fused kernels do not bump version counters), and again after parameters are added.
+        """
+        self._watch_inner -= 1
+        moved = False
+        for i, ((p, m), (pv, mv)) in enumerate(zip(zip(params, masters), before)):
+            m_moved = _local(m)._version != mv
+            moved = moved or m_moved
+            if _local(p)._version != pv and not m_moved:
+                self._watch_inner = 0
+                raise RuntimeError(
+                    f"{type(self.optimizer).__name__}.step() wrote model parameter {i} of the master-weight pairs "
+                    f"(shape {tuple(p.shape)}, {dtype_name(p.dtype)}) and not its FP32 master: the optimizer keeps its "
+                    "own reference to the model's parameters (an attribute mixprec could not point at the masters: "
+                    "nested deeper than two lists/dicts, a named tuple or another object), so under a '*-master' "
+                    "policy its updates would be overwritten by the masters (no training). Step the tensors in "
+                    "self.param_groups[i]['params'] (torch's convention), or keep the extra reference in a plain "
+                    "list or dict attribute of the optimizer."
+                )
+        if moved:
+            self._watch_inner = 0
 
     @property
     def compile_seconds(self) -> float:
@@ -1289,6 +1337,15 @@ class _StateByParam(MutableMapping[Any, Any]):
 
     def __repr__(self) -> str:
         return repr(self._mwo.optimizer.state)
+
+
+#: Steps of a wrapped optimizer (not one of torch's) watched for writes to half weights.
+_WATCH_STEPS = 8
+
+
+def _inner_watch_steps(optimizer: Optimizer) -> int:
+    """How many steps of ``optimizer`` :meth:`MasterWeightOptimizer._check_inner_step` watches (torch's own: none, they step ``param_groups``)."""
+    return 0 if type(optimizer).__module__.startswith("torch.optim") else _WATCH_STEPS
 
 
 def _realias_params(optimizer: Optimizer, masters: Mapping[int, torch.Tensor]) -> None:

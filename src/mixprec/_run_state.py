@@ -58,6 +58,9 @@ class RunCheckpoint:
         closed = self.__dict__.get("_closed")  # set by for_inference() on this run's model
         if closed:
             raise ValueError(f"{what}: {closed}")
+        applied = self.__dict__.get("_ema_applied")  # set by EMA.applied() while the model holds the averages
+        if applied:
+            raise RuntimeError(f"{what}: {applied}")
         return self.model
 
     def state_dict(self) -> dict[str, Any]:

@@ -703,12 +703,16 @@ def _fp32_state_dict(model: nn.Module) -> list[Any]:
     value at the next step, through the master optimizer's edit check).
     """
 
-    def to_fp32(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    return [m.register_state_dict_post_hook(_StateDictToFP32()) for m in model.modules()]
+
+
+class _StateDictToFP32:
+    """The state-dict post-hook of :func:`_fp32_state_dict` (an object, not a closure: ``torch.save(model)`` pickles it)."""
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for key, value in state_dict.items():
             if key.startswith(prefix) and isinstance(value, Tensor) and value.dtype in (_F16, _BF16):
                 state_dict[key] = value.float()
-
-    return [m.register_state_dict_post_hook(to_fp32) for m in model.modules()]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -718,15 +722,29 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _autocast_forward(model: nn.Module, region: contextlib.AbstractContextManager[Any]) -> list[Any]:
-    """O1: run the model's forward inside ``region`` (torch.autocast in FP16), also when it raises; the hook handles."""
+    """O1: run the model's forward inside ``region`` (torch.autocast in FP16), also when it raises; the hook handles.
 
-    def enter(module: nn.Module, args: Any) -> None:
-        region.__enter__()
+    The hooks are objects, not closures, so the model still pickles (``torch.save(model)``), as under Apex.
+    """
+    return [model.register_forward_pre_hook(_EnterRegion(region)),
+            model.register_forward_hook(_LeaveRegion(region), always_call=True)]
 
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        region.__exit__(None, None, None)
 
-    return [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+class _EnterRegion:
+    """O1's forward pre-hook: enter the autocast region."""
+
+    def __init__(self, region: contextlib.AbstractContextManager[Any]) -> None:
+        self.region = region
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.region.__enter__()
+
+
+class _LeaveRegion(_EnterRegion):
+    """O1's forward hook (``always_call``): leave the autocast region."""
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:  # type: ignore[override]
+        self.region.__exit__(None, None, None)
 
 
 def _install_step(rec: _OptimizerState, state: _AmpState) -> None:
