@@ -84,6 +84,51 @@ def test_round_trip_is_exact_and_marked(preset, tmp_path):
     prec.load_state_dict(state)
 
 
+def test_low_bit_optimizer_states_of_torchao_save_load_and_resume_exactly(tmp_path):
+    """Tensor subclasses registered for weights_only loading (torchao's 8-bit AdamW states) are saved and checksummed
+    through their inner tensors; a changed byte in one of them fails the check."""
+    optim = pytest.importorskip("torchao.optim")
+
+    def run() -> tuple[MixedPrecision, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4))  # torchao quantizes states of >= 4096 elements
+        prec = MixedPrecision("bf16-master")
+        model, opt = prec.prepare(model, optim.AdamW8bit(model.parameters(), lr=1e-3))
+        return prec, model, opt
+
+    def step(prec, model, opt, s):
+        x = torch.Generator().manual_seed(s)
+        with prec.autocast():
+            loss = model(torch.randn(8, 256, generator=x)).float().square().mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+
+    prec, model, opt = run()
+    for s in range(2):
+        step(prec, model, opt, s)
+    state = prec.state_dict()
+    exp_avg = next(v["exp_avg"] for v in state["optimizers"][0]["optimizer"]["state"].values() if v["exp_avg"].numel() > 4096)
+    assert type(exp_avg).__name__ == "OptimState8bit"
+    path = tmp_path / "ckpt.pt"
+    save(state, path)
+    prec2, model2, opt2 = run()
+    prec2.load_state_dict(load(path))
+    for s in range(2, 4):
+        step(prec, model, opt, s)
+        step(prec2, model2, opt2, s)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+    envelope = torch.load(path, weights_only=True)
+    inner = next(v["exp_avg"] for v in envelope["state"]["optimizers"][0]["optimizer"]["state"].values()
+                 if v["exp_avg"].numel() > 4096)
+    inner.codes.view(-1)[0] ^= 1
+    torch.save(envelope, path)
+    with pytest.raises(CheckpointError, match="checksum"):
+        load(path)
+
+
 def test_save_accepts_the_mixed_precision_object_and_pathlike(trained, tmp_path):
     prec, _, _, _ = trained
     save(prec, str(tmp_path / "a.pt"))

@@ -102,7 +102,9 @@ def save(state: Any, path: PathLike) -> None:
     Args:
         state: ``MixedPrecision.state_dict()`` (you may add your own keys, e.g. ``"epoch"``, with
             values ``torch.load(weights_only=True)`` accepts: tensors, numbers, strings, None,
-            and lists/tuples/dicts of them), or a prepared ``MixedPrecision`` (its state dict is taken).
+            and lists/tuples/dicts of them; tensor subclasses registered with
+            ``torch.serialization.add_safe_globals``, such as torchao's low-bit optimizer states, are
+            checksummed through their inner tensors), or a prepared ``MixedPrecision`` (its state dict is taken).
         path: The checkpoint file. Its directory must exist.
 
     Raises:
@@ -267,6 +269,20 @@ def _walk(obj: Any, path: str, check_types: bool, dicts: bool = True) -> Iterato
     checksums written before dicts were recorded (``"crc32"``; now ``"crc32-v2"``).
     """
     if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) and _flattenable(obj):
+            # A wrapper subclass registered for weights_only loading (torchao's low-bit optimizer
+            # states): its inner tensors and its flatten context are the entry.
+            if check_types and not _safe_global(type(obj)):
+                raise TypeError(
+                    f"mixprec.save: {path} is a {type(obj).__name__} (a tensor subclass) that torch.load(weights_only=True) "
+                    "refuses (not registered with torch.serialization.add_safe_globals); register it, or convert it "
+                    "to a plain tensor first."
+                )
+            names, ctx = obj.__tensor_flatten__()  # type: ignore[attr-defined]  # (_flattenable)
+            yield path, ("subclass", f"{type(obj).__module__}.{type(obj).__qualname__}", repr(ctx))
+            for name in names:
+                yield from _walk(getattr(obj, name), f"{path}.{name}", check_types, dicts)
+            return
         if check_types and type(obj) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(
                 f"mixprec.save: {path} is a {type(obj).__name__} (a tensor subclass), which torch.load(weights_only=True) "
@@ -300,6 +316,16 @@ def _walk(obj: Any, path: str, check_types: bool, dicts: bool = True) -> Iterato
             "would need to run code from the file). Store tensors, numbers, strings, None and lists/tuples/dicts of "
             "them; convert other objects (e.g. to a dict) first."
         )
+
+
+def _flattenable(t: torch.Tensor) -> bool:
+    """A traceable wrapper subclass (``__tensor_flatten__``) other than a DTensor (sharded: saved with DCP)."""
+    return hasattr(type(t), "__tensor_flatten__") and type(t).__name__ != "DTensor"
+
+
+def _safe_global(cls: type) -> bool:
+    """Whether ``torch.load(weights_only=True)`` may construct ``cls`` (``torch.serialization.add_safe_globals``)."""
+    return any((g[0] if isinstance(g, tuple) else g) is cls for g in torch.serialization.get_safe_globals())
 
 
 def _tensor_bytes(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
