@@ -395,3 +395,25 @@ def test_reparametrization_buffers_of_an_island_stay_fp32() -> None:
     model = _reparametrized("spectral_norm")
     cast_module(model, "p=bf16,c=bf16,o=f32,m=f32,ls=none,i=name:0")
     assert model[0].weight_u.dtype == torch.float32 and model[2].weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "bf16-pure"])
+def test_load_state_dict_with_assign_into_a_prepared_model_is_refused_before_anything_changes(preset):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    saved = {k: torch.randn_like(v.float()) if v.dtype.is_floating_point else v for k, v in model.state_dict().items()}
+    prec = mp.MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    params = list(model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"assign=True.*at '0'.*Nothing was loaded"):
+        model.load_state_dict(saved, assign=True)
+    with pytest.raises(RuntimeError, match=r"assign=True.*at 'Linear'"):
+        model[2].load_state_dict({k[2:]: v for k, v in saved.items() if k.startswith("2.")}, assign=True)
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    model.load_state_dict(saved)  # copies into the parameters, in their dtypes
+    assert model[0].weight.dtype == params[0].dtype and torch.equal(model[0].weight, saved["0.weight"].to(params[0].dtype))
+    mp.uncast_module(model)
+    model.load_state_dict(saved, assign=True)  # the hooks come off with the rest
+    assert model[0].weight.dtype == torch.float32

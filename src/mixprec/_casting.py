@@ -443,9 +443,34 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
         sentinels = [(p, p.dtype) for p in (inside, outside) if p is not None]
     handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, sentinels))
     handles.extend(_guard_fast_paths(model))
+    handles.extend(m.register_load_state_dict_pre_hook(_refuse_assign) for m in model.modules()
+                   if m._parameters or m._buffers)
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model
+
+
+def _refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *args: Any) -> None:
+    """A load-state-dict pre-hook: ``load_state_dict(..., assign=True)`` would swap a cast model's tensors out.
+
+    The loaded tensors would replace the parameters the optimizer (and its FP32 masters) hold,
+    in the loaded dtypes: training would go on with the old ones, silently, at another precision.
+    Runs before the module's own tensors are touched (a parent's hook before its children's), so
+    nothing is changed. A module whose tensors are all on the meta device is left to torch.
+    """
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+    if tensors and all(t.device.type == "meta" for t in tensors):
+        return
+    where = prefix[:-1] or type(module).__name__
+    raise RuntimeError(
+        f"load_state_dict(..., assign=True) on a model mixprec prepared (at {where!r}): it would replace the model's "
+        "parameters by the loaded tensors, in their own dtypes, while the optimizer and its FP32 masters keep the old "
+        "ones (training would silently stop, at another precision). Nothing was loaded. Load without assign=True "
+        "(it copies into the existing parameters, casting), use prec.load_model_state_dict(state_dict), or load "
+        "before prepare()."
+    )
 
 
 def _no_fast_path(module: nn.Module, args: Any) -> None:
