@@ -266,6 +266,25 @@ def test_a_model_cast_again_after_prepare_is_refused_at_the_next_forward(preset,
         model(torch.randn(3, 4))
 
 
+@pytest.mark.parametrize("preset,cast", [("bf16-pure", "float"), ("bf16-master", "float"), ("bf16-mixed", "half"),
+                                         ("fp16-master", "float")])
+def test_a_submodule_cast_after_prepare_is_refused_at_the_next_forward(preset, cast):
+    """model.head.float() after prepare(): only the head's parameters change dtype (bf16-pure trained it in FP32 silently)."""
+    import warnings
+
+    from mixprec import MixedPrecision
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 2))
+    prec = MixedPrecision(preset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = prec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    getattr(model[3], cast)()
+    with pytest.raises(RuntimeError, match=r"parameter '3\.weight' is (f32|f16) but mixprec's cast made it"), \
+            prec.autocast():
+        model(torch.randn(3, 4))
+
+
 
 def _encoder() -> nn.Module:
     torch.manual_seed(0)

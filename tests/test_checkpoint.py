@@ -129,6 +129,44 @@ def test_low_bit_optimizer_states_of_torchao_save_load_and_resume_exactly(tmp_pa
         load(path)
 
 
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+def test_a_run_with_lazy_modules_resumes_into_a_fresh_unmaterialised_run(preset, tmp_path):
+    """Lazy modules are accepted under '*-mixed'; the fresh run's load materialises them, as torch's load does (the shape
+    check read an uninitialised parameter's shape: torch's RuntimeError)."""
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.LayerNorm(16), nn.LazyLinear(3))
+        prec = MixedPrecision(preset)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return prec, model, opt
+
+    def step(prec, model, opt, s):
+        x, y = batch(s)
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(x).float(), y[:] % 3)
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+
+    prec, model, opt = build()
+    for s in range(2):
+        step(prec, model, opt, s)
+    save(prec.state_dict(), tmp_path / "lazy.pt")
+    prec2, model2, opt2 = build()
+    prec2.load_state_dict(load(tmp_path / "lazy.pt"))
+    for s in range(2, 4):
+        step(prec, model, opt, s)
+        step(prec2, model2, opt2, s)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    prec3, model3, _ = build()
+    prec3.load_model_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    assert model3[0].weight.shape == (16, 8)
+
+
 def test_save_accepts_the_mixed_precision_object_and_pathlike(trained, tmp_path):
     prec, _, _, _ = trained
     save(prec, str(tmp_path / "a.pt"))

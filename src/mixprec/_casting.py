@@ -251,11 +251,12 @@ def _root_forward(
 ) -> Any:
     """The prepared root's ``forward``: floating inputs to ``input_dtype`` (if any), outputs to ``output_dtype``.
 
-    ``sentinels``: ``(parameter, dtype)`` for two parameters (one in an FP32 island, one other) and
-    the dtype the cast gave them; a different dtype means the model was cast again afterwards
-    (``model.half()``, ``.float()``, ``.to(dtype)``: they change ``.data`` of the same parameter
-    objects), which raises here, at the first forward, instead of a dtype error deep inside torch
-    or a run that silently trains in another precision. The objects themselves are held, not
+    ``sentinels``: ``(parameter, dtype)`` for every castable parameter and the dtype the cast gave
+    it; a different dtype means the model, or a submodule, was cast again afterwards
+    (``model.half()``, ``model.head.float()``, ``.to(dtype)``: they change ``.data`` of the same
+    parameter objects), which raises here, at the first forward, instead of a dtype error deep
+    inside torch or a run that silently trains in another precision (a loop of attribute reads,
+    no Python calls: about 5 us for GPT-2's 148 parameters). The objects themselves are held, not
     looked up by name: FSDP2 swaps in unsharded parameters of its compute dtype for the forward.
     :func:`for_inference` empties the list of a run it ends (it casts on purpose).
 
@@ -283,8 +284,8 @@ def _recast_error(root: nn.Module, p: torch.Tensor, dtype: torch.dtype) -> None:
     """Raise: ``p`` had ``dtype`` after mixprec's cast and has another now (the model was cast again)."""
     name = next((n for n, q in root.named_parameters() if q is p), "a parameter")
     raise RuntimeError(
-        f"parameter {name!r} is {dtype_name(p.dtype)} but mixprec's cast made it {dtype_name(dtype)}: the model was cast "
-        "again after prepare() (model.half(), model.float(), model.to(dtype)), which would train it in another "
+        f"parameter {name!r} is {dtype_name(p.dtype)} but mixprec's cast made it {dtype_name(dtype)}: the model (or a "
+        "submodule) was cast again after prepare() (model.half(), model.head.float(), model.to(dtype)), which would train it in another "
         "precision than the policy's (or fail inside torch on a dtype mismatch). prepare() does the casting: drop the "
         "cast; to change precision, export with mixprec.checkpoint.fp32_state_dict(prec) and prepare a fresh FP32 "
         "model under the other policy, or call mixprec.uncast_module(model) first."
@@ -438,9 +439,8 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
     input_dtype = policy.param_dtype if half_inputs else None
     sentinels: list[tuple[torch.Tensor, torch.dtype]] = []
     if not keep_dtypes:
-        inside = next((p for m in islands.values() for p in m.parameters() if p.dtype in _CASTABLE), None)
-        outside = next((p for p in model.parameters() if id(p) not in island_tensor_ids and p.dtype in _CASTABLE), None)
-        sentinels = [(p, p.dtype) for p in (inside, outside) if p is not None]
+        # every castable parameter: a cast of one submodule (model.head.float()) changes only its own
+        sentinels = [(p, p.dtype) for p in model.parameters() if p.dtype in _CASTABLE]
     handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, sentinels))
     handles.extend(_guard_fast_paths(model))
     handles.extend(m.register_load_state_dict_pre_hook(_refuse_assign) for m in model.modules()

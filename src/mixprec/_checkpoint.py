@@ -46,6 +46,7 @@ from typing import Any, Union
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ._dtypes import HALF
 from ._master import model_params_of
@@ -617,6 +618,8 @@ def check_model_state(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
             + key_mismatch_hint(missing, unexpected)
         )
     for k, v in own.items():
+        if is_lazy(v):
+            continue  # an unmaterialised lazy module's tensor: torch's load materialises it in the saved shape
         if tuple(sd[k].shape) != tuple(v.shape):
             raise ValueError(f"the checkpoint's {k!r} has shape {tuple(sd[k].shape)}, the model's {tuple(v.shape)}.")
 

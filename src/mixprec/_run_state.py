@@ -14,6 +14,7 @@ from typing import cast as typing_cast
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
 from ._checkpoint import (
@@ -191,7 +192,9 @@ class RunCheckpoint:
                 f"{unexpected[:5]}; nothing was loaded. Pass strict=False to load the matching entries only."
                 + key_mismatch_hint(missing, unexpected)
             )
-        shapes = [k for k, v in state_dict.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        # (an unmaterialised lazy module's tensor takes the saved shape: torch's load materialises it)
+        shapes = [k for k, v in state_dict.items()
+                  if k in own and not is_lazy(own[k]) and tuple(v.shape) != tuple(own[k].shape)]
         if shapes:
             k = shapes[0]
             raise ValueError(
