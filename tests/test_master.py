@@ -745,3 +745,36 @@ def test_nested_parameter_lists_and_groups_added_later_train_the_masters() -> No
         opt.zero_grad()
     assert all(t.dtype == torch.float32 for params in opt.optimizer.per_group for t in params)  # the masters
     assert (model[1].weight.float() - head_before).abs().max() > 0.02
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-pure"])
+def test_a_module_added_after_prepare_is_refused_by_add_param_group_until_cast(preset: str) -> None:
+    """A replaced head keeps its FP32 weights: it trained in FP32 beside the policy's half weights, silently."""
+    import warnings
+
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    prec = mp.MixedPrecision(preset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = prec.prepare(model, torch.optim.AdamW(model[0].parameters(), lr=1e-2))
+    opt.add_param_group({"params": list(model[1].parameters())})  # an FP32 island prepare() cast: accepted
+    model[2] = torch.nn.Linear(8, 3)
+    n = len(opt.param_groups)
+    with pytest.raises(ValueError, match=r"f32 parameter of shape \(3, 8\) that prepare\(\) did not cast"):
+        opt.add_param_group({"params": list(model[2].parameters())})
+    assert len(opt.param_groups) == n
+    model[2].to(prec.policy.param_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # masters from the rounded values
+        opt.add_param_group({"params": list(model[2].parameters())})
+    before = model[2].weight.detach().clone()
+    for _ in range(2):
+        with prec.autocast():
+            loss = model(torch.randn(3, 4)).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+    assert model[2].weight.dtype == prec.policy.param_dtype and not torch.equal(model[2].weight, before)

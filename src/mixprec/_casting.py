@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -290,6 +290,58 @@ def _recast_error(root: nn.Module, p: torch.Tensor, dtype: torch.dtype) -> None:
         "cast; to change precision, export with mixprec.checkpoint.fp32_state_dict(prec) and prepare a fresh FP32 "
         "model under the other policy, or call mixprec.uncast_module(model) first."
     )
+
+
+class AddedParamCheck:
+    """``add_param_group``'s check of a prepared run's optimizer: refuse parameters ``prepare`` did not cast.
+
+    A module added to the model after ``prepare`` (a replaced classification head) keeps its FP32
+    weights: under a policy that stores parameters in BF16/FP16 it would train in FP32 beside
+    them (and evaluation outside ``autocast`` fails on the dtype mismatch). Parameters the cast
+    saw (an FP32 island's, a frozen one's) and parameters already in the policy's dtype pass.
+    Holds the model weakly; a copy (pickle, deepcopy) checks nothing.
+    """
+
+    def __init__(self, model: nn.Module, param_dtype: torch.dtype) -> None:
+        import weakref
+
+        self._model: Callable[[], nn.Module | None] | None = weakref.ref(model)
+        self.param_dtype = param_dtype
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_model": None, "param_dtype": self.param_dtype}
+
+    def __call__(self, params: Sequence[Any]) -> None:
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return
+        known = {id(p): p for p, _ in _recast_checks(model)}
+        if not known:  # keep_dtypes=True, or a run for_inference closed: the user manages the dtypes
+            return
+        for p in params:
+            if (isinstance(p, torch.Tensor) and p.dtype in _CASTABLE and p.dtype != self.param_dtype
+                    and known.get(id(p)) is not p):
+                raise ValueError(
+                    f"add_param_group: a {dtype_name(p.dtype)} parameter of shape {tuple(p.shape)} that prepare() did not "
+                    f"cast (the policy stores parameters in {dtype_name(self.param_dtype)}): a module added to the model "
+                    "after prepare() keeps its weights as built, so it would train in "
+                    f"{dtype_name(p.dtype)}. Nothing was added. Add the module before prepare() (in a group with lr=0, "
+                    "or frozen, until it should train), or cast it to the policy's dtype first "
+                    f"(module.to({self.param_dtype}); its masters then "
+                    "start from the rounded values)."
+                )
+
+
+def _recast_checks(model: nn.Module) -> list[tuple[torch.Tensor, torch.dtype]]:
+    """The ``(parameter, dtype)`` pairs the root's recast check holds (every castable parameter at the cast)."""
+    out: list[tuple[torch.Tensor, torch.dtype]] = []
+    for m in model.modules():
+        fwd = m.__dict__.get("forward")
+        while isinstance(fwd, functools.partial) and fwd.func in (_island_forward, _root_forward):
+            if fwd.func is _root_forward:
+                out.extend(fwd.args[4])
+            fwd = fwd.args[1]
+    return out
 
 
 def _drop_recast_checks(model: nn.Module) -> None:

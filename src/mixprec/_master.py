@@ -526,6 +526,9 @@ class MasterWeightOptimizer(Optimizer):
         """
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        check = self.__dict__.get("_added_check")  # set by MixedPrecision.prepare: parameters it cast
+        if check is not None:
+            check(params)
         rounded = [p for p in params if isinstance(p, torch.Tensor) and p.dtype.is_floating_point
                    and p.dtype != self.master_dtype and p.requires_grad and p not in self._initial]
         global _WARNED_ADDED

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._autocast import autocast, resolve_device_type, tf32
-from ._casting import cast_module, register_run
+from ._casting import AddedParamCheck, cast_module, register_run
 from ._dist import FoundInfJoinHook, JoinState, broadcast_from_last_joiner_, is_distributed, join_group, local_grad
 from ._errors import check_fused, eager_only
 from ._finite import combine_found_inf
@@ -401,6 +401,11 @@ class MixedPrecision(RunCheckpoint):
                 rollback.restore()
             raise
         warn_host_reads(wrapped, facts.device)
+        if self.policy.param_dtype != torch.float32 and not self._keep_dtypes and not fsdp_masters:
+            check = AddedParamCheck(model, self.policy.param_dtype)
+            for opt in wrapped:
+                if isinstance(opt, MasterWeightOptimizer) or hasattr(opt, "load_full_precision_params_"):
+                    opt._added_check = check  # type: ignore[attr-defined]  # read by their add_param_group
         if facts.fsdp or self.policy.compensation == "stochastic":
             # one stochastic-rounding seed on every rank (a broadcast when distributed: plain DDP around a
             # bf16-pure model kept each rank's own seed, and the replicas drifted apart), global positions

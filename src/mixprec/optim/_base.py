@@ -231,6 +231,9 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                     f"{type(self).__name__} updates float16/bfloat16/float32/float64 parameters; got a {p.dtype} "
                     f"parameter of shape {tuple(p.shape)}. Leave it out of the optimizer or use a torch.optim optimizer for it."
                 )
+        check = self.__dict__.get("_added_check")  # set by MixedPrecision.prepare: parameters it cast
+        if check is not None:
+            check(params)
         group = dict(param_group)
         group["params"] = params
         n = len(self.param_groups)
