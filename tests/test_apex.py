@@ -1156,3 +1156,18 @@ def test_a_damaged_entry_leaves_every_scaler_as_it_was() -> None:
         amp_mod.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 5},
                                  "loss_scaler1": {"loss_scale": 512.0, "unskipped": -1}})
     assert amp_mod.state_dict() == before
+
+
+def test_an_earlier_initialize_is_freed_once_a_later_one_replaces_it():
+    """The optimizer -> run map was a WeakKeyDictionary whose values held their keys: no run was ever freed."""
+    import gc
+    import weakref
+
+    refs = []
+    for _ in range(2):
+        model = _model()
+        model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=LR), opt_level="O2", verbosity=0)
+        refs.append((weakref.ref(model), weakref.ref(optimizer)))
+        del model, optimizer
+    gc.collect()
+    assert [r() is None for r in refs[0]] == [True, True]  # the latest stays: amp's global state, as in Apex

@@ -778,3 +778,30 @@ def test_a_module_added_after_prepare_is_refused_by_add_param_group_until_cast(p
         prec.step(opt)
         opt.zero_grad()
     assert model[2].weight.dtype == prec.policy.param_dtype and not torch.equal(model[2].weight, before)
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+def test_a_dropped_master_weight_run_is_freed(preset: str) -> None:
+    """The gradient views (the parameters' .grad, which gc cannot see through) held the optimizer through a bound method:
+    every master-weight run stayed alive for good (model, masters, optimizer state)."""
+    import gc
+    import warnings
+    import weakref
+
+    import mixprec as mp
+
+    def run():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+        prec = mp.MixedPrecision(preset)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        with prec.autocast():
+            loss = model(torch.randn(4, 8)).float().square().mean()
+        prec.backward(loss)
+        prec.step(opt)
+        return weakref.ref(model), weakref.ref(opt), weakref.ref(prec), weakref.ref(opt.masters[0])
+
+    refs = run()
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 4

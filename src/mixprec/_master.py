@@ -12,6 +12,7 @@ import copy
 import functools
 import operator
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Literal
@@ -364,7 +365,9 @@ class MasterWeightOptimizer(Optimizer):
         """
         if _is_dtensor(p):
             return
-        view = MasterGradView(p, master, self._read_hook)
+        # (through a weak reference: the view is the parameter's .grad, which the garbage collector
+        # cannot see through, so a bound method here kept every master-weight run alive for good)
+        view = MasterGradView(p, master, _ReadHook(self))
         self._views[id(p)] = view
         if self.grad_accumulation == "fp32":
             self._hooks.append(p.register_post_accumulate_grad_hook(_AccumulateInto(master, view)))
@@ -391,10 +394,6 @@ class MasterWeightOptimizer(Optimizer):
             KeyError: ``param`` has no master (an FP32 or frozen parameter) or is not managed here.
         """
         return self._views[id(param)]
-
-    def _read_hook(self, op: str) -> None:
-        if self._before_read is not None:
-            self._before_read(op)
 
     def set_unscale_callback(self, callback: Callable[[str], None] | None) -> None:
         """Called with the operation's name before torch code reads a gradient view (``MixedPrecision`` checks the scale there)."""
@@ -1656,6 +1655,20 @@ def check_weight_edits(value: object) -> None:
             f"weight_edits={value!r}; use 'values' (default: every edit of the model's half weights is carried into "
             "the masters, also through p.data) or 'versions' (free; edits through p.data are not seen)."
         )
+
+
+class _ReadHook:
+    """A gradient view's read callback: the optimizer's unscale callback, reached through a weak reference."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, mwo: MasterWeightOptimizer) -> None:
+        self._ref = weakref.ref(mwo)
+
+    def __call__(self, op: str) -> None:
+        mwo = self._ref()
+        if mwo is not None and mwo._before_read is not None:
+            mwo._before_read(op)
 
 
 class _AccumulateInto:

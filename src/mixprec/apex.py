@@ -59,7 +59,6 @@ import dataclasses
 import math
 import types
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -267,8 +266,10 @@ class _AmpPrecision(MixedPrecision):
 
 
 _state: _AmpState | None = None  # the latest initialize (amp.state_dict(), _amp_state)
-#: Every optimizer initialize returned -> its run: runs of several initialize calls stay independent.
-_owners: weakref.WeakKeyDictionary[Any, _AmpState] = weakref.WeakKeyDictionary()
+#: The attribute of every optimizer initialize returned that holds its run: runs of several initialize calls stay
+#: independent. (On the optimizer, not in a WeakKeyDictionary: the run holds its optimizers, so a dictionary value
+#: would have kept every key alive, and every run's model, masters and state with it, for good.)
+_OWNER_ATTR = "_mixprec_amp_run"
 
 
 def _state_of(optimizers: list[Any], what: str) -> _AmpState | None:
@@ -279,11 +280,8 @@ def _state_of(optimizers: list[Any], what: str) -> _AmpState | None:
     """
     states: dict[int, _AmpState] = {}
     for o in optimizers:
-        try:
-            st = _owners.get(o)
-        except TypeError:  # not weak-referenceable: nothing initialize returned
-            st = None
-        if st is not None:
+        st = getattr(o, _OWNER_ATTR, None)
+        if isinstance(st, _AmpState):
             states[id(st)] = st
     if len(states) > 1:
         raise ValueError(
@@ -671,7 +669,7 @@ def initialize(
                 rec = _OptimizerState(opt, prec)
                 state.optimizers[id(opt)] = rec
                 prec.amp_records[id(opt)] = rec
-                _owners[opt] = state
+                setattr(opt, _OWNER_ATTR, state)
                 _install_step(rec, state)
             region = prec.autocast()
         else:
