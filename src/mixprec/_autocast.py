@@ -90,7 +90,12 @@ def _save_tf32() -> _TF32State:
 
 
 def _set_tf32(enabled: bool, saved: _TF32State) -> None:
-    if saved.matmul is not None:
+    if saved.matmul_precision is not None:
+        # ("medium": the MKLDNN matmul string is "bf16") the legacy setter writes CUDA's and MKLDNN's
+        # strings alike, so torch.get_float32_matmul_precision() still reads inside the region
+        # (the matmul flag alone left them mixed: it raised) and an FP32 region is FP32 on a CPU too
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+    elif saved.matmul is not None:
         torch.backends.cuda.matmul.allow_tf32 = enabled
     if saved.cudnn is not None:
         torch.backends.cudnn.allow_tf32 = enabled
