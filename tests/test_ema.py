@@ -248,6 +248,15 @@ def test_training_or_saving_inside_applied_raises_and_changes_nothing(preset):
             prec.state_dict()
     assert_same(state_of(prec, model), before)
     prec.state_dict()  # after the block: allowed again
+    with prec.autocast():
+        loss = model(torch.randn(16, 8)).float().square().mean()
+    prec.backward(loss)  # gradients before the block, the step inside: refused too (the update would be lost)
+    with ema.applied():
+        for step in (lambda: prec.step(opt), opt.step):
+            with pytest.raises(RuntimeError, match=r"step\(\).*inside `with ema.applied"):
+                step()
+    assert_same(state_of(prec, model), before)
+    prec.step(opt)
     train_step(prec, model, opt, 2)
 
 

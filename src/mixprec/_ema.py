@@ -291,9 +291,17 @@ class EMA:
             _copy(targets, self._averages)
         for obj, _ in runs:
             obj._ema_applied = _APPLIED_MESSAGE
+        records = None
+        if runs:
+            # prec.step's hot path looks its optimizer up without other checks: with no records it
+            # asks _require_prepared, which names the block (a step there updated the averages, which
+            # the block's end then overwrote: the update lost, its optimizer state and count kept)
+            records, self.prec._records = self.prec._records, {}  # type: ignore[union-attr]  # (runs: a prec)
         try:
             yield model if model is not None else self.model
         finally:
+            if records is not None:
+                self.prec._records = records  # type: ignore[union-attr]
             for obj, before in runs:
                 obj._ema_applied = before
             with torch.no_grad():
