@@ -436,3 +436,28 @@ def test_load_state_dict_with_assign_into_a_prepared_model_is_refused_before_any
     mp.uncast_module(model)
     model.load_state_dict(saved, assign=True)  # the hooks come off with the rest
     assert model[0].weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])
+def test_uncast_module_of_a_live_run_closes_the_run_and_its_gradient_hooks(preset):
+    """uncast_module() removed the casts under a live run, which trained on silently outside its policy (BF16 logits
+    under o=f32, no input casts), and a second prepare kept feeding the first run's master gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    prec = mp.MixedPrecision(preset)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    mp.uncast_module(model)
+    with prec.autocast():
+        loss = model(torch.randn(3, 4).to(model[0].weight.dtype)).float().square().mean()
+    with pytest.raises(ValueError, match=r"backward\(\): this run's model was uncast by mixprec.uncast_module"):
+        prec.backward(loss)
+    with pytest.raises(ValueError, match="uncast_module"):
+        prec.state_dict()
+    prec2 = mp.MixedPrecision(preset)
+    model, opt2 = prec2.prepare(model.float(), torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with prec2.autocast():
+        loss = model(torch.randn(3, 4)).float().square().mean()
+    prec2.backward(loss)
+    if isinstance(opt, mp.MasterWeightOptimizer):
+        assert all(m.grad is None for m in opt.masters)  # the first run's hooks are off
+    prec2.step(opt2)

@@ -588,12 +588,23 @@ def uncast_module(model: nn.Module) -> nn.Module:
     (the default ``b=keep``) are still in their original dtype, buffers cast with ``b=param``
     and island buffers stay cast. Call ``model.float()`` for an all-FP32 model.
 
+    The ``MixedPrecision`` run that prepared ``model`` (if any) is closed first, as by
+    :func:`for_inference`: without the casts it would go on training silently outside its policy
+    (inputs and outputs no longer cast, the dtype checks gone), so its later calls raise a
+    ``ValueError`` that says so, and its gradient hooks come off (a new ``prepare`` of the model
+    starts clean).
+
     Args:
         model: A model prepared by :func:`cast_module` (an unprepared model is returned as is).
 
     Returns:
         ``model`` itself.
     """
+    for m in (model, getattr(model, "_orig_mod", None)):
+        ref = _RUN_CLOSERS.pop(m, None) if isinstance(m, nn.Module) else None
+        close = ref() if ref is not None else None
+        if close is not None:
+            close(_UNCAST_REASON)
     for h in reversed(getattr(model, _HOOKS_ATTR, [])):  # last installed first: the root's forward wraps an island's
         h.remove()
     for attr in (_HOOKS_ATTR, _POLICY_ATTR):
@@ -650,10 +661,17 @@ def _cast_buffers(root: nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
 
 #: A prepared model -> the (weakly held) method of its ``MixedPrecision`` that closes the run when
 #: :func:`for_inference` casts the model (``MixedPrecision._close_for_inference``).
-_RUN_CLOSERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod[Callable[[], None]]] = weakref.WeakKeyDictionary()
+_RUN_CLOSERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod[Callable[..., None]]] = weakref.WeakKeyDictionary()
 
 
-def register_run(model: nn.Module, close: Callable[[], None]) -> None:
+_UNCAST_REASON = (
+    "this run's model was uncast by mixprec.uncast_module(), which closed the run (without its casts it would train "
+    "outside the policy). To train on under this run, do not uncast; to prepare the model again, build a new "
+    "MixedPrecision and load a checkpoint of this one (prec.state_dict()) after its prepare()."
+)
+
+
+def register_run(model: nn.Module, close: Callable[..., None]) -> None:
     """Remember the bound method that :func:`for_inference` calls before it casts ``model`` (weakly: no cycle kept alive)."""
     _RUN_CLOSERS[model] = weakref.WeakMethod(close)
 

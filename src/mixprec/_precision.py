@@ -469,7 +469,7 @@ class MixedPrecision(RunCheckpoint):
 
         return check_unscaled
 
-    def _close_for_inference(self) -> None:
+    def _close_for_inference(self, reason: str | None = None) -> None:
         """``for_inference(model)`` on this run's model: the run closes (the cast that follows ends its training).
 
         The model keeps the weights it holds (an edit since the last step, ``ema.copy_to``,
@@ -477,12 +477,12 @@ class MixedPrecision(RunCheckpoint):
         edit that left a weight at its previous rounding could not be told from a stale master. For
         the masters' precision, cast an FP32 model loaded from ``fp32_state_dict(prec)``. The
         gradient hooks come off; every later call that needs the run raises a ``ValueError``
-        naming ``for_inference`` (:meth:`_require_prepared`).
+        naming ``for_inference`` (:meth:`_require_prepared`), or ``reason`` (``uncast_module``).
         """
         for opt in self.optimizers:
             if isinstance(opt, MasterWeightOptimizer):
                 opt.remove_hooks()
-        self._closed = (
+        self._closed = reason or (
             "this run's model was cast for inference by for_inference(), which closed the run (the model now holds its "
             "weights in the inference dtype; training on would train that cast model). To evaluate during training "
             "use `with torch.no_grad(), prec.autocast(): model(x)`; to train on, load a checkpoint into a new "
