@@ -1012,3 +1012,20 @@ def test_weights_beyond_fp16_range_are_refused_before_the_cast_makes_them_inf(po
     assert model[0].weight.dtype == torch.float32 and torch.equal(model[0].weight, before)
     # an FP32 island or a BF16 policy takes it
     MixedPrecision("bf16-master").prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_release_ends_the_run_so_a_backward_cannot_scale_for_an_unguarded_step():
+    """After release() a backward still scaled the loss and the unguarded optimizer applied x65536 gradients, silently."""
+    torch.manual_seed(0)
+    model = make("mlp")
+    prec = MixedPrecision("bf16-mixed")
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    prec.release()
+    with prec.autocast():
+        loss = model(batch("mlp", 0)[0]).float().square().mean()
+    with pytest.raises(ValueError, match=r"backward\(\): this run was ended by prec.release\(\)"):
+        prec.backward(loss)
+    loss.backward()  # the optimizer is the user's again
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), before))

@@ -893,11 +893,21 @@ class MixedPrecision(RunCheckpoint):
             opt.zero_grad(set_to_none=set_to_none)
 
     def release(self) -> None:
-        """Undo the step guards ``prepare`` installed on the optimizers (the model stays cast)."""
+        """End the run: undo the step guards ``prepare`` installed on the optimizers and its gradient hooks.
+
+        The model stays cast (``mixprec.uncast_module(model)`` removes the casts). Every later call
+        that needs the run (``backward``, ``step``, ``state_dict``, ...) raises a ``ValueError``
+        saying it was released: a ``backward`` would still scale the loss, and the optimizers,
+        unguarded now, would apply the scaled gradients.
+        """
         for opt in self.optimizers:
             remove_step_guard(opt)
             if isinstance(opt, MasterWeightOptimizer):
                 remove_step_guard(opt.optimizer)
+        self._close_for_inference(
+            "this run was ended by prec.release() (its optimizers step on their own now; a backward here would still "
+            "scale the loss). Use a new MixedPrecision to train with mixprec again."
+        )
 
 
 def _check_loss(loss: Any) -> None:
