@@ -478,3 +478,57 @@ def test_training_goes_on_after_a_caught_escalation() -> None:
     sc.update()
     assert not torch.equal(model.weight, before)
     pickle.loads(pickle.dumps(sc))
+
+
+def test_fused_step_after_an_unscale_that_saw_no_gradients_refuses_the_scaled_ones():
+    """unscale_ before backward (no gradients yet), then backward and step with a fused optimizer: the gradients, still
+    scaled, were applied (a 1024x update, reported as not skipped)."""
+    from mixprec import GradScaler
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([w], lr=0.1, fused=True)
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(w.sum()).backward()  # one ordinary iteration
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    before = w.detach().clone()
+    scaler.unscale_(opt)  # no gradients yet: nothing unscaled, nothing checked
+    scaler.scale(w.sum()).backward()
+    with pytest.raises(RuntimeError, match="No inf checks were recorded for this optimizer"):
+        scaler.step(opt)
+    assert torch.equal(w.detach(), before)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -2.0, "tensor-nan"])
+def test_update_with_a_new_scale_that_is_not_finite_and_positive_is_refused(bad):
+    from mixprec import GradScaler
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=8.0)
+    scaler.scale(w.sum()).backward()
+    scaler.step(opt)
+    new = torch.tensor(float("nan")) if bad == "tensor-nan" else bad
+    with pytest.raises(ValueError, match=r"update\(new_scale=.*finite number > 0.*Nothing was changed"):
+        scaler.update(new)
+    assert scaler.get_scale() == 8.0
+    scaler.update(4.0)
+    assert scaler.get_scale() == 4.0
+
+
+def test_the_grad_scaler_keyword_cache_does_not_grow_with_scheduled_optimizers():
+    """torch's LR schedulers give each optimizer a step function of its own: one cache entry per optimizer, for good."""
+    import mixprec._grad_scaler as gs
+    from mixprec import GradScaler
+
+    gs._STEP_TAKES_GRAD_SCALER.clear()
+    for _ in range(5):
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+        torch.optim.lr_scheduler.StepLR(opt, 1)
+        scaler = GradScaler("cpu")
+        scaler.scale(w.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert len(gs._STEP_TAKES_GRAD_SCALER) == 1

@@ -1042,3 +1042,21 @@ def test_escalation_fires_at_the_same_step_with_checkpoints_and_after_a_resume(p
     assert _poisoned_run(preset, 60, save_every=4) == plain
     assert _poisoned_run(preset, 60, save_every=3) == plain
     assert _poisoned_run(preset, 60, resume_at=7) == plain
+
+
+def test_a_loaded_growth_tracker_past_the_interval_grows_at_the_next_clean_step():
+    """A checkpoint of a longer growth_interval (tracker 1500, interval now 100): growth stalled until an overflow."""
+    import mixprec as mp
+
+    d = mp.DynamicScaler(init_scale=16.0, growth_interval=2000)
+    for _ in range(1500):
+        d.update(torch.tensor(0.0))
+    sd = d.state_dict()
+    sd["growth_interval"] = 100
+    d2 = mp.DynamicScaler()
+    d2.load_state_dict(sd)
+    d2.update(torch.tensor(0.0))
+    assert d2.statistics()["scale"] == 32.0
+    for _ in range(100):
+        d2.update(torch.tensor(0.0))
+    assert d2.statistics()["scale"] == 64.0

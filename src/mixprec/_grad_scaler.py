@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable, Mapping
@@ -115,9 +116,27 @@ _FP16_GRADS = ("Attempting to unscale FP16 gradients. GradScaler expects FP32 pa
 _STEP_TAKES_GRAD_SCALER: dict[Any, bool] = {}
 
 
+def _check_new_scale(value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` (``update(new_scale)``) is a finite number > 0."""
+    try:
+        ok = math.isfinite(value) and value > 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"update(new_scale={value!r}): the new scale must be a finite number > 0 (NaN or inf would skip every "
+            "later step, 0 or less would flush every gradient); pass e.g. 2.0**16, or None for the dynamic rule. "
+            "Nothing was changed."
+        )
+
+
 def _takes_grad_scaler_kwarg(optimizer: Any) -> bool:
     step = optimizer.step
     key = getattr(step, "__func__", step)
+    # torch's LR schedulers wrap each optimizer's step in a function of its own: key by what it wraps,
+    # or the cache would grow by one entry per optimizer for good
+    while hasattr(key, "__wrapped__"):
+        key = getattr(key.__wrapped__, "__func__", key.__wrapped__)
     found = _STEP_TAKES_GRAD_SCALER.get(key)
     if found is None:
         found = _STEP_TAKES_GRAD_SCALER[key] = "grad_scaler" in inspect.signature(step).parameters
@@ -550,6 +569,11 @@ class GradScaler:
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
             flags = list(state["found_inf_per_device"].values())
+            if not flags and state["stage"] is OptState.UNSCALED and any(
+                    p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+                # gradients that came after an unscale_ that found none are still scaled: stepping applied them
+                # (torch fails here too, by accident: an int found_inf)
+                raise ScalerUsageError("No inf checks were recorded for this optimizer.")
             found_inf = combine_found_inf(flags, scale.device) if flags else torch.zeros((), dtype=torch.float32, device=scale.device)
             if state["stage"] is OptState.UNSCALED:
                 grad_scale = getattr(optimizer, "grad_scale", None)  # unscaled already: only a scale you set remains
@@ -587,6 +611,10 @@ class GradScaler:
             RuntimeError: (also ``AssertionError``) no ``scale()`` yet; no inf checks recorded
                 (no ``step``/``unscale_`` with gradients); a ``new_scale`` tensor on another
                 device type, with more than one element, or requiring grad.
+            ValueError: ``new_scale`` is not a finite number > 0 (NaN or inf would skip every
+                later step; torch accepts them), checked before anything changes.
+
+        Host sync: one read of a ``new_scale`` tensor's value (none for ``None`` or a number).
         """
         if not self._enabled:
             return
@@ -604,8 +632,11 @@ class GradScaler:
                 if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
                     raise ScalerUsageError(reason + f" Got a tensor of shape {tuple(new_scale.shape)} on "
                                            f"{new_scale.device} (requires_grad={new_scale.requires_grad}).")
+                # Host sync: one read of the given value (a user's explicit scale, not the step path)
+                _check_new_scale(float(new_scale.reshape(()).item()))
                 scale.copy_(new_scale.reshape(()))
             else:
+                _check_new_scale(new_scale)
                 scale.fill_(new_scale)
             cfg = core.cfg
             scale.clamp_(min=cfg.floor, max=cfg.max_scale)  # (also with no floor: see ScaleConfig.floor)

@@ -185,7 +185,16 @@ class MixedPrecision(RunCheckpoint):
         check_fused(fused)
         self.fused = fused
         if scaler is not None and not isinstance(scaler, LossScaler):
-            raise TypeError(f"scaler must implement mixprec.LossScaler, got {type(scaler).__name__}")
+            from ._grad_scaler import GradScaler
+
+            hint = (" mixprec.GradScaler is the drop-in for loops written around torch.amp.GradScaler, not a scaler a "
+                    "MixedPrecision runs; its options (init_scale, growth_interval, ...) go to DynamicScaler."
+                    if isinstance(scaler, (GradScaler, torch.amp.GradScaler)) else "")
+            raise TypeError(
+                f"scaler must implement mixprec.LossScaler, got {type(scaler).__name__} ({type(scaler).__module__}): pass "
+                "mixprec.DynamicScaler(...), StaticScaler(scale) or NoOpScaler(), or leave it out for the policy's "
+                f"default.{hint}"
+            )
         check_grad_accumulation(grad_accumulation)
         if scale_update not in ("auto", "manual"):
             raise ValueError(f"scale_update={scale_update!r}; use 'auto' (default) or 'manual' (call prec.update()).")

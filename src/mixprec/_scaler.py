@@ -139,7 +139,9 @@ def check_loaded_scale(sd: Mapping[str, Any], owner: str) -> None:
 def check_loaded_counters(sd: Mapping[str, Any], hysteresis: int) -> None:
     """Raise ``ScalerStateError`` for a growth tracker or hysteresis allowance no scaler can hold (before loading).
 
-    (A growth tracker at or past ``growth_interval`` only means growth at the next clean step, as in torch.)
+    (A growth tracker at or past ``growth_interval`` means growth at the next clean step:
+    ``DynamicScaler.load_state_dict`` sets it to ``growth_interval - 1``; ``mixprec.GradScaler``
+    keeps it as torch's does, where growth then waits for the next overflow's reset.)
     """
     for key, hi in (("_growth_tracker", math.inf), ("hysteresis_left", hysteresis - 1)):
         if key in sd and not is_count(sd[key], hi):
@@ -976,5 +978,11 @@ class DynamicScaler(_ScalerBase):
                 dict (another scaler kind, a whole checkpoint), or a newer version.
         """
         sd = check_scaler_state(state_dict, "DynamicScaler", "dynamic")
+        interval = sd.get("growth_interval", self._core.cfg.growth_interval)
+        tracker = sd.get("_growth_tracker")
+        if is_count(tracker) and is_count(interval) and int(interval) >= 1 and float(tracker) >= int(interval):  # type: ignore[arg-type]  # (is_count)
+            # a tracker at or past the interval (a checkpoint of a longer interval) means growth at the next clean
+            # step; torch's update kernel grows only when the count reaches the interval exactly, so it never would
+            sd = {**sd, "_growth_tracker": int(interval) - 1}
         self._core.load(sd)
 
