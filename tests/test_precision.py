@@ -1014,6 +1014,36 @@ def test_weights_beyond_fp16_range_are_refused_before_the_cast_makes_them_inf(po
     MixedPrecision("bf16-master").prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.parametrize("source", [torch.bfloat16])
+def test_weights_beyond_fp16_range_in_a_bf16_model_are_refused_too(source: torch.dtype) -> None:
+    """A model loaded in BF16 (from_pretrained(torch_dtype=bfloat16)) prepared under fp16-master for a GPU without BF16:
+    only FP32 weights were checked, so these became inf silently and every step skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(source)
+    with torch.no_grad():
+        model[0].weight[1, 1] = 99840.0
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"parameter '0.weight' has values up to 9.984e\+04, beyond FP16's maximum"):
+        MixedPrecision("fp16-master").prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model[0].weight.dtype == source and torch.equal(model[0].weight, before)
+
+
+def test_for_inference_in_fp16_refuses_weights_beyond_its_range_before_casting() -> None:
+    from mixprec.checkpoint import for_inference
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[2].weight[0, 0] = 1e5
+        model[1].bias[0] = 1e5  # in an FP32 island: kept in FP32, not refused
+    with pytest.raises(ValueError, match=r"for_inference\(..., 'fp16'\): parameter '2.weight' has values up to 1e\+05.*"
+                                         r"Nothing was cast.*fp32_islands=\('norm', 'name:2'\)"):
+        for_inference(model, "fp16")
+    assert model[2].weight.dtype == torch.float32
+    for_inference(model, "fp16", fp32_islands=("norm", "name:2"))
+    assert model[0].weight.dtype == torch.float16 and model[2].weight.dtype == torch.float32
+
+
 def test_release_ends_the_run_so_a_backward_cannot_scale_for_an_unguarded_step():
     """After release() a backward still scaled the loss and the unguarded optimizer applied x65536 gradients, silently."""
     torch.manual_seed(0)

@@ -721,6 +721,10 @@ def for_inference(
     policy = Policy(dt, dt, torch.float32, fp32_islands=islands)
     target = _compile_target(model)  # a torch.compile'd model: the module it wraps
     policy.check_islands(target)
+    if dt == torch.float16:
+        from ._prepare import _check_fp16_range  # (lazy: _prepare's checks take this module's island_modules)
+
+        _check_fp16_range(target, policy, island_modules, inference=True)  # before anything changes
     # Every live run whose model this cast touches (the model itself, a module around it, one inside it).
     inside = set(map(id, target.modules()))
     for run_model, ref in list(_RUN_CLOSERS.items()):

@@ -156,8 +156,12 @@ def check_prepare(
     return PrepareFacts(device, fsdp, floating)
 
 
-def _check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any) -> None:
-    """Refuse finite FP32 weights that the cast to FP16 would turn into inf (every step would then skip).
+def _check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any, *, inference: bool = False) -> None:
+    """Refuse finite weights that the cast to FP16 would turn into inf (every step would then skip).
+
+    Weights of every wider floating dtype are checked: FP32, FP64 and BF16 (a model loaded with
+    ``torch_dtype=torch.bfloat16`` and prepared under an FP16 policy for a GPU without BF16).
+    ``inference``: the cast of :func:`mixprec.checkpoint.for_inference` (the message says so).
 
     One reduction per parameter and one host read per device, at ``prepare`` only. FSDP2 shards
     (DTensors): each rank's local maximum, then one all-reduce (MAX) so every rank decides alike
@@ -166,8 +170,8 @@ def _check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any) -> 
     from ._dist import is_distributed, is_dtensor, local_tensor
 
     kept = {id(t) for _, m in island_modules(model, policy) for t in m.parameters()}
-    named = [(n, p) for n, p in model.named_parameters() if id(p) not in kept and p.dtype == torch.float32
-             and (p.numel() or is_dtensor(p))]
+    named = [(n, p) for n, p in model.named_parameters() if id(p) not in kept
+             and p.dtype in (torch.float32, torch.float64, torch.bfloat16) and (p.numel() or is_dtensor(p))]
     if not named:
         return
     sharded = any(is_dtensor(p) for _, p in named)
@@ -190,6 +194,13 @@ def _check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any) -> 
         name = named[big[0]][0]
         owner = name.rpartition(".")[0]  # a root's own parameter has no module to make an island of
         island = f"keep the module in FP32 with an island (i=norm+name:{owner}), " if owner else ""
+        if inference:
+            island = f"keep the module in FP32 (fp32_islands=('norm', 'name:{owner}')), " if owner else ""
+            raise ValueError(
+                f"for_inference(..., 'fp16'): parameter {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond "
+                f"FP16's maximum 65504: cast to FP16 they would become inf ({len(big)} such parameter(s)). Nothing was "
+                f"cast. Use 'bf16' (FP32's range), {island}or rescale those weights."
+            )
         raise ValueError(
             f"parameter {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond FP16's maximum 65504: cast to FP16 "
             f"for policy {policy.label!r} they become inf and every step would be skipped ({len(big)} such "
