@@ -47,7 +47,7 @@ class _Planted(transformers.TrainerCallback):
 
 
 def _trainer(tmp_path, preset, *, inf_step=None, max_grad_norm=1.0, save_steps=None, per_device_train_batch_size=4,
-             **kw):
+             eval_dataset=None, **kw):
     from ._hf_common import Overflow
 
     args = transformers.TrainingArguments(
@@ -58,7 +58,8 @@ def _trainer(tmp_path, preset, *, inf_step=None, max_grad_norm=1.0, save_steps=N
         per_device_train_batch_size=per_device_train_batch_size, **kw)
     model = gpt2()
     planted = _Planted(Overflow(model), inf_step)
-    trainer = MixprecTrainer(model=model, args=args, train_dataset=TokenDataset(), precision=preset, callbacks=[planted])
+    trainer = MixprecTrainer(model=model, args=args, train_dataset=TokenDataset(), eval_dataset=eval_dataset,
+                             precision=preset, callbacks=[planted])
     return trainer, planted
 
 
@@ -142,6 +143,23 @@ def test_resume_from_checkpoint_is_bit_for_bit(tmp_path, preset):
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
     assert _same(a["optimizers"], b["optimizers"])  # optimizer moments (and masters), bit for bit
     assert _same(a["model"], b["model"])
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-pure"])
+def test_load_best_model_at_end_restores_the_best_checkpoints_fp32_masters(tmp_path, preset):
+    """Trainer loads the best checkpoint's half weights; the masters kept the last step's values where the rounding
+    agreed (a mix of two steps) until the best checkpoint's mixprec.pt was read too."""
+    from mixprec import load
+
+    trainer, _ = _trainer(tmp_path, preset, save_steps=3, eval_strategy="steps", eval_steps=3,
+                          load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
+                          eval_dataset=TokenDataset())
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and best.endswith("checkpoint-3")  # greater_is_better on a falling loss: not the last
+    want = fp32_state_dict(load(f"{best}/{MIXPREC_NAME}"), compensation=True)
+    got = fp32_state_dict(trainer.prec, compensation=True)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def _same(x, y) -> bool:

@@ -30,7 +30,8 @@ What a training step does (``trainer.prec`` is the :class:`~mixprec.MixedPrecisi
   the LR scheduler does not advance then;
 * checkpoints: ``mixprec.pt`` (``prec.state_dict()``: model, optimizer with FP32 masters, loss
   scaler, step count; written by :func:`mixprec.save`) and ``scheduler.pt`` replace
-  ``optimizer.pt``; ``resume_from_checkpoint`` loads them back, so the run continues bit for bit.
+  ``optimizer.pt``; ``resume_from_checkpoint`` loads them back, so the run continues bit for bit;
+  ``load_best_model_at_end`` restores the best checkpoint's FP32 masters, not only its half weights.
 
 Refused with an error that says what to do instead: ``TrainingArguments(fp16=True)``/``bf16=True``
 (Trainer's torch.autocast and GradScaler would run on top of mixprec: choose the precision with
@@ -173,6 +174,27 @@ class MixprecTrainerMixin:
             with warnings.catch_warnings(record=True) as caught:
                 trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
             _reissue(caught)
+
+
+    def _load_best_model(self) -> None:
+        """Trainer's best-model load (``load_best_model_at_end``), then the best checkpoint's exact FP32 weights.
+
+        Trainer loads the checkpoint's model file, which holds the BF16/FP16 weights under
+        ``*-master`` and ``*-pure``: the masters would keep the last step's values wherever the
+        rounding agreed (a mix of two steps). The checkpoint's ``mixprec.pt`` has the masters
+        (and ``bf16-pure``'s compensation): its FP32 weights are loaded through
+        ``prec.load_model_state_dict``, which splits them exactly. The optimizer and scaler are
+        left as they are (training is over).
+        """
+        super()._load_best_model()  # type: ignore[misc]
+        trainer: Any = self
+        best = trainer.state.best_model_checkpoint
+        path = os.path.join(best, MIXPREC_NAME) if best else None
+        if path is not None and os.path.isfile(path) and self.prec.policy.param_dtype != torch.float32:
+            from ..checkpoint import fp32_state_dict
+
+            weights = fp32_state_dict(load(path, expected_policy=self.prec.policy), compensation=True)
+            self.prec.load_model_state_dict(weights)
 
 
 def _reissue(caught: list[warnings.WarningMessage]) -> None:
