@@ -167,6 +167,36 @@ def test_a_run_with_lazy_modules_resumes_into_a_fresh_unmaterialised_run(preset,
     assert model3[0].weight.shape == (16, 8)
 
 
+def test_bf16_pure_optimizer_state_loaded_before_prepare_keeps_its_compensation():
+    """nanoGPT's resume order: model and torch optimizer loaded from the checkpoint, then prepare. prepare reseeded the
+    compensation from the (already half) weights: zero, the loaded remainders lost silently."""
+
+    def fresh():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    model, opt = fresh()
+    prec = MixedPrecision("bf16-pure")
+    model, opt = prec.prepare(model, opt)
+    train(prec, model, opt, 0, 4)
+    buf = io.BytesIO()
+    torch.save(prec.state_dict(), buf)  # (a copy: the state dict's tensors are the live ones)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert any(int(st["kahan_comp"].count_nonzero()) for st in state["optimizers"][0]["state"].values())
+
+    model2, opt2 = fresh()
+    model2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["optimizers"][0])
+    prec2 = MixedPrecision("bf16-pure")
+    model2, opt2 = prec2.prepare(model2, opt2)
+    train(prec, model, opt, 4, 7)
+    train(prec2, model2, opt2, 4, 7)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_save_accepts_the_mixed_precision_object_and_pathlike(trained, tmp_path):
     prec, _, _, _ = trained
     save(prec, str(tmp_path / "a.pt"))

@@ -481,7 +481,21 @@ def to_compensated(opt: Optimizer, policy: Policy, originals: Mapping[int, torch
         opt = mp_optim.from_torch(opt, compensation=policy.compensation, fused=fused)
     elif fused is not None:
         opt.fused = fused  # a mixprec optimizer the user built: MixedPrecision(fused=...) is the later word
-    # Seed the compensation with what the cast to half precision lost.
-    seed = {p: originals[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in originals}
+    # Seed the compensation with what the cast to half precision lost. A parameter whose value the
+    # cast kept exactly and whose state already holds a compensation buffer (an optimizer state loaded
+    # before prepare, as nanoGPT's resume does, into a model loaded from the half weights) keeps the
+    # loaded buffer: it is the remainder the weights lost when they were saved, a reseed would zero it.
+    # Host sync: one comparison per such parameter, at prepare only.
+    seed = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            value = originals.get(id(p))
+            if value is None:
+                continue
+            comp = opt.state.get(p, {}).get("kahan_comp")
+            if (isinstance(comp, torch.Tensor) and comp.shape == p.shape and comp.count_nonzero() > 0
+                    and torch.equal(value, value.to(p.dtype).to(value.dtype))):
+                continue
+            seed[p] = value
     opt.load_full_precision_params_(seed)
     return opt
