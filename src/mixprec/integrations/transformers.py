@@ -165,7 +165,8 @@ class MixprecTrainerMixin:
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"resume_from_checkpoint={checkpoint!r}: there is no {MIXPREC_NAME} (the mixprec state: optimizer, FP32 "
-                "masters, loss scaler); the checkpoint was not saved by MixprecTrainer. To start from its weights only, "
+                "masters, loss scaler): it was not saved by MixprecTrainer, or saved with save_only_model=True (weights "
+                "only: not resumable, as with transformers' Trainer). To start from its weights only, "
                 "load them into the model (from_pretrained) and train without resume_from_checkpoint."
             )
         self.prec.load_state_dict(load(path, expected_policy=self.prec.policy))
