@@ -195,3 +195,58 @@ def test_fused_true_refuses_an_optimizer_it_cannot_fuse() -> None:
     prec = mp.MixedPrecision("bf16-mixed", fused=True)
     _, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
     assert _shadow(prec) is None
+
+
+def test_fused_sgd_with_dampening_continues_torchs_momentum_buffers() -> None:
+    """torch's SGD keeps no "step": buffers from its own steps (before prepare, or a torch checkpoint) must not
+    make the fused step's next update a first one (coefficient 1 instead of 1 - dampening)."""
+    batches = _data(4)
+
+    def sgd(model: nn.Module) -> torch.optim.SGD:
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+
+    ref_model = _model()
+    ref_opt = sgd(ref_model)
+    model = _model()
+    opt = sgd(model)
+    for x, y in batches[:2]:  # plain torch steps on both: momentum buffers, no "step" key
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    opt.zero_grad()
+    assert "step" not in next(iter(opt.state.values()))
+    prec = mp.MixedPrecision("fp32", fused=True)
+    model, opt = prec.prepare(model, opt)
+    _train(prec, model, opt, batches[2:])
+    assert _ran_fused(_shadow(prec))
+    for x, y in batches[2:]:
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref_model(x), y).backward()
+        ref_opt.step()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, **TOL[torch.float32])
+    assert all(float(st["step"]) == 3.0 for st in opt.state.values())  # counted from 1: the buffers existed
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])
+def test_fused_step_runs_torchs_global_step_hooks_once_with_the_users_optimizer(preset: str) -> None:
+    """torch's global step hooks ran twice per fused step: also inside, for mixprec's internal optimizer."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    model = _model()
+    prec = mp.MixedPrecision(preset, fused=True)
+    users = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = prec.prepare(model, users)
+    calls: list[tuple[str, Any]] = []
+    handles = [register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o))),
+               register_optimizer_step_post_hook(lambda o, args, kwargs: calls.append(("post", o)))]
+    try:
+        _train(prec, model, opt, _data(2))
+    finally:
+        for h in handles:
+            h.remove()
+    rec = next(iter(prec._records.values()))
+    assert _ran_fused(rec.shadow if rec.shadow is not None else getattr(opt, "_shadow", None))
+    # The torch optimizer the user built (bf16-master steps it inside its MasterWeightOptimizer, as when unfused).
+    assert calls == [("pre", users), ("post", users)] * 2

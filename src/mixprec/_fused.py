@@ -21,6 +21,7 @@ turns on only the compensated ``mixprec.optim`` step on a CPU; measurements in d
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -137,6 +138,7 @@ class FusedShadow:
             view = self._view = None
         if view is None:
             from .optim import from_torch
+            from .optim._convert import _HOOK_DICTS
 
             try:
                 view = from_torch(opt, compensation="none", fused=self.fused)
@@ -147,6 +149,8 @@ class FusedShadow:
                 self.off = True
                 return None
             view.state = opt.state  # shared: torch's AdamW/Adam/SGD state keys are mixprec's
+            for name in _HOOK_DICTS:  # from_torch shares opt's hooks; step() runs them around the view, with opt
+                setattr(view, name, OrderedDict())
             view.mirrors = self.mirrors
             view.remainders = self.remainders
             self._view = view
@@ -186,7 +190,8 @@ class FusedShadow:
                 if not (isinstance(result, tuple) and len(result) == 2):
                     raise RuntimeError(f"{hook} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
                 args, kwargs = result
-        out = view.step(*args, **kwargs, grad_scale=grad_scale, found_inf=found_inf)
+        # Below torch's step wrapper of the view: its hooks (the global ones, again) ran above, with ``opt``.
+        out = view._step_unhooked(*args, **kwargs, grad_scale=grad_scale, found_inf=found_inf)
         opt._opt_called = True  # type: ignore[attr-defined]  # torch's mark that step ran (LR schedulers check it)
         for hook in [*opt._optimizer_step_post_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values()]:
             hook(opt, args, kwargs)

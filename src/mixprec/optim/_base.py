@@ -81,8 +81,10 @@ element's global position (``Shard(0)``), so a sharded run equals the unsharded 
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from itertools import chain
@@ -90,9 +92,10 @@ from typing import Any, cast, get_args
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from .._dtypes import HALF, dtype_name, parse_dtype
-from .._errors import check_fused, unknown_choice
+from .._errors import check_fused, eager_only, unknown_choice
 from .._remainder import join_edited, placeholder, split_into_
 from ._fused_step import FusedStep
 from ._parts import (
@@ -269,7 +272,34 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
             remainders={},
             _prefer_fused=self._prefer_fused,
         )
+        source = self._torch_source() if self._torch_source is not None else None
+        if source is not None:  # strong here: a copy of a run links to the copy of the torch optimizer (memo)
+            state["_torch_source"] = source
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_torch_source" not in state:  # (also load_state_dict's call: the link stays)
+            super().__setstate__(state)
+            return
+        state = dict(state)
+        source = state.pop("_torch_source")
+        super().__setstate__(state)
+        if source is not None:
+            self._link_source(source)
+
+    def _link_source(self, source: Optimizer) -> None:
+        """Internal (``from_torch``): ``source`` is the torch optimizer this one was converted from.
+
+        An LR scheduler built on ``source`` keeps following this optimizer: each step of it sets
+        torch's "step ran" mark on ``source`` (torch's step wrapper calls ``_optimizer_step_code``
+        after every step; no cost on the step itself), and :meth:`load_state_dict` points
+        ``source.param_groups`` at the loaded groups. ``source`` is held weakly (its stale state
+        is not kept alive by this optimizer); a ``copy.deepcopy`` or pickle of this optimizer
+        links the copy to the copy of ``source`` (the same object when both are in the copied run).
+        """
+        ref = weakref.ref(source)
+        self._torch_source = ref
+        self._optimizer_step_code = functools.partial(_mark_step_ran, ref)  # type: ignore[method-assign]
 
     # ----- stochastic rounding: counter-based random bits ----------------------------------------------
     def _set_global_offsets(self, offsets: Mapping[Tensor, int]) -> None:
@@ -315,7 +345,15 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
 
         Raises:
             RuntimeError: a sparse gradient.
+
+        Under ``torch.compile`` (``torch.compile(opt.step)``, or a compiled train step that calls
+        it) the step runs eagerly behind one graph break, with the same numbers as an eager step:
+        traced, Inductor folds the round trip of the Kahan remainder ``w - round(w)`` to 0 and
+        the stochastic rounding's bits away, and AOTAutograd refuses the in-place writes to a
+        single parameter's no-grad views. Its own fused step still compiles its tiles.
         """
+        if torch.compiler.is_compiling():  # the one test the eager hot path pays
+            return _step_outside_trace(self, closure, grad_scale, found_inf)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -347,6 +385,11 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
                     streams = self._streams()
                 self._step_bucket(group, plan, self._bucket(group, plan.params, streams, sts), keys, ctx)
         return loss
+
+    #: ``step`` without torch's hook wrapper (torch's ``Optimizer`` wraps each subclass's ``step`` in
+    #: ``_patch_step_function``), for callers that ran the hooks already: a step reached from a trace,
+    #: ``_fused.FusedShadow`` (the hooks of the torch optimizer it steps for, run once).
+    _step_unhooked = step
 
     def _plans(self, gi: int, group: Mapping[str, Any]) -> list[_Plan]:
         """The (device, param dtype, grad dtype) buckets of group ``gi``'s parameters that have gradients.
@@ -615,6 +658,27 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
 
 
 _CPU_TILE_NUMEL = 1 << 17
+
+
+def _mark_step_ran(source: weakref.ReferenceType[Optimizer]) -> None:
+    """After each step of a converted optimizer: torch's "step ran" mark on the optimizer it was converted from."""
+    optimizer = source()
+    if optimizer is not None:
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's private mark, read by its LR schedulers
+
+
+@eager_only(
+    "mixprec.optim's step runs eagerly behind one graph break (traced, Inductor rounds the Kahan remainder and "
+    "the stochastic rounding away): call optimizer.step() outside torch.compile(fullgraph=True)"
+)
+def _step_outside_trace(opt: LowPrecisionOptimizer, closure: Callable[[], Any] | None,
+                        grad_scale: Tensor | float | None, found_inf: Tensor | None) -> Any:
+    """``opt.step`` reached from a traced frame: the eager step, bit for bit (see :meth:`LowPrecisionOptimizer.step`).
+
+    The step hooks already ran in the traced wrapper around it (torch's ``profile_hook_step``),
+    so this calls the unhooked step, not ``opt.step``.
+    """
+    return opt._step_unhooked(closure, grad_scale=grad_scale, found_inf=found_inf)
 
 
 _SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,

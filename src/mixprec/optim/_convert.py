@@ -18,6 +18,13 @@ __all__ = ["from_torch"]
 
 # group keys of torch's optimizers that mixprec's do not use (kept in the shared group dicts, ignored)
 _IGNORED_TORCH_KEYS = ("foreach", "fused", "capturable")
+#: The per-optimizer hook registries of ``torch.optim.Optimizer`` (torch >= 2.2), shared by the converted optimizer.
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+)
+
 
 
 def from_torch(
@@ -40,6 +47,12 @@ def from_torch(
       ``optimizer``'s (the hyper-parameters it was built with), so ``add_param_group`` fills a new
       group as torch would. Keys mixprec
       does not use (``foreach``, ``fused``, ``capturable``) stay in them and are ignored.
+    * Hooks registered on ``optimizer`` (step pre/post, ``state_dict`` and ``load_state_dict``
+      pre/post) are shared: they run around the converted optimizer's calls, with the converted
+      optimizer as their first argument, and their handles still remove them.
+    * torch's "``lr_scheduler.step()`` before ``optimizer.step()``" check of a scheduler built on
+      ``optimizer`` follows the converted optimizer's steps: it warns exactly when it would have
+      for ``optimizer`` stepped itself (a step taken before the conversion counts).
     * State (step counts, moments, momentum buffers) is carried over into ``state_dtype`` on each
       parameter's device; tensors already in the right dtype/device are shared, not copied.
       Compensation buffers start at zero: call :meth:`~LowPrecisionOptimizer.load_full_precision_params_`
@@ -102,9 +115,19 @@ def from_torch(
         for k, v in ng.items():
             g.setdefault(k, v)
     new.param_groups = optimizer.param_groups
-    # An LR scheduler built on the torch optimizer checks (once, at its first step) that the torch
-    # optimizer's step ran; the converted optimizer steps instead, so say so to avoid a false warning.
-    optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's private mark, set by its step wrapper
+    # The user's hooks (step, state_dict, load_state_dict) are shared, not copied: they fire with the
+    # converted optimizer, as torch calls them, and a handle returned before the conversion still removes one.
+    for name in _HOOK_DICTS:
+        hooks = getattr(optimizer, name, None)
+        if hooks is not None:
+            setattr(new, name, hooks)
+    # An LR scheduler built on the torch optimizer checks (once, at its first step) that the torch optimizer's
+    # step ran, by torch's private mark ``_opt_called``. The converted optimizer steps instead: its steps set
+    # the torch optimizer's mark when they run (not now: a scheduler stepped before the first step must warn,
+    # as it does under every other policy). torch's step wrapper calls ``_optimizer_step_code`` after each step.
+    new._link_source(optimizer)  # also: load_state_dict re-points optimizer.param_groups, after copies too
+    if getattr(optimizer, "_opt_called", False):  # stepped before the conversion (one optimizer, as far as the user sees)
+        new._opt_called = True
     # The user's hyper-parameters are the defaults a later add_param_group fills in (not the mixprec
     # constructor's: a group added after prepare would otherwise get lr=1e-3, no momentum, ...).
     new.defaults = {**optimizer.defaults, **new.defaults, **converted(optimizer.defaults)}

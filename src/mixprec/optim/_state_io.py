@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping
 from copy import deepcopy
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from .._dtypes import dtype_name
 from ._parts import (
@@ -32,12 +34,20 @@ __all__ = ["StateIO"]
 class StateIO(OptimizerParts):
     """State of ``LowPrecisionOptimizer``: per-parameter creation, ``state_dict``/``load_state_dict``, FP32 weights, memory."""
 
+    #: The torch optimizer this one was converted from (``from_torch``; ``LowPrecisionOptimizer._link_source``).
+    _torch_source: weakref.ReferenceType[Optimizer] | None = None
+
     def _init_state(self, p: Tensor, group: Mapping[str, Any]) -> None:
         st = self.state[p]
+        keys = self._state_keys(group)
         if _STEP_KEY not in st:
-            st[_STEP_KEY] = torch.zeros((), dtype=torch.float32, device=p.device)
-        for k in self._state_keys(group):
-            if k not in st:
+            # Buffers without a step count: torch's SGD state (it keeps no "step"), shared by a fused step
+            # (_fused.FusedShadow) after torch's own steps or a torch checkpoint. The next step is not the
+            # first (SGD's dampening applies), as _import_state decides for loaded state.
+            started = any(st.get(k) is not None for k in keys)
+            st[_STEP_KEY] = torch.full((), float(started), dtype=torch.float32, device=p.device)
+        for k in keys:
+            if st.get(k) is None:  # (None: an unset momentum_buffer of an old torch state, a first step as torch's)
                 st[k] = _zeros_like(p, self._state_dtype_for(p))
         if self._uses_kahan(p) and _COMP_KEY not in st:
             st[_COMP_KEY] = _zeros_like(p, p.dtype)
@@ -136,6 +146,11 @@ class StateIO(OptimizerParts):
                 if kept is not None and _COMP_KEY not in state.get(p, {}):
                     state[p][_COMP_KEY] = kept
         self.__setstate__({"state": state, "param_groups": new_groups})
+        source = self._torch_source() if self._torch_source is not None else None
+        if source is not None:
+            # The torch optimizer this one was converted from (from_torch) shares its groups: an LR scheduler
+            # built on it drives the new ones. Also after a deepcopy or pickle, which drop load_state_dict hooks.
+            source.param_groups = self.param_groups
         self._key_cache.clear()
         self._plan_cache.clear()  # the eager step's cached views would keep the old states' memory alive
         if meta is not None and int(meta.get("seed", self.seed)) != self.seed:
