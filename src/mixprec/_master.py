@@ -1061,7 +1061,7 @@ class MasterWeightOptimizer(Optimizer):
                 self._record_versions()
             return result
         guard = self._inner_guard  # the wrapped optimizer's step, below its refuse-guard (inside(), inlined)
-        watch = self._watch_inner > 0 and not args and self.master_storage == "full"
+        watch = self._watch_inner > 0 and not args
         if watch:
             params, masters = self._pair_lists
             before = [(_local(p)._version, _local(m)._version) for p, m in zip(params, masters)]
@@ -1341,8 +1341,9 @@ class _StateByParam(MutableMapping[Any, Any]):
         return repr(self._mwo.optimizer.state)
 
 
-#: Steps of a wrapped optimizer (not one of torch's) watched for writes to half weights.
-_WATCH_STEPS = 8
+#: Steps of a wrapped optimizer (not one of torch's) watched for writes to half weights, at most: the watch ends
+#: at the first step that moved a master; skipped steps (an FP16 run's first overflows) move nothing.
+_WATCH_STEPS = 64
 
 
 def _inner_watch_steps(optimizer: Optimizer) -> int:
