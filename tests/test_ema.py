@@ -255,9 +255,22 @@ def test_training_or_saving_inside_applied_raises_and_changes_nothing(preset):
         for step in (lambda: prec.step(opt), opt.step):
             with pytest.raises(RuntimeError, match=r"step\(\).*inside `with ema.applied"):
                 step()
+        assert int(prec.applied_steps) == 2  # reads of the run are fine in the block
+        prec.update()
+        if preset == "fp16-master":  # and the scaled-read check still holds there
+            with pytest.raises(ValueError, match="still carries the loss scale"):
+                model[0].weight.grad.norm()
     assert_same(state_of(prec, model), before)
     prec.step(opt)
     train_step(prec, model, opt, 2)
+
+
+def test_an_ema_of_a_prepared_model_refuses_training_inside_applied_too():
+    prec, model, opt, _ = setup("bf16-master", decay=0.5)
+    ema = EMA(model)  # the module, not the run
+    with ema.applied(), pytest.raises(RuntimeError, match="inside `with ema.applied"):
+        train_step(prec, model, opt, 0)
+    train_step(prec, model, opt, 0)
 
 
 def test_applied_and_copy_to_another_model():

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._casting import run_of
 from ._checkpoint import canonical_name
 from ._errors import eager_only
 from ._master import MasterWeightOptimizer
@@ -291,17 +292,16 @@ class EMA:
             _copy(targets, self._averages)
         for obj, _ in runs:
             obj._ema_applied = _APPLIED_MESSAGE
-        records = None
-        if runs:
-            # prec.step's hot path looks its optimizer up without other checks: with no records it
-            # asks _require_prepared, which names the block (a step there updated the averages, which
-            # the block's end then overwrote: the update lost, its optimizer state and count kept)
-            records, self.prec._records = self.prec._records, {}  # type: ignore[union-attr]  # (runs: a prec)
+        # prec.step refuses through its optimizers' records (a step here updated the averages, which the
+        # block's end then overwrote: the update lost, its optimizer state and count kept)
+        records = [(rec, rec.blocked) for rec in runs[0][0]._records.values()] if runs else []
+        for rec, _ in records:
+            rec.blocked = _APPLIED_MESSAGE
         try:
             yield model if model is not None else self.model
         finally:
-            if records is not None:
-                self.prec._records = records  # type: ignore[union-attr]
+            for rec, before in records:
+                rec.blocked = before
             for obj, before in runs:
                 obj._ema_applied = before
             with torch.no_grad():
@@ -309,9 +309,10 @@ class EMA:
 
     def _block_run(self) -> list[tuple[Any, Any]]:
         """The run and its master-weight optimizers to mark during :meth:`applied`, with their marks before (nested blocks)."""
-        if self.prec is None:
+        prec = self.prec if self.prec is not None else run_of(self.model)  # EMA(model) of a prepared model: its run
+        if prec is None:
             return []
-        objs: list[Any] = [self.prec, *(o for o in self.prec.optimizers if isinstance(o, MasterWeightOptimizer))]
+        objs: list[Any] = [prec, *(o for o in prec.optimizers if isinstance(o, MasterWeightOptimizer))]
         return [(o, o.__dict__.get("_ema_applied")) for o in objs]
 
     # ----- checkpoints ----------------------------------------------------------------------------------

@@ -792,6 +792,8 @@ class MixedPrecision(RunCheckpoint):
         if torch.compiler.is_compiling():
             return _step_outside_trace(self, optimizer, schedulers)
         rec = self._record(optimizer, "step()")
+        if rec.blocked is not None:
+            raise RuntimeError(f"step(): {rec.blocked}")
         if schedulers:
             schedulers = _check_schedulers(schedulers)
         auto = self.scale_update == "auto"

@@ -39,6 +39,11 @@ from ._tree import tree_leaves
 __all__ = ["RunCheckpoint"]
 
 
+#: What ``EMA.applied()`` refuses while the model holds the averages: calls that would take them for the
+#: training weights (``step()`` is refused through its optimizer's record).
+_REFUSED_UNDER_EMA = ("backward()", "clip_grad_norm_()", "state_dict()", "load_state_dict()", "load_model_state_dict()")
+
+
 class RunCheckpoint:
     """Save and restore a prepared run (the checkpoint part of ``MixedPrecision``).
 
@@ -60,7 +65,7 @@ class RunCheckpoint:
         if closed:
             raise ValueError(f"{what}: {closed}")
         applied = self.__dict__.get("_ema_applied")  # set by EMA.applied() while the model holds the averages
-        if applied:
+        if applied and what in _REFUSED_UNDER_EMA:  # (reads of the run, e.g. applied_steps, are fine there)
             raise RuntimeError(f"{what}: {applied}")
         return self.model
 

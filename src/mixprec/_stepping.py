@@ -320,6 +320,7 @@ class OptimizerRecord:
         guard: The step guard installed on the optimizer (``None`` when none could be).
         shadow: The ``_fused.FusedShadow`` that runs a plain torch optimizer's step compiled
             (``None``: its own step).
+        blocked: Why a step is refused now (``EMA.applied()``: the model holds the averages), or ``None``.
     """
 
     optimizer: Any
@@ -328,6 +329,7 @@ class OptimizerRecord:
     stepped: bool = False
     guard: StepGuard | None = None
     shadow: Any = None
+    blocked: str | None = None
 
 
 # --------------------------------------------------------------------------------------------------
