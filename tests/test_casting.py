@@ -438,6 +438,16 @@ def test_load_state_dict_with_assign_into_a_prepared_model_is_refused_before_any
     assert model[0].weight.dtype == torch.float32
 
 
+def test_load_state_dict_with_assign_into_an_inference_model_works():
+    """No run holds an inference model's parameters: assign=True is torch's business there (refused at first)."""
+    from mixprec.checkpoint import for_inference
+
+    model = for_inference(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8)), "bf16")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(saved, assign=True)
+    assert model[0].weight.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])
 def test_uncast_module_of_a_live_run_closes_the_run_and_its_gradient_hooks(preset):
     """uncast_module() removed the casts under a live run, which trained on silently outside its policy (BF16 logits

@@ -769,6 +769,9 @@ def test_a_module_added_after_prepare_is_refused_by_add_param_group_until_cast(p
         warnings.simplefilter("ignore")
         model, opt = prec.prepare(model, torch.optim.AdamW(model[0].parameters(), lr=1e-2))
     opt.add_param_group({"params": list(model[1].parameters())})  # an FP32 island prepare() cast: accepted
+    model.append(torch.nn.LayerNorm(2))  # a norm added later, in FP32 as the policy's islands keep norms: accepted
+    opt.add_param_group({"params": list(model[3].parameters())})
+    del model[3]
     model[2] = torch.nn.Linear(8, 3)
     n = len(opt.param_groups)
     with pytest.raises(ValueError, match=r"f32 parameter of shape \(3, 8\) that prepare\(\) did not cast"):

@@ -302,14 +302,15 @@ class AddedParamCheck:
     Holds the model weakly; a copy (pickle, deepcopy) checks nothing.
     """
 
-    def __init__(self, model: nn.Module, param_dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, policy: Policy) -> None:
         import weakref
 
         self._model: Callable[[], nn.Module | None] | None = weakref.ref(model)
-        self.param_dtype = param_dtype
+        self.policy = policy
+        self.param_dtype = policy.param_dtype
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_model": None, "param_dtype": self.param_dtype}
+        return {"_model": None, "policy": self.policy, "param_dtype": self.param_dtype}
 
     def __call__(self, params: Sequence[Any]) -> None:
         model = self._model() if self._model is not None else None
@@ -318,6 +319,9 @@ class AddedParamCheck:
         known = {id(p): p for p, _ in _recast_checks(model)}
         if not known:  # keep_dtypes=True, or a run for_inference closed: the user manages the dtypes
             return
+        # FP32 parameters of modules the policy keeps in FP32 (a norm added after prepare): as its islands'
+        known.update((id(p), p) for _, m in island_modules(_compile_target(model), self.policy)
+                     for p in m.parameters() if p.dtype == torch.float32)
         for p in params:
             if (isinstance(p, torch.Tensor) and p.dtype in _CASTABLE and p.dtype != self.param_dtype
                     and known.get(id(p)) is not p):
@@ -495,11 +499,21 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
         sentinels = [(p, p.dtype) for p in model.parameters() if p.dtype in _CASTABLE]
     handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, sentinels))
     handles.extend(_guard_fast_paths(model))
-    handles.extend(m.register_load_state_dict_pre_hook(_refuse_assign) for m in model.modules()
-                   if m._parameters or m._buffers)
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model
+
+
+def guard_assign(model: nn.Module) -> None:
+    """Refuse ``load_state_dict(..., assign=True)`` on a prepared run's model (hooks removed by :func:`uncast_module`).
+
+    Installed by ``MixedPrecision.prepare`` (a run's optimizer and masters hold the parameters),
+    not by :func:`cast_module` or :func:`for_inference` alone.
+    """
+    handles = model.__dict__.get(_HOOKS_ATTR)
+    if handles is not None:
+        handles.extend(m.register_load_state_dict_pre_hook(_refuse_assign) for m in model.modules()
+                       if m._parameters or m._buffers)
 
 
 def _refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *args: Any) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ._autocast import autocast, resolve_device_type, tf32
-from ._casting import AddedParamCheck, cast_module, register_run
+from ._casting import AddedParamCheck, cast_module, guard_assign, register_run
 from ._dist import FoundInfJoinHook, JoinState, broadcast_from_last_joiner_, is_distributed, join_group, local_grad
 from ._errors import check_fused, eager_only
 from ._finite import combine_found_inf
@@ -410,8 +410,9 @@ class MixedPrecision(RunCheckpoint):
                 rollback.restore()
             raise
         warn_host_reads(wrapped, facts.device)
+        guard_assign(model)  # load_state_dict(assign=True) would swap the parameters the optimizers hold
         if self.policy.param_dtype != torch.float32 and not self._keep_dtypes and not fsdp_masters:
-            check = AddedParamCheck(model, self.policy.param_dtype)
+            check = AddedParamCheck(model, self.policy)
             for opt in wrapped:
                 if isinstance(opt, MasterWeightOptimizer) or hasattr(opt, "load_full_precision_params_"):
                     opt._added_check = check  # type: ignore[attr-defined]  # read by their add_param_group
