@@ -11,6 +11,7 @@ import mixprec as mp
 from mixprec._autocast import autocast
 from mixprec._casting import cast_module, cast_tree, is_prepared, island_modules, uncast_module
 from mixprec._policy import Policy
+from mixprec.checkpoint import fp32_state_dict
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -462,7 +463,9 @@ def test_uncast_module_of_a_live_run_closes_the_run_and_its_gradient_hooks(prese
     with pytest.raises(ValueError, match=r"backward\(\): this run's model was uncast by mixprec.uncast_module"):
         prec.backward(loss)
     with pytest.raises(ValueError, match="uncast_module"):
-        prec.state_dict()
+        prec.clip_grad_norm_(1.0)
+    saved = prec.state_dict()  # the run's state can still be saved (weights and masters are as they were)
+    assert fp32_state_dict(saved).keys() == {k for k in model.state_dict()}
     prec2 = mp.MixedPrecision(preset)
     model, opt2 = prec2.prepare(model.float(), torch.optim.AdamW(model.parameters(), lr=1e-2))
     with prec2.autocast():

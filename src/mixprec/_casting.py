@@ -681,7 +681,7 @@ _RUN_CLOSERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod[Callable[.
 _UNCAST_REASON = (
     "this run's model was uncast by mixprec.uncast_module(), which closed the run (without its casts it would train "
     "outside the policy). To train on under this run, do not uncast; to prepare the model again, build a new "
-    "MixedPrecision and load a checkpoint of this one (prec.state_dict()) after its prepare()."
+    "MixedPrecision and load this run's prec.state_dict() (still readable) after its prepare()."
 )
 
 

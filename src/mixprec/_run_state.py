@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
+from ._casting import _UNCAST_REASON
 from ._checkpoint import (
     STATE_VERSION,
     canonical_name,
@@ -62,7 +63,8 @@ class RunCheckpoint:
         if self.model is None:
             raise ValueError(f"{what} before prepare(); call model, optimizer = prec.prepare(model, optimizer) first.")
         closed = self.__dict__.get("_closed")  # set by for_inference() on this run's model
-        if closed:
+        if closed and not (what == "state_dict()" and closed == _UNCAST_REASON):
+            # (uncast_module leaves the weights and masters as they were: the run's state can still be saved)
             raise ValueError(f"{what}: {closed}")
         applied = self.__dict__.get("_ema_applied")  # set by EMA.applied() while the model holds the averages
         if applied and what in _REFUSED_UNDER_EMA:  # (reads of the run, e.g. applied_steps, are fine there)
@@ -108,7 +110,9 @@ class RunCheckpoint:
             "tied": tied,
             "scaler": self.scaler.state_dict(),
             "applied_steps": typing_cast(AppliedSteps, self._applied_steps).fold(),
-            "iteration": {"found_inf": pending, "stepped": [self._records[id(o)].stepped for o in self.optimizers]},
+            # (a run uncast_module closed has no records left: nothing stepped in its open iteration)
+            "iteration": {"found_inf": pending, "stepped": [getattr(self._records.get(id(o)), "stepped", False)
+                                                            for o in self.optimizers]},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
