@@ -29,20 +29,25 @@ def test_tf32_set_and_restored():
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
 
 
-def test_matmul_precision_medium_stays_readable_inside_and_is_restored():
-    """After torch.set_float32_matmul_precision("medium") (Lightning's banner advice) the region set CUDA's matmul flag
-    alone: torch.get_float32_matmul_precision() raised inside ("mix of the legacy and new APIs"; inductor calls it), and
-    an FP32 region kept the MKLDNN matmul in BF16 on a CPU."""
-    torch.set_float32_matmul_precision("medium")
+@pytest.mark.parametrize("user", ["medium", "high"])
+def test_matmul_precision_stays_readable_inside_and_is_restored(user):
+    """After torch.set_float32_matmul_precision("medium"/"high") (Lightning's and torch's advice) the region set CUDA's
+    matmul flag alone: torch.get_float32_matmul_precision() raised inside ("mix of the legacy and new APIs"; inductor
+    calls it), and an FP32 region kept the MKLDNN matmul in BF16/TF32 on a CPU."""
+    torch.set_float32_matmul_precision(user)
+    mkldnn = torch.backends.mkldnn.matmul.fp32_precision
     try:
-        with autocast("fp32", "cpu"):
-            assert torch.get_float32_matmul_precision() == "highest"
-            assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
-            with autocast("tf32", "cpu"):
-                assert torch.get_float32_matmul_precision() == "high"
-            assert torch.get_float32_matmul_precision() == "highest"
-        assert torch.get_float32_matmul_precision() == "medium"
-        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        for policy in ("fp32", "bf16-mixed"):
+            with autocast(policy, "cpu"):
+                assert torch.get_float32_matmul_precision() == "highest"
+                assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+                with autocast("tf32", "cpu"):
+                    assert torch.get_float32_matmul_precision() == "high"
+                    with autocast("fp32", "cpu"):
+                        assert torch.get_float32_matmul_precision() == "highest"
+                assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.get_float32_matmul_precision() == user
+            assert torch.backends.mkldnn.matmul.fp32_precision == mkldnn
     finally:
         torch.set_float32_matmul_precision("highest")
 

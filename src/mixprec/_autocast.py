@@ -69,8 +69,10 @@ def _legacy_cudnn() -> bool:
 class _TF32State(NamedTuple):
     matmul: bool | None  # torch.backends.cuda.matmul.allow_tf32 (None: unreadable)
     cudnn: bool | None  # torch.backends.cudnn.allow_tf32 (None: unreadable)
-    # torch.get_float32_matmul_precision() when restoring the matmul flag alone would not give it
-    # back ("medium"); torch.set_float32_matmul_precision then also writes the MKLDNN matmul string.
+    # torch.get_float32_matmul_precision() when it reads (None: unreadable, legacy and new APIs mixed):
+    # the region switches with torch.set_float32_matmul_precision, which writes CUDA's and MKLDNN's
+    # matmul strings alike (the matmul flag alone left MKLDNN's as it was: after "high" or "medium" the
+    # two disagreed and the getter raised inside the region), and restores it with the MKLDNN string.
     matmul_precision: str | None
     mkldnn_matmul: str | None
     strings: tuple[str, ...]  # fp32_precision of each of _OP_NODES
@@ -81,7 +83,7 @@ def _save_tf32() -> _TF32State:
     precision = mkldnn = None
     if matmul is not None and _OP_NODES:
         current = _read(torch.get_float32_matmul_precision)
-        if current is not None and current != ("high" if matmul else "highest"):
+        if current is not None:
             precision, mkldnn = current, torch.backends.mkldnn.matmul.fp32_precision  # type: ignore[attr-defined]  # runtime-only (torch>=2.9)
     return _TF32State(
         matmul=matmul, cudnn=_read(_legacy_cudnn), matmul_precision=precision, mkldnn_matmul=mkldnn,
@@ -91,9 +93,8 @@ def _save_tf32() -> _TF32State:
 
 def _set_tf32(enabled: bool, saved: _TF32State) -> None:
     if saved.matmul_precision is not None:
-        # ("medium": the MKLDNN matmul string is "bf16") the legacy setter writes CUDA's and MKLDNN's
-        # strings alike, so torch.get_float32_matmul_precision() still reads inside the region
-        # (the matmul flag alone left them mixed: it raised) and an FP32 region is FP32 on a CPU too
+        # the legacy setter writes CUDA's and MKLDNN's strings alike, so the getter still reads inside
+        # the region, and an FP32 region is FP32 on a CPU too (after "medium" MKLDNN computed in BF16)
         torch.set_float32_matmul_precision("high" if enabled else "highest")
     elif saved.matmul is not None:
         torch.backends.cuda.matmul.allow_tf32 = enabled
