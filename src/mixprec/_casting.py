@@ -504,6 +504,58 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
     return model
 
 
+def check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any, *, inference: bool = False) -> None:
+    """Refuse finite weights that the cast to FP16 would turn into inf (every step would then skip).
+
+    Weights of every wider floating dtype are checked: FP32, FP64 and BF16 (a model loaded with
+    ``torch_dtype=torch.bfloat16`` and prepared under an FP16 policy for a GPU without BF16).
+    ``inference``: the cast of :func:`mixprec.checkpoint.for_inference` (the message says so).
+
+    One reduction per parameter and one host read per device, at ``prepare`` only. FSDP2 shards
+    (DTensors): each rank's local maximum, then one all-reduce (MAX) so every rank decides alike
+    (a collective: every rank calls ``prepare``).
+    """
+    from ._dist import is_distributed, is_dtensor, local_tensor
+
+    kept = {id(t) for _, m in island_modules(model, policy) for t in m.parameters()}
+    named = [(n, p) for n, p in model.named_parameters() if id(p) not in kept
+             and p.dtype in (torch.float32, torch.float64, torch.bfloat16) and (p.numel() or is_dtensor(p))]
+    if not named:
+        return
+    sharded = any(is_dtensor(p) for _, p in named)
+    with torch.no_grad():
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, p) in enumerate(named):
+            by_device.setdefault(local_tensor(p).device, []).append(i)
+        peaks = torch.zeros(len(named))
+        for idx in by_device.values():  # one host read per device
+            local = [local_tensor(named[i][1]).detach() for i in idx]
+            peaks[idx] = torch.stack([t.abs().amax() if t.numel() else t.new_zeros(()) for t in local]).float().cpu()
+        if sharded and is_distributed():
+            dist = torch.distributed
+            dev = next(iter(by_device))
+            both = peaks.to(dev)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            peaks = both.cpu()
+    big = (peaks >= 65520.0).nonzero().flatten().tolist()  # what rounds to inf (65504 + half an ulp)
+    if big:
+        name = named[big[0]][0]
+        owner = name.rpartition(".")[0]  # a root's own parameter has no module to make an island of
+        island = f"keep the module in FP32 with an island (i=norm+name:{owner}), " if owner else ""
+        if inference:
+            island = f"keep the module in FP32 (fp32_islands=('norm', 'name:{owner}')), " if owner else ""
+            raise ValueError(
+                f"for_inference(..., 'fp16'): parameter {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond "
+                f"FP16's maximum 65504: cast to FP16 they would become inf ({len(big)} such parameter(s)). Nothing was "
+                f"cast. Use 'bf16' (FP32's range), {island}or rescale those weights."
+            )
+        raise ValueError(
+            f"parameter {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond FP16's maximum 65504: cast to FP16 "
+            f"for policy {policy.label!r} they become inf and every step would be skipped ({len(big)} such "
+            f"parameter(s)). Use a BF16 policy (FP32's range), {island}or rescale those weights."
+        )
+
+
 def guard_assign(model: nn.Module) -> None:
     """Refuse ``load_state_dict(..., assign=True)`` on a prepared run's model (hooks removed by :func:`uncast_module`).
 
@@ -736,9 +788,7 @@ def for_inference(
     target = _compile_target(model)  # a torch.compile'd model: the module it wraps
     policy.check_islands(target)
     if dt == torch.float16:
-        from ._prepare import _check_fp16_range  # (lazy: _prepare's checks take this module's island_modules)
-
-        _check_fp16_range(target, policy, island_modules, inference=True)  # before anything changes
+        check_fp16_range(target, policy, island_modules, inference=True)  # before anything changes
     # Every live run whose model this cast touches (the model itself, a module around it, one inside it).
     inside = set(map(id, target.modules()))
     for run_model, ref in list(_RUN_CLOSERS.items()):
