@@ -1042,6 +1042,12 @@ def test_for_inference_in_fp16_refuses_weights_beyond_its_range_before_casting()
     assert model[2].weight.dtype == torch.float32
     for_inference(model, "fp16", fp32_islands=("norm", "name:2"))
     assert model[0].weight.dtype == torch.float16 and model[2].weight.dtype == torch.float32
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    bn[1].running_var.fill_(1e6)  # cast with the weights when the BatchNorm is not an island
+    with pytest.raises(ValueError, match=r"buffer '1.running_var' has values up to 1e\+06"):
+        for_inference(bn, "fp16", fp32_islands=())
+    for_inference(bn, "fp16")  # the default islands keep it in FP32
+    assert bn[1].running_var.dtype == torch.float32
 
 
 def test_release_ends_the_run_so_a_backward_cannot_scale_for_an_unguarded_step():

@@ -517,9 +517,15 @@ def check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any, *, i
     """
     from ._dist import is_distributed, is_dtensor, local_tensor
 
-    kept = {id(t) for _, m in island_modules(model, policy) for t in m.parameters()}
+    islands = [m for _, m in island_modules(model, policy)]
+    kept = {id(t) for m in islands for t in m.parameters()}
     named = [(n, p) for n, p in model.named_parameters() if id(p) not in kept
              and p.dtype in (torch.float32, torch.float64, torch.bfloat16) and (p.numel() or is_dtensor(p))]
+    if inference:  # for_inference also casts the running statistics of BatchNorms outside the islands
+        in_island = {id(sub) for m in islands for sub in m.modules()}
+        named += [(f"{mn}.{bn}" if mn else bn, b) for mn, m in model.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and id(m) not in in_island
+                  for bn, b in m.named_buffers(recurse=False) if b.dtype.is_floating_point and b.numel()]
     if not named:
         return
     sharded = any(is_dtensor(p) for _, p in named)
@@ -545,7 +551,7 @@ def check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any, *, i
         if inference:
             island = f"keep the module in FP32 (fp32_islands=('norm', 'name:{owner}')), " if owner else ""
             raise ValueError(
-                f"for_inference(..., 'fp16'): parameter {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond "
+                f"for_inference(..., 'fp16'): {'parameter' if '.running_' not in name else 'buffer'} {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond "
                 f"FP16's maximum 65504: cast to FP16 they would become inf ({len(big)} such parameter(s)). Nothing was "
                 f"cast. Use 'bf16' (FP32's range), {island}or rescale those weights."
             )
