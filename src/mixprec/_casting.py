@@ -519,7 +519,7 @@ def check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any, *, i
 
     islands = [m for _, m in island_modules(model, policy)]
     kept = {id(t) for m in islands for t in m.parameters()}
-    named = [(n, p) for n, p in model.named_parameters() if id(p) not in kept
+    named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if id(p) not in kept
              and p.dtype in (torch.float32, torch.float64, torch.bfloat16) and (p.numel() or is_dtensor(p))]
     if inference:  # for_inference also casts the running statistics of BatchNorms outside the islands
         in_island = {id(sub) for m in islands for sub in m.modules()}
