@@ -231,6 +231,9 @@ class autocast:
         enabled: ``False`` turns autocast off inside the region, as ``torch.autocast(enabled=False)``
             does (an enclosing autocast region included): ops run in their inputs' dtypes. Useful
             for toggling from config, and for an FP32 region inside a framework's autocast.
+        cache_enabled: As ``torch.autocast``'s: the half copies of FP32 weights are cached for the
+            region. ``False`` when an optimizer steps inside the region and a later forward in it
+            must see the new weights (a whole ``training_step`` with manual optimization).
 
     Example:
         >>> with autocast("bf16-mixed", "cpu"):
@@ -239,12 +242,14 @@ class autocast:
         torch.bfloat16
     """
 
-    def __init__(self, policy: Policy | str, device_type: object = None, *, enabled: bool = True) -> None:
+    def __init__(self, policy: Policy | str, device_type: object = None, *, enabled: bool = True,
+                 cache_enabled: bool = True) -> None:
         if isinstance(enabled, (str, bytes)):  # (a config string "false" is truthy: it would turn autocast on)
             raise TypeError(f"autocast(enabled=...) takes a bool, got the string {enabled!r}; parse it first.")
         self.policy = Policy.parse(policy)
         self._hint = device_type
         self.enabled = bool(enabled)
+        self.cache_enabled = bool(cache_enabled)
         self._stack: list[tuple[Any, Any]] = []
 
     @property
@@ -261,6 +266,7 @@ class autocast:
             device_type=device_type,
             dtype=self.policy.compute_dtype if self.policy.uses_autocast else None,
             enabled=self.enabled and self.policy.uses_autocast,
+            cache_enabled=self.cache_enabled,
         )
         switch = tf32(self.policy.tf32) if self.enabled else contextlib.nullcontext()
         switch.__enter__()

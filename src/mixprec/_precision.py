@@ -517,8 +517,13 @@ class MixedPrecision(RunCheckpoint):
         return not isinstance(self.scaler, NoOpScaler)
 
     # ----- the training step -----------------------------------------------------------------------
-    def autocast(self) -> autocast | torch.autocast:
+    def autocast(self, *, cache_enabled: bool = True) -> autocast | torch.autocast:
         """A region that computes in the policy's compute dtype on the prepared model's device.
+
+        ``cache_enabled`` is ``torch.autocast``'s: ``False`` when the optimizer steps inside the
+        region and a later forward in it must see the new FP32 weights (the cached half copies
+        would be the old ones under ``*-mixed``); the Lightning plugin passes ``False``, as
+        Lightning's own mixed precision does.
 
         Inside a function that ``torch.compile`` is tracing, this is a plain ``torch.autocast``
         (which dynamo compiles into the graph, no graph break) when the policy does not ask for
@@ -537,8 +542,9 @@ class MixedPrecision(RunCheckpoint):
                 device_type=device_type,
                 dtype=policy.compute_dtype if policy.uses_autocast else None,
                 enabled=policy.uses_autocast,
+                cache_enabled=cache_enabled,
             )
-        return autocast(policy, device)
+        return autocast(policy, device, cache_enabled=cache_enabled)
 
     def backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
         """Backpropagate ``loss``, scaled when the policy scales.

@@ -414,3 +414,42 @@ def test_toggle_optimizer_freezes_the_other_models_parameters(policy):
     L.Trainer(max_steps=2, plugins=[MixprecPrecision(policy)], **TRAINER_KW).fit(module, data)
     assert module.seen and all(s == (False, False) for s in module.seen), module.seen
     assert all(p.requires_grad for p in module.parameters())  # untoggled again
+
+
+class _StepThenForward(L.LightningModule):
+    """Manual optimization that runs a forward after its step inside one training_step (a GAN's D then G)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = nn.Linear(16, 1)
+        self.seen: list[tuple[float, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        loss = ((self.net(x).float() - y) ** 2).mean()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        after = ((self.net(x).float() - y) ** 2).mean()
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            true = ((x @ self.net.weight.float().t() + self.net.bias.float() - y) ** 2).mean()
+        self.seen.append((after.item(), true.item()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-master"])
+def test_a_forward_after_a_manual_step_in_the_same_training_step_sees_the_new_weights(policy):
+    """The training_step's autocast region cached the half copies of the FP32 weights: under *-mixed the forward after
+    opt.step() ran on the old ones (a GAN's generator step through the discriminator it had just stepped)."""
+    module = _StepThenForward()
+    data = TensorDataset(torch.randn(32, 16), torch.randn(32, 1))
+    L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False,
+              plugins=[MixprecPrecision(policy)]).fit(module, DataLoader(data, batch_size=32))
+    after, true = module.seen[0]
+    assert abs(after - true) < 2e-3 * abs(true)  # bf16 compute of the stepped weights (the stale ones: ~30% off)

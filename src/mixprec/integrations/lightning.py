@@ -11,7 +11,7 @@ Lightning hook            mixprec call
 ========================  ==========================================================================
 ``connect`` (Trainer)     ``prec.prepare(model, *optimizers)`` once ``configure_optimizers`` ran
 ``setup`` (Fabric)        ``prec.prepare(model, *optimizers)``, then ``fabric.setup(...)``
-``forward_context``       ``prec.autocast()``
+``forward_context``       ``prec.autocast(cache_enabled=False)``
 ``backward``              ``prec.backward(loss)`` (scales the loss when the policy scales)
 ``optimizer_step``        closure, ``prec.unscale_`` (hooks see true gradients), clipping, ``prec.step``
 ``clip_gradients``        ``prec.clip_grad_norm_`` on the unscaled (FP32 master) gradients
@@ -236,8 +236,9 @@ class MixprecPrecision(_Adapter, _TrainerPrecisionBase):
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """``prec.autocast()``."""
-        with self.prec.autocast():
+        """``prec.autocast(cache_enabled=False)``, as Lightning's own plugin: it spans a whole ``training_step``,
+        where manual optimization steps and then runs forwards on the new weights."""
+        with self.prec.autocast(cache_enabled=False):
             yield
 
     def backward(self, tensor: Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -417,8 +418,9 @@ class MixprecFabricPrecision(_Adapter, _FabricPrecisionBase):
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """``prec.autocast()``."""
-        with self.prec.autocast():
+        """``prec.autocast(cache_enabled=False)``, as Lightning's own plugin: it spans a whole ``training_step``,
+        where manual optimization steps and then runs forwards on the new weights."""
+        with self.prec.autocast(cache_enabled=False):
             yield
 
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
