@@ -79,11 +79,14 @@ class _TF32State(NamedTuple):
 
 
 def _save_tf32() -> _TF32State:
+    compiling = torch.compiler.is_compiling()  # (first: dynamo traces the rest differently after the getter)
     matmul = _read(_legacy_matmul)
     precision = mkldnn = None
     if matmul is not None and _OP_NODES:
         current = _read(torch.get_float32_matmul_precision)
-        if current is not None:
+        # (traced by dynamo: the matmul flag alone where it gives the setting back, as before; the legacy
+        # setter's MKLDNN string is another write dynamo skips, and inductor reads the flags once, at compile time)
+        if current is not None and (current != ("high" if matmul else "highest") or not compiling):
             precision, mkldnn = current, torch.backends.mkldnn.matmul.fp32_precision  # type: ignore[attr-defined]  # runtime-only (torch>=2.9)
     return _TF32State(
         matmul=matmul, cudnn=_read(_legacy_cudnn), matmul_precision=precision, mkldnn_matmul=mkldnn,
