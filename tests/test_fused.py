@@ -250,3 +250,25 @@ def test_fused_step_runs_torchs_global_step_hooks_once_with_the_users_optimizer(
     assert _ran_fused(rec.shadow if rec.shadow is not None else getattr(opt, "_shadow", None))
     # The torch optimizer the user built (bf16-master steps it inside its MasterWeightOptimizer, as when unfused).
     assert calls == [("pre", users), ("post", users)] * 2
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master", "bf16-pure"])
+def test_the_profilers_optimizer_marker_and_step_range_are_kept(preset, monkeypatch):
+    """torch's profiler finds optimizers by the frame of Optimizer._optimizer_step_code and the step range
+    'Optimizer.step#<class>.step'; the fused step and the converted (bf16-pure) optimizer had dropped them."""
+    import mixprec as mp
+
+    marked = []
+    original = torch.optim.Optimizer._optimizer_step_code
+    monkeypatch.setattr(torch.optim.Optimizer, "_optimizer_step_code", lambda self: marked.append(self) or original(self))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    prec = mp.MixedPrecision(preset, fused=True)
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with prec.autocast():
+            loss = model(torch.randn(4, 8)).float().square().mean()
+        prec.backward(loss)
+        prec.step(opt)
+    assert len(marked) == 1
+    assert any(e.name == "Optimizer.step#AdamW.step" for e in prof.events())

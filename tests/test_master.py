@@ -816,3 +816,26 @@ def test_a_dropped_master_weight_run_is_freed(preset: str) -> None:
     refs = run()
     gc.collect()
     assert [r() is None for r in refs] == [True] * 4
+
+
+def test_a_scheduler_built_after_prepare_on_the_wrapped_optimizer_does_not_warn_falsely() -> None:
+    """The inner step runs below torch's scheduler wrapper of the user's optimizer: its 'step ran' mark was never set, so
+    a scheduler built on it after prepare warned 'lr_scheduler.step() before optimizer.step()' on a correct loop."""
+    import warnings
+
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prec = mp.MixedPrecision("bf16-master", fused=False)
+    model, opt = prec.prepare(model, inner)
+    sched = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with prec.autocast():
+            loss = model(torch.randn(3, 4)).float().square().mean()
+        prec.backward(loss)
+        opt.step()
+        sched.step()
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]

@@ -190,8 +190,11 @@ class FusedShadow:
                 if not (isinstance(result, tuple) and len(result) == 2):
                     raise RuntimeError(f"{hook} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
                 args, kwargs = result
-        # Below torch's step wrapper of the view: its hooks (the global ones, again) ran above, with ``opt``.
-        out = view._step_unhooked(*args, **kwargs, grad_scale=grad_scale, found_inf=found_inf)
+        # Below torch's step wrapper of the view: its hooks (the global ones, again) ran above, with ``opt``; what
+        # else that wrapper does is done here for ``opt``: the profiler's step range and its optimizer marker frame.
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
+            out = view._step_unhooked(*args, **kwargs, grad_scale=grad_scale, found_inf=found_inf)
+            torch_optimizer.Optimizer._optimizer_step_code(opt)
         opt._opt_called = True  # type: ignore[attr-defined]  # torch's mark that step ran (LR schedulers check it)
         for hook in [*opt._optimizer_step_post_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values()]:
             hook(opt, args, kwargs)

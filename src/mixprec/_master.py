@@ -1077,6 +1077,8 @@ class MasterWeightOptimizer(Optimizer):
                 result = step_or_skip(self.optimizer, found_inf, grad_scale, args, {}, twin=True)[1]
         finally:
             guard.depth -= 1
+        # (stepped below its LR-scheduler wrapper: torch's mark that its step ran, for a scheduler built on it)
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if watch:
             self._check_inner_step(params, masters, before)
         self._copy_to_model()

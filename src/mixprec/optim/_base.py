@@ -81,7 +81,6 @@ element's global position (``Shard(0)``), so a sharded run equals the unsharded 
 
 from __future__ import annotations
 
-import functools
 import operator
 import warnings
 import weakref
@@ -297,9 +296,15 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
         is not kept alive by this optimizer); a ``copy.deepcopy`` or pickle of this optimizer
         links the copy to the copy of ``source`` (the same object when both are in the copied run).
         """
-        ref = weakref.ref(source)
-        self._torch_source = ref
-        self._optimizer_step_code = functools.partial(_mark_step_ran, ref)  # type: ignore[method-assign]
+        self._torch_source = weakref.ref(source)
+
+    def _optimizer_step_code(self) -> None:
+        """torch's marker after each step (its profiler finds optimizers by that frame), then the source's mark."""
+        Optimizer._optimizer_step_code(self)
+        ref = self._torch_source
+        source = ref() if ref is not None else None
+        if source is not None:
+            source._opt_called = True  # type: ignore[attr-defined]  # torch's private mark, read by its LR schedulers
 
     # ----- stochastic rounding: counter-based random bits ----------------------------------------------
     def _set_global_offsets(self, offsets: Mapping[Tensor, int]) -> None:
@@ -658,13 +663,6 @@ class LowPrecisionOptimizer(FusedStep, StateIO):
 
 
 _CPU_TILE_NUMEL = 1 << 17
-
-
-def _mark_step_ran(source: weakref.ReferenceType[Optimizer]) -> None:
-    """After each step of a converted optimizer: torch's "step ran" mark on the optimizer it was converted from."""
-    optimizer = source()
-    if optimizer is not None:
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's private mark, read by its LR schedulers
 
 
 @eager_only(
