@@ -1065,3 +1065,22 @@ def test_release_ends_the_run_so_a_backward_cannot_scale_for_an_unguarded_step()
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_a_model_holding_a_prepared_submodule_or_inside_a_prepared_model_is_refused() -> None:
+    """A second prepare cast the first run's parameters again (bf16 -> fp16) and both runs failed at every forward with
+    an error that blamed a user's model.half()."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    p1 = MixedPrecision("bf16-master")
+    enc, _ = p1.prepare(enc, torch.optim.AdamW(enc.parameters(), lr=1e-3))
+    outer = nn.Sequential(enc, nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"submodule '0' of this model was already prepared.*Nothing was changed"):
+        MixedPrecision("fp16-master").prepare(outer, torch.optim.AdamW(outer[1].parameters(), lr=1e-3))
+    assert outer[1].weight.dtype == torch.float32 and enc[0].weight.dtype == torch.bfloat16
+
+    whole = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    MixedPrecision("bf16-mixed").prepare(whole, torch.optim.AdamW(whole.parameters(), lr=1e-3))
+    with pytest.raises(ValueError, match="this model is a submodule of a model another MixedPrecision prepared"):
+        MixedPrecision("bf16-master").prepare(whole[1], torch.optim.AdamW(whole[1].parameters(), lr=1e-3))
+    assert whole[1].weight.dtype == torch.float32

@@ -748,6 +748,14 @@ def register_run(model: nn.Module, close: Callable[..., None]) -> None:
     _RUN_CLOSERS[model] = weakref.WeakMethod(close)
 
 
+def enclosing_run_model(module: nn.Module) -> nn.Module | None:
+    """The model of a live run that contains ``module`` as a submodule (not as itself), or ``None``."""
+    for run_model in list(_RUN_CLOSERS.keys()):
+        if run_model is not module and any(m is module for m in run_model.modules()):
+            return run_model
+    return None
+
+
 def run_of(model: Any) -> Any:
     """The live ``MixedPrecision`` that prepared ``model`` (or its compile target), or ``None``."""
     for m in (model, getattr(model, "_orig_mod", None)):

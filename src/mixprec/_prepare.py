@@ -67,7 +67,7 @@ def check_prepare(
             with FP32 parameters; uninitialised lazy parameters under a policy that casts or copies
             them; a dtype the device cannot compute in.
     """
-    from ._casting import check_fp16_range, is_prepared, island_modules
+    from ._casting import check_fp16_range, enclosing_run_model, is_prepared, island_modules
     from ._dist import check_prepare_target
 
     if not isinstance(model, nn.Module):
@@ -81,6 +81,21 @@ def check_prepare(
         raise ValueError(
             "this model was already prepared by another MixedPrecision (or cast_module); prepare a fresh model, "
             "or call mixprec.uncast_module(model) first."
+        )
+    if enclosing_run_model(model) is not None:
+        raise ValueError(
+            "this model is a submodule of a model another MixedPrecision prepared (a live run); preparing it here would "
+            "cast it again under this policy and break that run. Prepare the modules that train together in one "
+            "prepare(), or end the other run first (mixprec.uncast_module on its model). Nothing was changed."
+        )
+    inner = next((n for n, m in model.named_modules() if n and is_prepared(m)), None)
+    if inner is not None:
+        # its run holds its parameters (masters, hooks, dtype checks): casting them again breaks it silently
+        raise ValueError(
+            f"submodule {inner!r} of this model was already prepared by another MixedPrecision (or cast_module / "
+            "for_inference); preparing the whole model would cast it again under this policy and break that run. "
+            "Prepare the modules that train together in one prepare() (one MixedPrecision for the whole model), or "
+            f"call mixprec.uncast_module(model.{inner}) first. Nothing was changed."
         )
     # DDP: raises (prepare first, then mixprec.distributed.wrap_ddp). FSDP2: its FP32 shards are the masters.
     fsdp = check_prepare_target(model, policy, grad_accumulation, island_modules)
