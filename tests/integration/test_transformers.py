@@ -157,9 +157,12 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_fp32_masters(tmp_p
     trainer.train()
     best = trainer.state.best_model_checkpoint
     assert best is not None and best.endswith("checkpoint-3")  # greater_is_better on a falling loss: not the last
-    want = fp32_state_dict(load(f"{best}/{MIXPREC_NAME}"), compensation=True)
+    saved = load(f"{best}/{MIXPREC_NAME}")
+    want = fp32_state_dict(saved, compensation=True)
     got = fp32_state_dict(trainer.prec, compensation=True)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    model = {k.removeprefix("_orig_mod."): v for k, v in trainer.model.state_dict().items()}
+    assert all(torch.equal(model[k], v) for k, v in saved["model"].items())  # the half weights too, bit for bit
 
 
 def _same(x, y) -> bool:

@@ -182,20 +182,25 @@ class MixprecTrainerMixin:
 
         Trainer loads the checkpoint's model file, which holds the BF16/FP16 weights under
         ``*-master`` and ``*-pure``: the masters would keep the last step's values wherever the
-        rounding agreed (a mix of two steps). The checkpoint's ``mixprec.pt`` has the masters
-        (and ``bf16-pure``'s compensation): its FP32 weights are loaded through
-        ``prec.load_model_state_dict``, which splits them exactly. The optimizer and scaler are
-        left as they are (training is over).
+        rounding agreed (a mix of two steps). The checkpoint's ``mixprec.pt`` has the masters:
+        its FP32 weights are loaded through ``prec.load_model_state_dict``, which splits them
+        exactly (the optimizer and scaler are left as they are: training is over). Under
+        ``bf16-pure`` the whole run state is loaded (weights and compensation as saved).
         """
         super()._load_best_model()  # type: ignore[misc]
         trainer: Any = self
         best = trainer.state.best_model_checkpoint
         path = os.path.join(best, MIXPREC_NAME) if best else None
         if path is not None and os.path.isfile(path) and self.prec.policy.param_dtype != torch.float32:
+            state = load(path, expected_policy=self.prec.policy)
+            if self.prec.policy.compensation != "none":
+                # bf16-pure: the whole run state (weights and their compensation exactly as saved); splitting
+                # weight + compensation again would round the ties (a remainder of exactly half an ulp) the other way
+                self.prec.load_state_dict(state)
+                return
             from ..checkpoint import fp32_state_dict
 
-            weights = fp32_state_dict(load(path, expected_policy=self.prec.policy), compensation=True)
-            self.prec.load_model_state_dict(weights)
+            self.prec.load_model_state_dict(fp32_state_dict(state))
 
 
 def _reissue(caught: list[warnings.WarningMessage]) -> None:
