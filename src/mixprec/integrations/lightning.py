@@ -221,7 +221,10 @@ class MixprecPrecision(_Adapter, _TrainerPrecisionBase):
             raise ValueError(
                 "Trainer.fit: this MixprecPrecision already prepared a run (its model is cast and its optimizers "
                 "wrapped); use a new MixprecPrecision for each fit, and continue a run with "
-                "trainer.save_checkpoint(path) then Trainer(plugins=[MixprecPrecision(...)]).fit(..., ckpt_path=path)."
+                "trainer.save_checkpoint(path) then Trainer(plugins=[MixprecPrecision(...)]).fit(..., ckpt_path=path). "
+                "After Lightning's Tuner (lr_find, scale_batch_size), whose trial fit prepared the model with this "
+                "plugin (casting it in place): tune a copy of the model without the plugin (Lightning's own precision), "
+                "then fit a fresh model with MixprecPrecision."
             )
         if type(model).__name__ == "DistributedDataParallel" or not isinstance(model, nn.Module):
             raise ValueError(f"Trainer: mixprec's Lightning plugin supports {SUPPORTED_STRATEGIES}, got a {type(model).__name__}.")
