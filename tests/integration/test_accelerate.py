@@ -168,3 +168,30 @@ def test_a_deep_copy_of_the_prepared_model_runs_its_own_weights_and_the_model_pi
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=x).logits, live, rtol=0, atol=0)
     assert "input_ids" in __import__("inspect").signature(model.forward).parameters  # Trainer's column filter
+
+
+@pytest.mark.parametrize("preset", ["fp16-mixed", "fp16-master"])
+def test_clipping_each_optimizers_parameters_before_its_own_step(preset):
+    """Actor-critic: clip and step the actor's optimizer, then the critic's. Clipping a subset unscaled every optimizer,
+    the stepped one again: refused with an error that blamed a missing backward."""
+    import warnings
+
+    torch.manual_seed(0)
+    trunk, pi, v = torch.nn.Linear(8, 32), torch.nn.Linear(32, 4), torch.nn.Linear(32, 1)
+    model = torch.nn.ModuleList([trunk, pi, v])
+    actor = [*trunk.parameters(), *pi.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU is slow
+        accelerator = MixprecAccelerator(preset, cpu=True)
+        model, oa, oc = accelerator.prepare(model, torch.optim.Adam(actor, 1e-3), torch.optim.Adam(v.parameters(), 1e-3))
+    x = torch.randn(16, 8).to(trunk.weight.dtype)  # (a ModuleList has no forward to cast the input)
+    for _ in range(2):
+        h = torch.tanh(trunk(x))
+        accelerator.backward(pi(h).float().logsumexp(-1).mean() + v(h).float().square().mean())
+        norm = accelerator.clip_grad_norm_(actor, 0.5)
+        oa.step()
+        accelerator.clip_grad_norm_(v.parameters(), 0.1)
+        oc.step()
+        oa.zero_grad()
+        oc.zero_grad()
+        assert torch.isfinite(norm) and float(norm) < 100  # the true (unscaled) norm

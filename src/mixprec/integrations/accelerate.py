@@ -265,15 +265,18 @@ class _MixprecAcceleratorMixin:
         """The true (unscaled, FP32 master) gradient norm, clipped to ``max_norm``; no host sync.
 
         All the prepared parameters (``model.parameters()``): ``prec.clip_grad_norm_``. A subset:
-        ``prec.unscale_`` first, then torch's ``clip_grad_norm_`` on it (under ``*-master`` the
-        gradients are views of the FP32 master gradients).
+        ``prec.unscale_`` of the optimizers that hold them first, then torch's ``clip_grad_norm_``
+        on it (under ``*-master`` the gradients are views of the FP32 master gradients).
         """
         params = list(parameters)
         given = {id(p) for p in params}
         prepared = [p for opt in self.prec.optimizers for p in model_params_of(opt)]
         if prepared and all(id(p) in given for p in prepared):
             return self.prec.clip_grad_norm_(max_norm, norm_type)
-        self.unscale_gradients()
+        # only the optimizers that hold some of them: another may have stepped already (an actor-critic loop that
+        # clips and steps each optimizer in turn), and unscaling it again was refused
+        self.unscale_gradients([o for o in self.prec.optimizers if any(id(p) in given for p in model_params_of(o))]
+                               or None)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
 
