@@ -656,3 +656,17 @@ def test_a_bf16_pure_checkpoint_of_another_optimizer_class_is_refused_before_the
         prec2.load_state_dict(state)
     for n, p in model2.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_optimizers_prepared_in_another_order_than_saved_are_named_as_such():
+    def run(order):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        opts = [torch.optim.AdamW(model[0].parameters(), lr=1e-3), torch.optim.SGD(model[1].parameters(), lr=1e-2)]
+        prec = MixedPrecision("bf16-mixed")
+        prec.prepare(model, *(opts[i] for i in order))
+        return prec
+
+    state = run([0, 1]).state_dict()
+    with pytest.raises(ValueError, match="same parameters as this run's but in another order"):
+        run([1, 0]).load_state_dict(state)

@@ -45,6 +45,21 @@ __all__ = ["RunCheckpoint"]
 _REFUSED_UNDER_EMA = ("backward()", "clip_grad_norm_()", "state_dict()", "load_state_dict()", "load_model_state_dict()")
 
 
+def _names_mismatch(saved: list[list[str]], own: list[list[str]]) -> str:
+    """The message for a checkpoint whose optimizers hold other parameters than this run's (in order)."""
+    if sorted(map(tuple, saved)) == sorted(map(tuple, own)):
+        return ("the checkpoint's optimizers hold the same parameters as this run's but in another order: pass the "
+                "optimizers to prepare() in the order of the saved run. Nothing was loaded.")
+    i = next(i for i, (a, b) in enumerate(zip(saved, own)) if a != b) if len(saved) == len(own) else 0
+    a, b = (saved[i] if i < len(saved) else []), (own[i] if i < len(own) else [])
+    only_saved = [n for n in a if n not in b][:3]
+    only_own = [n for n in b if n not in a][:3]
+    detail = (f"the checkpoint's has {only_saved} where this run's has {only_own}" if only_saved or only_own
+              else "the same names in another order (param groups built in another order?)")
+    return (f"the checkpoint's optimizer {i} holds other parameters than this run's optimizer {i} ({len(a)} vs "
+            f"{len(b)}; {detail}): a different model, or optimizers built over other parameters. Nothing was loaded.")
+
+
 class RunCheckpoint:
     """Save and restore a prepared run (the checkpoint part of ``MixedPrecision``).
 
@@ -138,8 +153,9 @@ class RunCheckpoint:
             raise ValueError(f"the checkpoint has {len(sd['optimizers'])} optimizer(s), this run {len(self.optimizers)}.")
         check_model_state(model, sd["model"])
         names, _ = parameter_names(model, self.optimizers)
-        if [list(n) for n in sd["param_names"]] != names:
-            raise ValueError("the checkpoint's optimizer parameter names differ from this run's (a different model?).")
+        saved_names = [list(n) for n in sd["param_names"]]
+        if saved_names != names:
+            raise ValueError(_names_mismatch(saved_names, names))
         # What the loads below would only find out after the model was already overwritten:
         check_optimizer_entries(self.optimizers, sd["optimizers"])
         _warn_stateless_entries(self.optimizers, sd["optimizers"], sd["applied_steps"])
