@@ -122,3 +122,25 @@ def test_resolve_device_type():
     assert resolve_device_type(torch.nn.Linear(1, 1)) == "cpu"
     with pytest.raises(TypeError, match="cannot tell a device from int"):
         resolve_device_type(3)
+
+
+def test_a_nested_region_keeps_the_enclosing_weight_cache_setting():
+    """cache_enabled=True passed explicitly switched the cache back on inside a cache-free region (the Lightning
+    plugin's): a forward after a step in the outer region ran on the old cached half weights."""
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), autocast("bf16-mixed", "cpu"):
+        first = lin(x)
+        first.float().square().sum().backward()
+        opt.step()
+        second = lin(x)
+        assert not torch.equal(first, second)
+    prec = mp.MixedPrecision("bf16-mixed")
+    other = torch.nn.Linear(8, 8)
+    prec.prepare(other, torch.optim.SGD(other.parameters(), lr=0.5))
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), prec.autocast():
+        assert not torch.is_autocast_cache_enabled()

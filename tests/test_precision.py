@@ -1080,7 +1080,42 @@ def test_a_model_holding_a_prepared_submodule_or_inside_a_prepared_model_is_refu
     assert outer[1].weight.dtype == torch.float32 and enc[0].weight.dtype == torch.bfloat16
 
     whole = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    MixedPrecision("bf16-mixed").prepare(whole, torch.optim.AdamW(whole.parameters(), lr=1e-3))
+    run = MixedPrecision("bf16-mixed")
+    run.prepare(whole, torch.optim.AdamW(whole.parameters(), lr=1e-3))
     with pytest.raises(ValueError, match="this model is a submodule of a model another MixedPrecision prepared"):
         MixedPrecision("bf16-master").prepare(whole[1], torch.optim.AdamW(whole[1].parameters(), lr=1e-3))
     assert whole[1].weight.dtype == torch.float32
+    del run
+    import gc
+
+    gc.collect()  # the run is gone: nothing holds the model's parameters any more
+    MixedPrecision("bf16-master").prepare(whole[1], torch.optim.AdamW(whole[1].parameters(), lr=1e-3))
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-pure"])
+def test_a_distillation_wrapper_with_a_teacher_cast_for_inference_is_prepared(preset: str) -> None:
+    """A frozen teacher cast by for_inference holds no run: the wrapper (student + teacher) prepares and trains, the
+    teacher untouched (the nested-run refusal first refused it too: Lightning prepares the whole LightningModule)."""
+    from mixprec.checkpoint import for_inference
+
+    torch.manual_seed(0)
+    teacher = for_inference(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)), "bf16")
+    teacher.requires_grad_(False)
+    wrapper = nn.ModuleDict({"student": nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 2)),
+                             "teacher": teacher})
+    kept = [p.detach().clone() for p in teacher.parameters()]
+    prec = MixedPrecision(preset)
+    wrapper, opt = prec.prepare(wrapper, torch.optim.AdamW(wrapper["student"].parameters(), lr=1e-2))
+    x = torch.randn(8, 4)
+    losses = []
+    for _ in range(3):
+        with prec.autocast():
+            with torch.no_grad():
+                target = wrapper["teacher"](x.to(torch.bfloat16)).float()
+            loss = (wrapper["student"](x.to(wrapper["student"][0].weight.dtype)).float() - target).square().mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(a, b) for a, b in zip(teacher.parameters(), kept))

@@ -236,7 +236,8 @@ class autocast:
             for toggling from config, and for an FP32 region inside a framework's autocast.
         cache_enabled: As ``torch.autocast``'s: the half copies of FP32 weights are cached for the
             region. ``False`` when an optimizer steps inside the region and a later forward in it
-            must see the new weights (a whole ``training_step`` with manual optimization).
+            must see the new weights (a whole ``training_step`` with manual optimization); ``None``
+            (default) keeps the enclosing region's setting (torch's default outside any).
 
     Example:
         >>> with autocast("bf16-mixed", "cpu"):
@@ -246,13 +247,13 @@ class autocast:
     """
 
     def __init__(self, policy: Policy | str, device_type: object = None, *, enabled: bool = True,
-                 cache_enabled: bool = True) -> None:
+                 cache_enabled: bool | None = None) -> None:
         if isinstance(enabled, (str, bytes)):  # (a config string "false" is truthy: it would turn autocast on)
             raise TypeError(f"autocast(enabled=...) takes a bool, got the string {enabled!r}; parse it first.")
         self.policy = Policy.parse(policy)
         self._hint = device_type
         self.enabled = bool(enabled)
-        self.cache_enabled = bool(cache_enabled)
+        self.cache_enabled = None if cache_enabled is None else bool(cache_enabled)
         self._stack: list[tuple[Any, Any]] = []
 
     @property

@@ -750,8 +750,10 @@ def register_run(model: nn.Module, close: Callable[..., None]) -> None:
 
 def enclosing_run_model(module: nn.Module) -> nn.Module | None:
     """The model of a live run that contains ``module`` as a submodule (not as itself), or ``None``."""
-    for run_model in list(_RUN_CLOSERS.keys()):
-        if run_model is not module and any(m is module for m in run_model.modules()):
+    for run_model, ref in list(_RUN_CLOSERS.items()):
+        if ref() is None:  # the run is gone (garbage-collected): nothing holds the model's parameters
+            _RUN_CLOSERS.pop(run_model, None)
+        elif run_model is not module and any(m is module for m in run_model.modules()):
             return run_model
     return None
 

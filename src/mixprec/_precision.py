@@ -517,13 +517,13 @@ class MixedPrecision(RunCheckpoint):
         return not isinstance(self.scaler, NoOpScaler)
 
     # ----- the training step -----------------------------------------------------------------------
-    def autocast(self, *, cache_enabled: bool = True) -> autocast | torch.autocast:
+    def autocast(self, *, cache_enabled: bool | None = None) -> autocast | torch.autocast:
         """A region that computes in the policy's compute dtype on the prepared model's device.
 
         ``cache_enabled`` is ``torch.autocast``'s: ``False`` when the optimizer steps inside the
         region and a later forward in it must see the new FP32 weights (the cached half copies
         would be the old ones under ``*-mixed``); the Lightning plugin passes ``False``, as
-        Lightning's own mixed precision does.
+        Lightning's own mixed precision does. ``None`` (default): the enclosing region's setting.
 
         Inside a function that ``torch.compile`` is tracing, this is a plain ``torch.autocast``
         (which dynamo compiles into the graph, no graph break) when the policy does not ask for

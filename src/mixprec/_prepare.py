@@ -67,7 +67,7 @@ def check_prepare(
             with FP32 parameters; uninitialised lazy parameters under a policy that casts or copies
             them; a dtype the device cannot compute in.
     """
-    from ._casting import check_fp16_range, enclosing_run_model, is_prepared, island_modules
+    from ._casting import check_fp16_range, enclosing_run_model, is_prepared, island_modules, run_of
     from ._dist import check_prepare_target
 
     if not isinstance(model, nn.Module):
@@ -88,14 +88,15 @@ def check_prepare(
             "cast it again under this policy and break that run. Prepare the modules that train together in one "
             "prepare(), or end the other run first (mixprec.uncast_module on its model). Nothing was changed."
         )
-    inner = next((n for n, m in model.named_modules() if n and is_prepared(m)), None)
+    # (a submodule cast for inference, e.g. a frozen teacher, holds no run: it is accepted as before)
+    inner = next((n for n, m in model.named_modules() if n and is_prepared(m) and run_of(m) is not None), None)
     if inner is not None:
         # its run holds its parameters (masters, hooks, dtype checks): casting them again breaks it silently
         raise ValueError(
-            f"submodule {inner!r} of this model was already prepared by another MixedPrecision (or cast_module / "
-            "for_inference); preparing the whole model would cast it again under this policy and break that run. "
-            "Prepare the modules that train together in one prepare() (one MixedPrecision for the whole model), or "
-            f"call mixprec.uncast_module(model.{inner}) first. Nothing was changed."
+            f"submodule {inner!r} of this model was already prepared by another MixedPrecision (a live run); preparing "
+            "the whole model would cast it again under this policy and break that run. Prepare the modules that train "
+            "together in one prepare() (one MixedPrecision for the whole model), or end that run first "
+            f"(mixprec.uncast_module(model.{inner})). Nothing was changed."
         )
     # DDP: raises (prepare first, then mixprec.distributed.wrap_ddp). FSDP2: its FP32 shards are the masters.
     fsdp = check_prepare_target(model, policy, grad_accumulation, island_modules)
