@@ -219,6 +219,10 @@ MISUSES = [
     Misuse("prepare-prepared-model", "trained", "bf16-mixed",
            lambda c: MixedPrecision("bf16-master").prepare(c.model, torch.optim.SGD(c.model.parameters(), lr=0.1)),
            ValueError, "this model was already prepared by another MixedPrecision (or cast_module)"),
+    Misuse("prepare-nested-run", "trained", "bf16-mixed",
+           lambda c: MixedPrecision("bf16-master").prepare(
+               outer := nn.Sequential(c.model, nn.Linear(2, 2)), torch.optim.SGD(outer[1].parameters(), lr=0.1)),
+           ValueError, "of this model was already prepared by another MixedPrecision"),
     Misuse("prepare-without-optimizer", "fresh", "fp16-master", lambda c: c.prec.prepare(c.model), ValueError,
            "prepare(model) needs the optimizer(s) too: prepare(model, optimizer)."),
     Misuse("prepare-not-a-module", "fresh", "bf16-mixed", lambda c: c.prec.prepare(list(c.model.parameters()), c.raw_opt),
