@@ -670,3 +670,21 @@ def test_optimizers_prepared_in_another_order_than_saved_are_named_as_such():
     state = run([0, 1]).state_dict()
     with pytest.raises(ValueError, match="same parameters as this run's but in another order"):
         run([1, 0]).load_state_dict(state)
+
+
+def test_a_checkpoint_with_gradients_pending_says_once_that_they_are_not_saved():
+    prec, model, opt = make("bf16-master")
+    x, y = batch(0)
+    for _ in range(2):
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        prec.backward(loss)  # an accumulation cycle, not stepped yet
+        with pytest.warns(UserWarning, match="gradients pending .* checkpoints hold no gradients") if _ == 0 \
+                else warnings.catch_warnings():
+            if _:
+                warnings.simplefilter("error")  # once per run
+            prec.state_dict()
+    prec.step(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prec.state_dict()  # at the step boundary: nothing to say

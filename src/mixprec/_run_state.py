@@ -103,8 +103,23 @@ class RunCheckpoint:
 
         The tensors are references to live state (as ``nn.Module.state_dict`` returns); save it
         (``torch.save`` / ``mixprec.save``) before training on. Loads with ``weights_only=True``.
+
+        Gradients are not saved (as in torch's checkpoints): taken after a ``backward`` and before
+        its ``step`` (mid gradient accumulation), the checkpoint resumes from the weights before
+        that step, without the micro-batches gathered so far or their inf/NaN check; a one-time
+        ``UserWarning`` per run says so. Checkpoint after ``step()``.
         """
         model = self._require_prepared("state_dict()")
+        if not self.__dict__.get("_warned_pending") and any(r.stage == "backward" for r in self._records.values()):
+            self._warned_pending = True
+            warnings.warn(
+                "prec.state_dict() with gradients pending (a backward since the last step, e.g. mid gradient "
+                "accumulation): checkpoints hold no gradients, so resuming from this one starts again from the weights "
+                "before this step, without the micro-batches gathered so far (or their inf/NaN check). Take "
+                "checkpoints after step() to resume bit for bit. (Said once per run.)",
+                UserWarning,
+                stacklevel=2,
+            )
         names, tied = parameter_names(model, self.optimizers)
         abandon = getattr(self, "_abandon_unscaled", None)
         for rec in self._records.values():
