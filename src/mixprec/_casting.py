@@ -303,59 +303,51 @@ class AddedParamCheck:
     """
 
     def __init__(self, model: nn.Module, policy: Policy) -> None:
-        import weakref
-
         self._model: Callable[[], nn.Module | None] | None = weakref.ref(model)
         self.policy = policy
-        self.param_dtype = policy.param_dtype
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_model": None, "policy": self.policy, "param_dtype": self.param_dtype}
+        return {"_model": None, "policy": self.policy}
 
     def __call__(self, params: Sequence[Any]) -> None:
         model = self._model() if self._model is not None else None
         if model is None:
             return
-        known = {id(p): p for p, _ in _recast_checks(model)}
+        known = {id(p): p for checks in _recast_checks(model) for p, _ in checks}
         if not known:  # keep_dtypes=True, or a run for_inference closed: the user manages the dtypes
             return
         # FP32 parameters of modules the policy keeps in FP32 (a norm added after prepare): as its islands'
         known.update((id(p), p) for _, m in island_modules(_compile_target(model), self.policy)
                      for p in m.parameters() if p.dtype == torch.float32)
+        dtype = self.policy.param_dtype
         for p in params:
-            if (isinstance(p, torch.Tensor) and p.dtype in _CASTABLE and p.dtype != self.param_dtype
+            if (isinstance(p, torch.Tensor) and p.dtype in _CASTABLE and p.dtype != dtype
                     and known.get(id(p)) is not p):
                 raise ValueError(
                     f"add_param_group: a {dtype_name(p.dtype)} parameter of shape {tuple(p.shape)} that prepare() did not "
-                    f"cast (the policy stores parameters in {dtype_name(self.param_dtype)}): a module added to the model "
+                    f"cast (the policy stores parameters in {dtype_name(dtype)}): a module added to the model "
                     "after prepare() keeps its weights as built, so it would train in "
                     f"{dtype_name(p.dtype)}. Nothing was added. Add the module before prepare() (in a group with lr=0, "
                     "or frozen, until it should train), or cast it to the policy's dtype first "
-                    f"(module.to({self.param_dtype}); its masters then "
+                    f"(module.to({dtype}); its masters then "
                     "start from the rounded values)."
                 )
 
 
-def _recast_checks(model: nn.Module) -> list[tuple[torch.Tensor, torch.dtype]]:
-    """The ``(parameter, dtype)`` pairs the root's recast check holds (every castable parameter at the cast)."""
-    out: list[tuple[torch.Tensor, torch.dtype]] = []
+def _recast_checks(model: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.dtype]]]:
+    """The ``(parameter, dtype)`` lists of every root patch in ``model`` (every castable parameter at its cast)."""
     for m in model.modules():
         fwd = m.__dict__.get("forward")
         while isinstance(fwd, functools.partial) and fwd.func in (_island_forward, _root_forward):
             if fwd.func is _root_forward:
-                out.extend(fwd.args[4])
+                yield fwd.args[4]
             fwd = fwd.args[1]
-    return out
 
 
 def _drop_recast_checks(model: nn.Module) -> None:
     """Empty the recast checks of every root patch in ``model`` (a run :func:`for_inference` ends and casts)."""
-    for m in model.modules():
-        fwd = m.__dict__.get("forward")
-        while isinstance(fwd, functools.partial) and fwd.func in (_island_forward, _root_forward):
-            if fwd.func is _root_forward:
-                fwd.args[4].clear()
-            fwd = fwd.args[1]
+    for checks in _recast_checks(model):
+        checks.clear()
 
 
 def _patched_forward(module: nn.Module, function: Callable[..., Any], *extra: Any) -> _ForwardPatch:
@@ -504,7 +496,7 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
     return model
 
 
-def check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any, *, inference: bool = False) -> None:
+def check_fp16_range(model: nn.Module, policy: Policy, *, inference: bool = False) -> None:
     """Refuse finite weights that the cast to FP16 would turn into inf (every step would then skip).
 
     Weights of every wider floating dtype are checked: FP32, FP64 and BF16 (a model loaded with
@@ -551,7 +543,8 @@ def check_fp16_range(model: nn.Module, policy: Policy, island_modules: Any, *, i
         if inference:
             island = f"keep the module in FP32 (fp32_islands=('norm', 'name:{owner}')), " if owner else ""
             raise ValueError(
-                f"for_inference(..., 'fp16'): {'parameter' if '.running_' not in name else 'buffer'} {name!r} has values up to {float(peaks[big[0]]):.4g}, beyond "
+                f"for_inference(..., 'fp16'): {'parameter' if isinstance(named[big[0]][1], nn.Parameter) else 'buffer'} "
+                f"{name!r} has values up to {float(peaks[big[0]]):.4g}, beyond "
                 f"FP16's maximum 65504: cast to FP16 they would become inf ({len(big)} such parameter(s)). Nothing was "
                 f"cast. Use 'bf16' (FP32's range), {island}or rescale those weights."
             )
@@ -804,7 +797,7 @@ def for_inference(
     target = _compile_target(model)  # a torch.compile'd model: the module it wraps
     policy.check_islands(target)
     if dt == torch.float16:
-        check_fp16_range(target, policy, island_modules, inference=True)  # before anything changes
+        check_fp16_range(target, policy, inference=True)  # before anything changes
     # Every live run whose model this cast touches (the model itself, a module around it, one inside it).
     inside = set(map(id, target.modules()))
     for run_model, ref in list(_RUN_CLOSERS.items()):

@@ -286,34 +286,35 @@ class EMA:
         targets = self._targets(model, "applied")
         # The run's own model holds the averages for the block: refuse what would take them for the
         # training weights (backward, a step, state_dict, clipping) until it ends.
-        runs = self._block_run() if (model is None or model is self.model) else []
+        marks = self._block_marks() if (model is None or model is self.model) else []
         with torch.no_grad():
             saved = [t.detach().clone() for t in targets]
             _copy(targets, self._averages)
-        for obj, _ in runs:
-            obj._ema_applied = _APPLIED_MESSAGE
-        # prec.step refuses through its optimizers' records (a step here updated the averages, which the
-        # block's end then overwrote: the update lost, its optimizer state and count kept)
-        records = [(rec, rec.blocked) for rec in runs[0][0]._records.values()] if runs else []
-        for rec, _ in records:
-            rec.blocked = _APPLIED_MESSAGE
+        for obj, attr, _ in marks:
+            setattr(obj, attr, _APPLIED_MESSAGE)
         try:
             yield model if model is not None else self.model
         finally:
-            for rec, before in records:
-                rec.blocked = before
-            for obj, before in runs:
-                obj._ema_applied = before
+            for obj, attr, before in marks:
+                setattr(obj, attr, before)
             with torch.no_grad():
                 _copy(targets, saved)
 
-    def _block_run(self) -> list[tuple[Any, Any]]:
-        """The run and its master-weight optimizers to mark during :meth:`applied`, with their marks before (nested blocks)."""
+    def _block_marks(self) -> list[tuple[Any, str, Any]]:
+        """``(object, attribute, value before)`` to set to the refusal during :meth:`applied` (nested blocks restore theirs).
+
+        The run (``_ema_applied``: backward, clipping, ``state_dict``), its master-weight optimizers
+        (their edit sync: step, ``state_dict``), and its optimizers' records (``blocked``: ``prec.step``,
+        whose hot path reads nothing else; a step here updated the averages, which the block's end
+        then overwrote: the update lost, its optimizer state and count kept).
+        """
         prec = self.prec if self.prec is not None else run_of(self.model)  # EMA(model) of a prepared model: its run
         if prec is None:
             return []
-        objs: list[Any] = [prec, *(o for o in prec.optimizers if isinstance(o, MasterWeightOptimizer))]
-        return [(o, o.__dict__.get("_ema_applied")) for o in objs]
+        objs: list[tuple[Any, str]] = [(prec, "_ema_applied"),
+                                       *((o, "_ema_applied") for o in prec.optimizers if isinstance(o, MasterWeightOptimizer)),
+                                       *((rec, "blocked") for rec in prec._records.values())]
+        return [(o, attr, getattr(o, attr, None)) for o, attr in objs]
 
     # ----- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

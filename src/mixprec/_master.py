@@ -164,8 +164,8 @@ class MasterWeightOptimizer(Optimizer):
     _own32: tuple[torch.Tensor, ...] = ()  # set in __init__; the default reads instances pickled before it existed
     master_storage: MasterStorage = "full"  # set in __init__; the default reads instances pickled before it existed
     # How many more of the wrapped optimizer's steps to watch for writes to half weights
-    # (_check_inner_step): set at construction and when parameters are added, for optimizers that
-    # are not torch's own; 0 after a step that moved a master.
+    # (_check_inner_step): set whenever the pairs are rebuilt (construction, parameters added or
+    # unfrozen), for optimizers that are not torch's own; 0 after a step that moved a master.
     _watch_inner = 0
     # Set by ``EMA.applied()`` while the model holds the averages: carrying them into the masters
     # (a step, ``state_dict()``) would make them the training weights; the message says so.
@@ -258,7 +258,6 @@ class MasterWeightOptimizer(Optimizer):
         # The wrapped optimizer steps the masters only from inside step(): called directly it would
         # apply gradients that may still be loss-scaled and never copy the masters back.
         self._inner_guard = install_step_guard(optimizer, "refuse")
-        self._watch_inner = _inner_watch_steps(optimizer)
 
     # ----- copies ---------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -430,7 +429,6 @@ class MasterWeightOptimizer(Optimizer):
             for group in self.optimizer.param_groups:
                 group["params"] = [master if q is p else q for q in group["params"]]
             _realias_params(self.optimizer, {id(p): master})
-            self._watch_inner = _inner_watch_steps(self.optimizer)
             self._attach(p, master)
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
                 master.grad = p.grad.to(self.master_dtype)  # gradients from before the hook existed
@@ -450,6 +448,7 @@ class MasterWeightOptimizer(Optimizer):
             bank.split()  # (a no-op outside a step) the masters go back to their placeholders before the bank goes
             self._bank = None
         pairs = self._pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p is not m]
+        self._watch_inner = _inner_watch_steps(self.optimizer)  # new pairs: watch the wrapped optimizer's next steps
         self._pair_lists = ([p for p, _ in pairs], [m for _, m in pairs])
         self._rem_list = [r for r in self._rems if r is not None]  # parallel to the pairs ("remainder" only)
         if self._shadow is not None:
@@ -551,7 +550,6 @@ class MasterWeightOptimizer(Optimizer):
         # the inner optimizer's own lists took the half parameters (its add_param_group, or the user's append)
         _realias_params(self.optimizer, {id(p): m for p, m in zip(added, new["params"]) if p is not m})
         self._refresh_pairs()
-        self._watch_inner = _inner_watch_steps(self.optimizer)
 
     # ----- the optimizer surface ---------------------------------------------------------------
     @property

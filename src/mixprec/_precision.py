@@ -437,8 +437,9 @@ class MixedPrecision(RunCheckpoint):
                 # (compensated): stepping it directly would bypass mixprec.
                 refused = install_step_guard(given, "refuse")
                 if not isinstance(opt, MasterWeightOptimizer):
+                    # (from_torch linked it to ``given``: an LR scheduler built on ``given`` follows it, also
+                    # through load_state_dict; mixprec.optim's StateIO.load_state_dict re-points the groups)
                     refused.converted_to = type(opt)
-                    _follow_param_groups(given, opt)
             if isinstance(opt, MasterWeightOptimizer):
                 opt.set_unscale_callback(self._unscale_callback(opt))
                 opt.weight_edits = self.weight_edits
@@ -939,26 +940,6 @@ def _check_loss(loss: Any) -> None:
         )
     if not loss.requires_grad:
         raise ValueError("the loss does not require grad (computed under torch.no_grad(), or from detached tensors?).")
-
-
-def _follow_param_groups(given: Optimizer, converted: Optimizer) -> None:
-    """Keep ``given.param_groups`` the converted optimizer's list, also after ``load_state_dict``.
-
-    A compensated optimizer built from the user's torch optimizer shares its param-group dicts, so
-    an LR scheduler built on the torch optimizer before ``prepare`` drives the converted one.
-    ``Optimizer.load_state_dict`` replaces the group dicts; without this the scheduler would keep
-    setting the learning rate on the old ones after a resume, silently.
-    """
-    import weakref
-
-    ref = weakref.ref(given)
-
-    def relink(optimizer: Optimizer) -> None:
-        target = ref()
-        if target is not None:
-            target.param_groups = optimizer.param_groups
-
-    converted.register_load_state_dict_post_hook(relink)
 
 
 def _check_schedulers(schedulers: Any) -> list[Any]:

@@ -154,7 +154,7 @@ def check_prepare(
     if policy.param_dtype != torch.float32 and policy.buffers == "keep" and not keep_dtypes:
         _check_batch_norms(model, policy, island_modules)
     if policy.param_dtype == torch.float16 and not keep_dtypes:
-        check_fp16_range(model, policy, island_modules)
+        check_fp16_range(model, policy)
     device = model_device(model)
     check_device_support(policy.compute_dtype, device)
     if half and policy.has_masters and not keep_dtypes:

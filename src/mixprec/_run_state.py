@@ -46,12 +46,12 @@ _REFUSED_UNDER_EMA = ("backward()", "clip_grad_norm_()", "state_dict()", "load_s
 
 
 def _names_mismatch(saved: list[list[str]], own: list[list[str]]) -> str:
-    """The message for a checkpoint whose optimizers hold other parameters than this run's (in order)."""
+    """The message for a checkpoint whose optimizers (as many as this run's) hold other parameters than this run's."""
     if sorted(map(tuple, saved)) == sorted(map(tuple, own)):
         return ("the checkpoint's optimizers hold the same parameters as this run's but in another order: pass the "
                 "optimizers to prepare() in the order of the saved run. Nothing was loaded.")
-    i = next(i for i, (a, b) in enumerate(zip(saved, own)) if a != b) if len(saved) == len(own) else 0
-    a, b = (saved[i] if i < len(saved) else []), (own[i] if i < len(own) else [])
+    i = next(i for i, (a, b) in enumerate(zip(saved, own)) if a != b)
+    a, b = saved[i], own[i]
     only_saved = [n for n in a if n not in b][:3]
     only_own = [n for n in b if n not in a][:3]
     detail = (f"the checkpoint's has {only_saved} where this run's has {only_own}" if only_saved or only_own

@@ -244,8 +244,8 @@ def test_a_scheduler_on_the_torch_optimizer_follows_a_load_state_dict_of_the_con
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_bf16_pure_copied_run_keeps_its_scheduler_through_a_load(how):
-    """A copy drops load_state_dict hooks (torch's Optimizer.__getstate__), among them prepare()'s relink of the
-    torch optimizer's groups: the converted optimizer keeps the link itself, to the copy of the torch optimizer."""
+    """A copy drops load_state_dict hooks (torch's Optimizer.__getstate__): the converted optimizer's own
+    load_state_dict re-points the torch optimizer's groups, in a copy the copy of the torch optimizer's."""
     import mixprec as mp
 
     model = mlp()

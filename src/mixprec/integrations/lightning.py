@@ -421,8 +421,8 @@ class MixprecFabricPrecision(_Adapter, _FabricPrecisionBase):
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """``prec.autocast(cache_enabled=False)``, as Lightning's own plugin: it spans a whole ``training_step``,
-        where manual optimization steps and then runs forwards on the new weights."""
+        """``prec.autocast(cache_enabled=False)``, as Lightning's own plugin: a region the user may hold across a
+        step (``fabric.autocast()``), where a later forward must see the new weights."""
         with self.prec.autocast(cache_enabled=False):
             yield
 
