@@ -589,18 +589,23 @@ def test_optimizer_state_looked_up_by_model_parameter_is_the_masters_and_saving_
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
     prec = mp.MixedPrecision(preset)
     model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    for _ in range(2):
-        with prec.autocast():
-            loss = model(torch.randn(3, 4)).float().pow(2).mean()
-        prec.backward(loss)
-        prec.step(opt)
-        opt.zero_grad()
+    _train(prec, model, opt, 2)
     for p in model.parameters():
         st = opt.state[p]
         assert st is opt.optimizer.state[opt.master_for(p)] and "exp_avg_sq" in st
         assert p in opt.state
     assert len(opt.state) == len(list(model.parameters()))
     prec.state_dict()  # no stray entry under a model parameter
+
+
+def _train(prec, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` ordinary steps on random batches of 3 x 4 (a squared-output loss)."""
+    for _ in range(steps):
+        with prec.autocast():
+            loss = model(torch.randn(3, 4)).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
 
 
 class _SignSGD(torch.optim.Optimizer):
@@ -627,12 +632,7 @@ def test_a_user_optimizer_stepping_its_own_parameter_list_trains_the_masters(pre
     before = [p.detach().clone() for p in model.parameters()]
     prec = mp.MixedPrecision(preset)
     model, opt = prec.prepare(model, _SignSGD(model.parameters(), lr=1e-2))
-    for _ in range(3):
-        with prec.autocast():
-            loss = model(torch.randn(3, 4)).float().pow(2).mean()
-        prec.backward(loss)
-        prec.step(opt)
-        opt.zero_grad()
+    _train(prec, model, opt, 3)
     for p, b in zip(model.parameters(), before):
         assert (p.float() - b).abs().max() > 0.02  # three sign steps of 0.01 (it moved by rounding only before)
 
@@ -684,11 +684,7 @@ def test_the_inner_step_watch_ends_after_the_first_step_that_moved_a_master() ->
     model, opt = prec.prepare(model, _SignSGD(model.parameters()))  # (torch's optimizers are not watched)
     assert opt._watch_inner == 64
     for _ in range(2):
-        with prec.autocast():
-            loss = model(torch.randn(3, 4)).float().pow(2).mean()
-        prec.backward(loss)
-        prec.step(opt)
-        opt.zero_grad()
+        _train(prec, model, opt, 1)
         assert opt._watch_inner == 0  # one step: the masters moved
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]})
     assert opt._watch_inner == 64  # watched again for the new parameters
@@ -745,12 +741,7 @@ def test_nested_parameter_lists_and_groups_added_later_train_the_masters() -> No
 
         master_mod._WARNED_ADDED = False
         opt.add_param_group({"params": list(model[1].parameters())})
-    for _ in range(3):
-        with prec.autocast():
-            loss = model(torch.randn(3, 4)).float().pow(2).mean()
-        prec.backward(loss)
-        prec.step(opt)
-        opt.zero_grad()
+    _train(prec, model, opt, 3)
     assert all(t.dtype == torch.float32 for params in opt.optimizer.per_group for t in params)  # the masters
     assert (model[1].weight.float() - head_before).abs().max() > 0.02
 
@@ -782,12 +773,7 @@ def test_a_module_added_after_prepare_is_refused_by_add_param_group_until_cast(p
         warnings.simplefilter("ignore")  # masters from the rounded values
         opt.add_param_group({"params": list(model[2].parameters())})
     before = model[2].weight.detach().clone()
-    for _ in range(2):
-        with prec.autocast():
-            loss = model(torch.randn(3, 4)).float().pow(2).mean()
-        prec.backward(loss)
-        prec.step(opt)
-        opt.zero_grad()
+    _train(prec, model, opt, 2)
     assert model[2].weight.dtype == prec.policy.param_dtype and not torch.equal(model[2].weight, before)
 
 
