@@ -1,15 +1,20 @@
 #!/usr/bin/env python
 """Every GPU check of mixprec in one call, most important first, printing as it goes (issue 26).
 
-    python benchmarks/gpu_suite.py                  # about 8 minutes at most on an H100
+    python benchmarks/gpu_suite.py                  # the default checks, within 8 minutes (--budget 480)
+    python benchmarks/gpu_suite.py --all --budget 570   # then issue 27's and the diagnostics, as many as fit
     python benchmarks/gpu_suite.py --budget 300     # fewer checks: each starts only if it fits
     PYTHONPATH=src python benchmarks/gpu_suite.py   # from a checkout that is not installed
     python benchmarks/gpu_suite.py --only fp8,compensated --budget 400   # some checks (in the order below)
 
-On an H200 (torch 2.11, 2026-11-27) the first nine checks then in the suite took 474 s together; the default budget leaves the
-last ones out when earlier ones run long (the summary says which).
+Timing: the default run is the seven checks issue 26 names. On an H200 (torch 2.11, 2026-11-27) a run
+of twelve checks, these seven among them, took 557 s; timed one by one in earlier runs, gpt2-eager
+took 102 s, compensated 49 s (with the compiled Kahan step it had then) and cuda-tests 53 s. The
+summary prints each check's seconds. Each check has its own time limit, cut to what is left of
+``--budget`` (default 480 s); a check that would not start with 20 s left is named in the summary
+as left out.
 
-In order (each with its own time limit, cut to what is left of ``--budget``):
+The default run, in order:
 
 1. ``syncs``: host syncs per step for every preset and both torch.amp recipes
    (``torch.cuda.set_sync_debug_mode("warn")``, a 4-block GPT-shaped model, torch's foreach and
@@ -18,47 +23,35 @@ In order (each with its own time limit, cut to what is left of ``--budget``):
 2. ``capture``: ``tests/test_gpu_step.py`` (no sync in 20 steps; forward + backward + step
    captured in a CUDA graph, replays equal eager steps, a planted overflow included).
 3. ``gpt2-eager``: ``gpu_gpt2.py`` (GPT-2 124M, each preset beside its torch.amp recipe; not the
-   eager FP8 rows, 4.5-6.4x torch.amp's step: FP8 is measured compiled, 14. and 15.).
+   eager FP8 rows, 4.5-6.4x torch.amp's step: FP8 is measured compiled, below).
 4. ``compensated``: ``step_overhead.py --device cuda --only-compensated --fused --shapes gpt2``
-   (``bf16-pure``'s Kahan and stochastic-rounding steps, eager and fused, on GPT-2 124M's tensors,
-   against torch's fused AdamW, with the fused step's first-step compile seconds; issue 27, item 3),
-   with ``--profile``: per row the kernels' time against the step's and the top Python functions.
-5. ``tile-host``: ``tile_host_cost.py --device cuda --copies both``: host time per direct and per
-   packed tile of the fused step (4, 16, 64 tensors per packed tile), each packed row with both
-   gather/scatter routes (``_chunk_cat``/``cat`` + ``split_with_sizes_copy``, a CPU's; and
-   ``_foreach_copy_`` through two shared buffers, the GPU default since stop 37): what 4.'s time is made of.
-6. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
-7. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
-8. ``remainder``: ``remainder_step_cost.py --device cuda`` (GPT-2's 12 blocks of weight matrices:
-   ``bf16-master-r16``'s master step against ``bf16-master``'s, eager and fused; issue 29).
-9. ``cuda-tests``: every CUDA-marked test, ``benchmarks/cuda_tests.py``: one pytest process per
+   (``bf16-pure``'s steps on GPT-2 124M's tensors against torch's fused AdamW: eager Kahan, the
+   fused Kahan step, one Triton kernel per bucket on CUDA since stop 43, and stochastic rounding with
+   BF16 states, still the compiled tiles; first-step compile seconds; issue 27, item 3), with
+   ``--profile``: per row the kernels' time against the step's and the top Python functions.
+5. ``gpt2-compiled``: ``gpu_gpt2.py --compile`` for ``bf16-mixed,bf16-master``.
+6. ``cuda-tests``: every CUDA-marked test, ``benchmarks/cuda_tests.py``: one pytest process per
    test file, the files in parallel (compiles are host work), each file's result as it finishes.
-10. ``edit-check``, ``master-profile``, ``master-versions`` and ``master-fused`` (issue 26, item 4):
-   ``edit_check_cost.py --device cuda`` (the edit check of the half weights on GPT-2's shapes: the
-   Triton kernel, 6 bytes read per parameter, against the foreach check's ~38, with GB/s);
-   ``gpu_gpt2.py --profile`` for ``bf16-master`` (the edit check's kernels attributed against
-   torch.amp's), then ``bf16-master`` and
-   ``fp16-master`` with ``--weight-edits versions`` (no check): whether the check is the
-   1.043-1.051x the eager master rows measured on an H200 (the goal is 1.03x); and
-   ``master-fused``: ``bf16-master`` with ``--fused-step on`` (the compiled master step, its edit
-   check inside the kernel: ~10 bytes per parameter instead of ~38; host-bound in stop 35).
-11. ``compensated-dynamo``: the fused Kahan row of 4. with every tile call through dynamo (the
-   behaviour before the direct calls of ``_fused_step._TileCall``): what those save on a GPU.
-12. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
+7. ``step``: ``step_overhead.py --device cuda --fused --profile`` (the optimizer step alone, attributed).
+
+With ``--all``, then (each only if it fits what is left of the budget):
+
+8. ``compile-cold``: ``compile_cold.py --device cuda --layers 4``: the first step of a compiled
    model, each row in a fresh process with an empty Inductor cache and then a warm one, against the
-   torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 6. share one process and cache).
-13. ``compensated-t21``: the fused Kahan row of 4. with the 2**21-element tiles of before (51
-   calls instead of 13 on GPT-2's tensors): measured 15.0 ms against 8.3 ms at the 2**23 default
-   on an H200 (two runs of 2026-11-27, torch's fused AdamW 2.8 and 2.5 ms beside them); kept to
-   see whether the gap holds. ``compensated-t24``: the same with 2**24-element tiles (fewer, larger
-   packed tiles; more padding): whether the GPU default should grow once more.
-14. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
-    ``--n-embd 2048`` for ``fp8-tensorwise`` and ``fp8-rowwise`` with ``--f8-layers auto``, each
-    beside torch-amp bf16 (``bf16-mixed`` compiled measured 0.989x of it there; ``fp8-rowwise``
-    with every linear 1.096x).
-15. ``fp8-auto`` (issue 27, item 4; needs torchao): the same rows at GPT-2's 768 width with
-    ``--f8-layers auto`` (the measured plan, with the shape gate on an FP8 GPU): never slower than
-    ``bf16-mixed`` is the goal.
+   torch.amp recipe's (issue 27, item 1, on a GPU; the GPT-2 rows of 5. share one process and cache).
+9. ``fp8`` (issue 27, item 4; needs torchao, skipped without it): ``gpu_gpt2.py --compile`` at
+   ``--n-embd 2048`` for ``fp8-tensorwise`` and ``fp8-rowwise`` with ``--f8-layers auto``, each
+   beside torch-amp bf16 (``bf16-mixed`` compiled measured 0.989x of it there; ``fp8-rowwise``
+   with every linear 1.096x). ``fp8-auto``: the same rows at GPT-2's 768 width (the measured plan,
+   with the shape gate on an FP8 GPU): never slower than ``bf16-mixed`` is the goal.
+10. ``mixed-profile``: ``gpu_gpt2.py --profile`` for ``bf16-mixed,fp16-mixed`` (their eager gap,
+   1.011-1.033x on an H200, attributed to kernels and host time; a CPU diff of every aten op of one
+   iteration, dtypes and shapes included, found the same GPU work on both sides within a few
+   scalar kernels).
+11. Diagnostics: ``remainder`` (``bf16-master-r16``'s master step, issue 29), ``master-profile``
+   (the master rows attributed), ``edit-check`` (the Triton edit check against the foreach check on
+   GPT-2's shapes), ``master-versions`` (the master rows without the edit check), ``master-fused``
+   (the compiled master step), ``tile-host`` (host time per tile of the compiled step).
 
 Everything a step prints goes to this process's output as it comes; ``--out`` (default ``$OUT``)
 also gets ``gpu_suite.txt`` (the whole log) and the JSON of the GPT-2 runs.
@@ -135,6 +128,8 @@ def _syncs() -> int:
 
 
 STEPS: list[tuple[str, float, list[str] | None]] = [
+    # --- the default run (issue 26, item 5: syncs, capture, GPT-2 eager and compiled, the optimizer steps, the
+    # CUDA tests; about 6-7 minutes on an H200 from the checks' times of 2026-11-27) ---
     ("syncs", 90, None),
     ("capture", 90, [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gpu_step.py"]),
     # Eager FP8 rows left out: 4.5x and 6.4x torch.amp's step on an H200 (tensor-subclass dispatch per op, 2026-11-27).
@@ -144,35 +139,13 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
     ("compensated", 90, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
                          "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows",
                          "pure-kahan-eager,pure-kahan-fused,pure-sr-bf16-fused", "--profile"]),
-    ("tile-host", 60, [sys.executable, "benchmarks/tile_host_cost.py", "--device", "cuda", "--segments", "4,16,64",
-                       "--copies", "both"]),
     ("gpt2-compiled", 180, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets", "bf16-mixed,bf16-master",
                             "--budget", "{budget}", "--out", "{out}/compiled"]),
+    ("cuda-tests", 90, [sys.executable, "benchmarks/cuda_tests.py", "--timeout", "{budget}"]),
     ("step", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--fused", "--rounds", "5",
                   "--profile"]),
-    ("remainder", 90, [sys.executable, "benchmarks/remainder_step_cost.py", "--device", "cuda", "--width", "768",
-                       "--blocks", "12"]),
-    ("cuda-tests", 90, [sys.executable, "benchmarks/cuda_tests.py", "--timeout", "{budget}"]),
-    # The master presets' value-based edit check (~38 bytes per parameter and step with foreach ops: ~1.2 ms on GPT-2
-    # at H200 bandwidth, about the 1.043-1.051x measured): the Triton kernel (6 bytes) against the foreach check, its
-    # kernels attributed in the step, then the step without it.
-    ("edit-check", 60, [sys.executable, "benchmarks/edit_check_cost.py", "--device", "cuda"]),
-    ("master-profile", 120, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master", "--profile",
-                             "--steps", "30", "--budget", "{budget}", "--out", "{out}/master-profile"]),
-    ("master-versions", 100, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master,fp16-master",
-                              "--weight-edits", "versions", "--budget", "{budget}", "--out", "{out}/master-versions"]),
-    ("master-fused", 150, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master", "--fused-step", "on",
-                           "--budget", "{budget}", "--out", "{out}/master-fused"]),
-    ("compensated-dynamo", 60, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
-                                "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",
-                                "--tile-calls", "dynamo"]),
+    # --- with --all, after the default ones (issue 27 and diagnostics), each only if it fits what is left ---
     ("compile-cold", 150, [sys.executable, "benchmarks/compile_cold.py", "--device", "cuda", "--layers", "4"]),
-    ("compensated-t21", 75, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
-                             "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",
-                             "--fused-tile", str(1 << 21)]),
-    ("compensated-t24", 75, [sys.executable, "benchmarks/step_overhead.py", "--device", "cuda", "--only-compensated",
-                             "--fused", "--shapes", "gpt2", "--rounds", "5", "--rows", "pure-kahan-fused",
-                             "--fused-tile", str(1 << 24)]),
     # No bf16-mixed pair: compiled it is torch.amp's step (0.989x at 2048 wide, 1.002x at 768 on an H200), and one
     # compiled pair at 2048 takes ~120-200 s; each FP8 row is compared with the torch-amp bf16 row beside it.
     # The plan (measured numerics + torchao's shape gate): rowwise with every linear was 1.096x torch.amp at 2048.
@@ -182,7 +155,23 @@ STEPS: list[tuple[str, float, list[str] | None]] = [
     ("fp8-auto", 200, [sys.executable, "benchmarks/gpu_gpt2.py", "--compile", "--presets",
                        "fp8-tensorwise,fp8-rowwise", "--f8-layers", "auto", "--steps", "15", "--warmup", "4",
                        "--budget", "{budget}", "--out", "{out}/fp8-auto"]),
+    # The eager *-mixed gap (1.011-1.033x on an H200): kernels and host time against torch.amp's, attributed.
+    ("mixed-profile", 120, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-mixed,fp16-mixed", "--profile",
+                            "--steps", "30", "--budget", "{budget}", "--out", "{out}/mixed-profile"]),
+    ("remainder", 90, [sys.executable, "benchmarks/remainder_step_cost.py", "--device", "cuda", "--width", "768",
+                       "--blocks", "12"]),
+    ("master-profile", 120, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master,fp16-master",
+                             "--profile", "--steps", "30", "--budget", "{budget}", "--out", "{out}/master-profile"]),
+    ("edit-check", 60, [sys.executable, "benchmarks/edit_check_cost.py", "--device", "cuda"]),
+    ("master-versions", 100, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master,fp16-master",
+                              "--weight-edits", "versions", "--budget", "{budget}", "--out", "{out}/master-versions"]),
+    ("master-fused", 150, [sys.executable, "benchmarks/gpu_gpt2.py", "--presets", "bf16-master", "--fused-step", "on",
+                           "--budget", "{budget}", "--out", "{out}/master-fused"]),
+    ("tile-host", 60, [sys.executable, "benchmarks/tile_host_cost.py", "--device", "cuda", "--segments", "4,16,64",
+                       "--copies", "both"]),
 ]
+#: The checks a plain run makes (the rest need ``--all`` or ``--only``).
+DEFAULT = ("syncs", "capture", "gpt2-eager", "compensated", "gpt2-compiled", "cuda-tests", "step")
 #: Checks that need an optional package, and how to bring it to a machine with no package index.
 _TORCHAO = ("torchao", "on a CPU machine: pip download --no-deps --only-binary=:all: --python-version 3.12 "
                        "--platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0; carry .whl; there: pip install "
@@ -193,9 +182,16 @@ NEEDS = {"fp8": _TORCHAO, "fp8-auto": _TORCHAO}
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole suite (default 480)")
-    ap.add_argument("--only", default="", help="comma-separated step names to run (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated check names to run (in the suite's order)")
+    ap.add_argument("--all", action="store_true",
+                    help="after the default checks, every other one that fits the budget (issue 27's, diagnostics)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_suite_out", help="where logs and JSON go")
     args = ap.parse_args(argv)
+    only = {s for s in args.only.split(",") if s}
+    unknown = only - {name for name, _, _ in STEPS}
+    if unknown:  # before anything starts: a typo would cost a GPU lease
+        print(f"gpu_suite: no check named {', '.join(sorted(unknown))}; the checks: {', '.join(n for n, _, _ in STEPS)}")
+        return 2
     if not torch.cuda.is_available():
         print("gpu_suite: no CUDA device here; these checks need a GPU. Skipped.")
         return 0
@@ -203,12 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "gpu_suite.txt").open("w", encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    only = {s for s in args.only.split(",") if s}
     print(f"gpu_suite: {torch.cuda.get_device_name()} | torch {torch.__version__} | budget {args.budget:.0f} s", flush=True)
     t0 = time.perf_counter()
     results: list[tuple[str, str]] = []
     for name, limit, cmd in STEPS:
         if only and name not in only:
+            continue
+        if not only and not args.all and name not in DEFAULT:
             continue
         need = NEEDS.get(name)
         if need is not None and importlib.util.find_spec(need[0]) is None:

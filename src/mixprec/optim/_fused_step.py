@@ -66,6 +66,8 @@ from ._parts import (
     _Tile,
 )
 from ._rounding import comp_of_weight, counter_bits, step_keys, stochastic_round, stream_key, with_edits
+from ._triton_step import eligible as _triton_eligible
+from ._triton_step import step_bucket as _triton_step_bucket
 
 __all__ = ["FusedStep"]
 
@@ -378,6 +380,9 @@ class FusedStep(OptimizerParts):
         # stochastic compensation, half states): FP32 steps skip the key kernels.
         bits = (p0.dtype in HALF and self.compensation != "none") or self._state_dtype_for(p0) in HALF
         b = self._bucket(group, params, self._streams() if bits else None, sts)
+        # Kahan AdamW on BF16 with FP32 states on a GPU: the whole bucket in one Triton launch (no tiles).
+        if _triton_eligible(self, group, plan, keys) and _triton_step_bucket(self, group, plan, b, ctx, lr_t):
+            return True
         layout = self._fused_layout(plan, b, keys)
         if isinstance(layout, str):
             self._warn_eager_bucket(layout)

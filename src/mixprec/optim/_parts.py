@@ -114,7 +114,7 @@ class _Plan:
     tiles (:class:`_EagerLayout`).
     """
 
-    __slots__ = ("device", "eager", "fused", "hp", "hp_key", "params")
+    __slots__ = ("device", "eager", "fused", "hp", "hp_key", "params", "triton")
 
     def __init__(self, device: torch.device, params: list[Tensor]) -> None:
         self.device = device
@@ -123,6 +123,7 @@ class _Plan:
         self.hp_key = ""
         self.eager: _EagerLayout | None = None
         self.fused: Any = None
+        self.triton: Any = None  # _triton_step.KahanTables of a bucket stepped by the Triton kernel
 
 
 class _Tile:

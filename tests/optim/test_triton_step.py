@@ -1,0 +1,261 @@
+"""The Kahan AdamW step as one Triton kernel per bucket (``mixprec.optim._triton_step``).
+
+On a CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, numpy arithmetic), which
+executes the same kernel source the GPU compiles; these tests skip where Triton does not import.
+The reference is the eager step (``fused=False``). One adjustment on the CPU: ATen's CPU ``sqrt``
+of FP32 (SLEEF, 0.5001 ulp) is not always correctly rounded, the interpreter's and a GPU's (and
+``torch.sqrt`` on CUDA) are; the fixture makes the reference's FP32 ``sqrt`` correctly rounded
+(through FP64, exact for a square root), so that bit-for-bit equality tests the kernel's
+arithmetic. The CUDA test at the end compares the compiled kernel with CUDA's eager step as it is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import mixprec.optim as mo
+import mixprec.optim._triton_step as ts
+from mixprec.optim._parts import _DeviceCtx
+
+from ._util import assert_bit_identical, snapshot
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the test extra)")
+
+SHAPES = [(37, 5), (ts.BLOCK * 2 + 11,), (7,), (300, 3), (0,)]  # several blocks, tails, an empty tensor, 5 tensors
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The kernel on the CPU, in Triton's interpreter; yields a list that counts its launches."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ts, "DEVICES", frozenset({"cpu"}))
+    ts.reset()
+    sqrt = torch.Tensor.sqrt
+    monkeypatch.setattr(torch.Tensor, "sqrt",
+                        lambda self: sqrt(self.double()).float() if self.dtype == torch.float32 else sqrt(self))
+    launches: list[int] = []
+    real = ts._launch
+
+    def counted(*args: Any) -> None:
+        launches.append(1)
+        real(*args)
+
+    monkeypatch.setattr(ts, "_launch", counted)
+    yield launches
+    ts.reset()
+
+
+def _params(seed: int = 0, shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(torch.bfloat16)) for s in shapes]
+
+
+def _train(fused: bool, steps: int = 4, *, grad_dtype: torch.dtype = torch.bfloat16, scale: float | None = None,
+           skip_at: int | None = None, shapes: list[tuple[int, ...]] = SHAPES, **kw: Any) -> mo.AdamW:
+    ps = _params(shapes=shapes)
+    opt = mo.AdamW(ps, fused=fused, seed=11, **{"lr": 1e-3, **kw})
+    g = torch.Generator().manual_seed(5)
+    for i in range(steps):
+        for p in ps:
+            if grad_dtype != p.dtype:
+                p.grad_dtype = grad_dtype
+            p.grad = (torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-4, 0, p.shape, generator=g)).to(grad_dtype)
+        extra: dict[str, torch.Tensor] = {}
+        if scale is not None:
+            extra["grad_scale"] = torch.tensor(scale)
+        if skip_at is not None:
+            extra["found_inf"] = torch.tensor(float(i == skip_at))
+        opt.step(**extra)
+    return opt
+
+
+CASES = {
+    "adamw": {},
+    "no-decay": {"weight_decay": 0.0},
+    "adam-l2": {"weight_decay": 0.05, "decoupled_weight_decay": False},
+    "maximize": {"maximize": True, "betas": (0.8, 0.99), "eps": 1e-6},
+    "grad-scale": {"scale": 1024.0},
+    "skip": {"skip_at": 1},
+    "fp32-grads": {"grad_dtype": torch.float32},
+    "lr-tensor": {"lr": torch.tensor(3e-3)},
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kernel_equals_the_eager_step_bit_for_bit(interpreted: list[int], case: str) -> None:
+    """Parameters, compensation, moments and step counts after four steps, one launch per step (one bucket)."""
+    kw = CASES[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the first-use check passes: no warning
+        fused = _train(True, **kw)
+    eager = _train(False, **kw)
+    assert_bit_identical(snapshot(fused), snapshot(eager))
+    assert len(interpreted) == 4 + 1  # the first-use check's own launch, then one per step
+    assert all(ts._state.values()) and ts._state
+    plan = fused._plan_cache[0][1][0]
+    assert isinstance(plan.triton, ts.KahanTables) and plan.fused is None  # no compiled tile layout was built
+    if case == "skip":
+        assert float(fused.state[fused.param_groups[0]["params"][0]]["step"]) == 3.0
+
+
+@needs_triton
+def test_odd_tensor_counts_and_two_groups_equal_the_eager_step(interpreted: list[int]) -> None:
+    """Three tensors (odd: the padded table sections) in one group and one in another: a launch per bucket."""
+    def run(fused: bool) -> mo.AdamW:
+        ps = _params(shapes=[(5,), (ts.BLOCK + 1,), (9, 2), (33,)])
+        opt = mo.AdamW([{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0, "lr": 5e-3}], fused=fused, seed=3)
+        for i in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            opt.step()
+        return opt
+
+    fused = run(True)
+    assert_bit_identical(snapshot(fused), snapshot(run(False)))
+    assert len(interpreted) == 2 + 3 * 2  # two variants checked (decay and none), two buckets per step
+
+
+@needs_triton
+def test_new_addresses_rebuild_the_tables(interpreted: list[int]) -> None:
+    """A ``load_state_dict`` (new state tensors) and ``p.data = ...`` between steps: still the eager step, bit for bit."""
+    def run(fused: bool) -> mo.AdamW:
+        opt = _train(fused, steps=2)
+        sd = opt.state_dict()
+        opt.load_state_dict(sd)
+        p0 = opt.param_groups[0]["params"][0]
+        p0.data = p0.data.clone()
+        for i in range(2):
+            for p in opt.param_groups[0]["params"]:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(9 + i)).to(torch.bfloat16)
+            opt.step()
+        return opt
+
+    fused = run(True)
+    assert_bit_identical(snapshot(fused), snapshot(run(False)))
+    tables = fused._plan_cache[0][1][0].triton
+    assert tables.bufs[0] is fused.param_groups[0]["params"][0]  # rebuilt on the new storage
+
+
+@needs_triton
+def test_only_kahan_adamw_on_bf16_with_fp32_states_is_eligible(interpreted: list[int]) -> None:
+    """Other configurations and subclasses that change the arithmetic are left to the compiled tile step."""
+    def eligible(opt: torch.optim.Optimizer) -> bool:
+        ps = opt.param_groups[0]["params"]
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+        group = opt.param_groups[0]
+        plan = opt._plans(0, group)[0]
+        return ts.eligible(opt, group, plan, opt._state_keys(group))
+
+    assert eligible(mo.AdamW(_params(), fused=True))
+    assert eligible(mo.Adam(_params(), fused=True))
+    assert not eligible(mo.AdamW(_params(), fused=True, amsgrad=True))
+    assert not eligible(mo.AdamW(_params(), fused=True, compensation="stochastic"))
+    assert not eligible(mo.AdamW(_params(), fused=True, state_dtype=torch.bfloat16))
+    assert not eligible(mo.AdamW([torch.nn.Parameter(torch.randn(4, dtype=torch.float16))], fused=True))
+    assert not eligible(mo.SGD(_params(), lr=0.1, momentum=0.9, fused=True))
+
+    class Custom(mo.AdamW):
+        def _update(self, *a: Any, **k: Any) -> Any:  # a subclass's own arithmetic
+            return super()._update(*a, **k)
+
+    assert not eligible(Custom(_params(), fused=True))
+    monkey = ts.DEVICES
+    ts.DEVICES = frozenset({"cuda"})
+    try:
+        assert not eligible(mo.AdamW(_params(), fused=True))  # a CPU bucket on the default devices
+    finally:
+        ts.DEVICES = monkey
+
+
+@needs_triton
+def test_non_contiguous_tensors_are_left_to_the_other_steps(interpreted: list[int]) -> None:
+    """A transposed parameter or gradient: ``step_bucket`` changes nothing and says so."""
+    p = torch.nn.Parameter(torch.randn(6, 4).to(torch.bfloat16).t())
+    q = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+    opt = mo.AdamW([p, q], fused=True)
+    for x in (p, q):
+        x.grad = torch.ones_like(x)
+    group = opt.param_groups[0]
+    plan = opt._plans(0, group)[0]
+    keys = opt._state_keys(group)
+    sts = opt._ensure_states(plan.params, group, keys)
+    b = opt._bucket(group, plan.params, opt._streams(), sts)
+    before = [x.clone() for x in (p, q)]
+    lr_t = torch.tensor([1e-3], dtype=torch.float64)
+    assert not ts.step_bucket(opt, group, plan, b, _DeviceCtx(None, None, None), lr_t)
+    p2 = torch.nn.Parameter(torch.randn(4, 6).to(torch.bfloat16))
+    p2.grad = torch.ones(6, 4, dtype=torch.bfloat16).t()
+    opt2 = mo.AdamW([p2], fused=True)
+    plan2 = opt2._plans(0, opt2.param_groups[0])[0]
+    sts2 = opt2._ensure_states(plan2.params, opt2.param_groups[0], keys)
+    b2 = opt2._bucket(opt2.param_groups[0], plan2.params, opt2._streams(), sts2)
+    assert not ts.step_bucket(opt2, opt2.param_groups[0], plan2, b2, _DeviceCtx(None, None, None), lr_t)
+    assert all(torch.equal(x, y) for x, y in zip((p, q), before)) and interpreted == []
+
+
+@needs_triton
+def test_a_kernel_that_disagrees_warns_once_and_is_not_used(interpreted: list[int],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first-use check compares with the eager step; a wrong kernel warns once and steps nothing."""
+    monkeypatch.setattr(ts, "_launch", lambda *args: None)  # a "kernel" that writes nothing
+    opt = mo.AdamW(_params(), fused=True)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    group = opt.param_groups[0]
+    plan = opt._plans(0, group)[0]
+    keys = opt._state_keys(group)
+    b = opt._bucket(group, plan.params, opt._streams(), opt._ensure_states(plan.params, group, keys))
+    before = snapshot(opt)
+    lr_t = torch.tensor([1e-3], dtype=torch.float64)
+    ctx = _DeviceCtx(None, None, None)
+    with pytest.warns(RuntimeWarning, match=r"Triton Kahan AdamW step on cpu under TRITON_INTERPRET=1 is off: "
+                                            r"it disagreed with the eager step"):
+        assert not ts.step_bucket(opt, group, plan, b, ctx, lr_t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not ts.step_bucket(opt, group, plan, b, ctx, lr_t)  # decided: no second warning, no second try
+    assert_bit_identical(snapshot(opt), before)
+
+
+def test_the_kernel_is_only_for_cuda_by_default() -> None:
+    assert sorted(ts.DEVICES) == ["cuda"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["adamw", "grad-scale", "skip"])
+def test_the_compiled_kernel_on_cuda_equals_cudas_eager_step(case: str) -> None:
+    """GPT-2-like shapes on the GPU: the kernel (no warning: it passed its first-use check) equals the eager step."""
+    ts.reset()
+    shapes = [(768, 2304), (2304,), (768,), (3072, 768), (50, 768), (1,)]
+    kw = dict(CASES[case])
+
+    def run(fused: bool) -> mo.AdamW:
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter((torch.randn(s, device="cuda") * 0.02).to(torch.bfloat16)) for s in shapes]
+        opt = mo.AdamW(ps, lr=1e-3, fused=fused, seed=2)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for i in range(5):
+            for p in ps:
+                p.grad = (torch.randn(p.shape, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
+            extra = {}
+            if "scale" in kw:
+                extra["grad_scale"] = torch.tensor(kw["scale"], device="cuda")
+            if "skip_at" in kw:
+                extra["found_inf"] = torch.tensor(float(i == kw["skip_at"]), device="cuda")
+            opt.step(**extra)
+        return opt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fused = run(True)
+    assert isinstance(fused._plan_cache[0][1][0].triton, ts.KahanTables)
+    assert_bit_identical(snapshot(fused), snapshot(run(False)))
