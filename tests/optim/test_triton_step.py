@@ -259,3 +259,24 @@ def test_the_compiled_kernel_on_cuda_equals_cudas_eager_step(case: str) -> None:
         fused = run(True)
     assert isinstance(fused._plan_cache[0][1][0].triton, ts.KahanTables)
     assert_bit_identical(snapshot(fused), snapshot(run(False)))
+
+
+@needs_triton
+def test_a_misaligned_parameter_takes_the_unhinted_variant(interpreted: list[int]) -> None:
+    """A parameter viewed at an odd element offset (contiguous, not 16-byte aligned): no alignment hint, same values."""
+    def run(fused: bool) -> mo.AdamW:
+        g = torch.Generator().manual_seed(4)
+        base = torch.randn(ts.BLOCK + 9, generator=g).to(torch.bfloat16)
+        p = torch.nn.Parameter(base[1:])  # a view 2 bytes into its storage
+        q = torch.nn.Parameter(torch.randn(ts.BLOCK * 2, generator=g).to(torch.bfloat16))
+        opt = mo.AdamW([p, q], fused=fused, seed=1)
+        for i in range(2):
+            for x in (p, q):
+                x.grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            opt.step()
+        return opt
+
+    fused = run(True)
+    assert_bit_identical(snapshot(fused), snapshot(run(False)))
+    tables = fused._plan_cache[0][1][0].triton
+    assert not tables.aligned and tables.full == 1 + 2 and tables.tail == 1

@@ -81,30 +81,60 @@ def _build() -> Any:
         return None
 
     @triton.jit
-    def kahan_adamw_kernel(p_ptrs, c_ptrs, m_ptrs, v_ptrs, g_ptrs, numels, first_block, block_tensor, bases,
+    def kahan_adamw_kernel(p_ptrs, c_ptrs, m_ptrs, v_ptrs, g_ptrs, numels, block_tensor, block_start, bases,
                            step_size, bc2_sqrt, ka, kb, decay, scale, keep,
                            beta1c, beta2, beta2c, eps, wd,
-                           BLOCK: tl.constexpr, G_BF16: tl.constexpr, HAS_SCALE: tl.constexpr,
-                           HAS_KEEP: tl.constexpr, MAXIMIZE: tl.constexpr, L2: tl.constexpr, DECAY: tl.constexpr):
+                           BLOCK: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, G_BF16: tl.constexpr,
+                           HAS_SCALE: tl.constexpr, HAS_KEEP: tl.constexpr, MAXIMIZE: tl.constexpr, L2: tl.constexpr,
+                           DECAY: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(block_tensor + pid)
-        n = tl.load(numels + t)
-        if HAS_KEEP:  # a skipped step (found_inf): no element is read or written
-            n = tl.where(tl.load(keep) != 0.0, n, 0)
-        idx = (pid - tl.load(first_block + t)) * BLOCK + tl.arange(0, BLOCK)  # int64: tensors past 2**31 elements
-        inside = idx < n
+        start = tl.multiple_of(tl.load(block_start + pid), BLOCK)
+        idx = start + tl.arange(0, BLOCK)  # int64: tensors past 2**31 elements
         pp = tl.load(p_ptrs + t).to(tl.pointer_type(tl.uint16))
         cp = tl.load(c_ptrs + t).to(tl.pointer_type(tl.uint16))
         mp = tl.load(m_ptrs + t).to(tl.pointer_type(tl.float32))
         vp = tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32))
-        w = (tl.load(pp + idx, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        c = (tl.load(cp + idx, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         if G_BF16:
             gp = tl.load(g_ptrs + t).to(tl.pointer_type(tl.uint16))
-            g = (tl.load(gp + idx, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
             gpf = tl.load(g_ptrs + t).to(tl.pointer_type(tl.float32))
-            g = tl.load(gpf + idx, mask=inside, other=0.0)
+        if ALIGNED:  # every pointer 16-byte aligned (checked on the host): 16-byte vector loads and stores
+            pp = tl.multiple_of(pp, 16)
+            cp = tl.multiple_of(cp, 16)
+            mp = tl.multiple_of(mp, 16)
+            vp = tl.multiple_of(vp, 16)
+            if G_BF16:
+                gp = tl.multiple_of(gp, 16)
+            else:
+                gpf = tl.multiple_of(gpf, 16)
+        if MASKED:  # the last, partial block of a tensor
+            n = tl.load(numels + t)
+            if HAS_KEEP:  # a skipped step (found_inf): no element is read or written
+                n = tl.where(tl.load(keep) != 0.0, n, 0)
+            inside = idx < n
+        elif HAS_KEEP:  # full blocks: read unmasked (vector loads), written only when the step is kept
+            inside = (tl.full([BLOCK], 0.0, tl.float32) + tl.load(keep)) != 0.0  # one value: vector stores still
+        else:
+            inside = None
+        if MASKED:
+            w = (tl.load(pp + idx, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            c = (tl.load(cp + idx, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            m_old = tl.load(mp + idx, mask=inside, other=0.0)
+            v_old = tl.load(vp + idx, mask=inside, other=0.0)
+            if G_BF16:
+                g = (tl.load(gp + idx, mask=inside, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                g = tl.load(gpf + idx, mask=inside, other=0.0)
+        else:
+            w = (tl.load(pp + idx).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            c = (tl.load(cp + idx).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            m_old = tl.load(mp + idx)
+            v_old = tl.load(vp + idx)
+            if G_BF16:
+                g = (tl.load(gp + idx).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                g = tl.load(gpf + idx)
         if HAS_SCALE:
             g = tl.math.div_rn(g, tl.load(scale))
         if MAXIMIZE:
@@ -119,8 +149,6 @@ def _build() -> Any:
             wn = w * tl.load(decay)
         else:
             wn = w
-        m_old = tl.load(mp + idx, mask=inside, other=0.0)
-        v_old = tl.load(vp + idx, mask=inside, other=0.0)
         m = (g - m_old) * beta1c + m_old
         v = v_old * beta2 + (g * g) * beta2c
         denom = tl.math.div_rn(tl.math.sqrt_rn(v), tl.load(bc2_sqrt + t)) + eps
@@ -192,48 +220,63 @@ class KahanTables:
     """The device tables of one bucket, rebuilt when its tensors' addresses change (a plan's ``triton``).
 
     One ``int64`` buffer: the parameters', compensations', ``exp_avg``'s and ``exp_avg_sq``'s data
-    pointers, the element counts, first blocks, global element offsets, then each block's tensor;
-    built on the host and copied once per build (from pinned memory on CUDA: no host sync). The
-    gradients' pointers are a second table, rebuilt when they move (steady training reuses the
-    caching allocator's addresses, so rarely). Holds the tensors whose pointers it stores.
+    pointers, the element counts, global element offsets and the two random keys per tensor, then
+    per block (``BLOCK`` elements) of each launch its tensor and its first element: one launch over
+    the full blocks (no masks: vector loads where every pointer is 16-byte aligned) and one over the
+    tensors' last, partial blocks. Built on the host and copied once per build (from pinned memory
+    on CUDA: no host sync). The gradients' pointers are a second table, rebuilt when they move
+    (steady training reuses the caching allocator's addresses, so rarely). Holds the tensors whose
+    pointers it stores.
     """
 
-    __slots__ = ("blocks", "bufs", "device_index", "g_host", "g_ptrs", "g_sig", "g_table", "host", "ka0", "kb0",
-                 "sig", "table", "views")
+    __slots__ = ("aligned", "bufs", "device_index", "full", "g_aligned", "g_host", "g_ptrs", "g_sig", "g_table", "host",
+                 "ka0", "kb0", "sig", "table", "tail", "views")
 
     def __init__(self, sig: tuple[Any, ...], b: _Bucket, seed: int) -> None:
         device = b.params[0].device
         n = len(b.params)
         numels = [p.numel() for p in b.params]
-        blocks = [-(-k // BLOCK) for k in numels]
-        first, total = [], 0
-        for k in blocks:
-            first.append(total)
-            total += k
-        owner = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), torch.tensor(blocks, dtype=torch.int64))
         bufs = [*b.params, *b.comps, *b.states["exp_avg"], *b.states["exp_avg_sq"]]
         streams = [stream_key(seed, i * _STREAMS_PER_PARAM + _SLOT_COMP) for i in b.ids]
+        full_t: list[int] = []
+        full_s: list[int] = []
+        tail_t: list[int] = []
+        tail_s: list[int] = []
+        for i, k in enumerate(numels):
+            whole = k // BLOCK
+            full_t += [i] * whole
+            full_s += range(0, whole * BLOCK, BLOCK)
+            if k % BLOCK:
+                tail_t.append(i)
+                tail_s.append(whole * BLOCK)
         # Each section padded to an even length: every one starts 16-byte aligned, so Triton's pointer
         # specialisation (alignment) is the same for every bucket size (one compile per variant).
-        pad = [0] * (n & 1)
         sections = [[t.data_ptr() for t in bufs[i * n:(i + 1) * n]] for i in range(4)]
-        sections += [numels, first, list(b.offsets), [k[0] for k in streams], [k[1] for k in streams]]
-        host = torch.cat([torch.tensor([v for sec in sections for v in (*sec, *pad)], dtype=torch.int64), owner])
+        sections += [numels, list(b.offsets), [k[0] for k in streams], [k[1] for k in streams],
+                     full_t, full_s, tail_t, tail_s]
+        flat: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for sec in sections:
+            spans.append((len(flat), len(sec)))
+            flat += sec
+            flat += [0] * (len(sec) & 1)
+        host = torch.tensor(flat, dtype=torch.int64)
         if device.type == "cuda":
             host = host.pin_memory()
         self.host = host  # kept: a pinned source must outlive its asynchronous copy
         self.table = host.to(device, non_blocking=True)
-        # pointers p, c, m, v | numels | first blocks | offsets | ka0 | kb0 | each block's tensor
-        m = n + len(pad)
-        self.views = [self.table[i * m:i * m + n] for i in range(9)] + [self.table[9 * m:]]
-        self.ka0, self.kb0 = self.views[7], self.views[8]
-        self.blocks = total
+        # p, c, m, v pointers | numels | offsets | ka0 | kb0 | full blocks' tensors, starts | tail blocks' tensors, starts
+        self.views = [self.table[a:a + k] for a, k in spans]
+        self.ka0, self.kb0 = self.views[6], self.views[7]
+        self.full, self.tail = len(full_t), len(tail_t)
+        self.aligned = all(t.data_ptr() % 16 == 0 for t in bufs)
         self.sig = sig
         self.bufs = bufs
         self.device_index = _index(device) if device.type == "cuda" else None
         self.g_sig: list[int] | None = None
         self.g_host: Tensor | None = None
         self.g_table: Tensor | None = None
+        self.g_aligned = False
         self.g_ptrs: list[Tensor] = []
 
     def grads(self, grads: list[Tensor]) -> Tensor | None:
@@ -248,6 +291,7 @@ class KahanTables:
             self.g_host = host
             self.g_table = host.to(self.table.device, non_blocking=True)
             self.g_sig = ptrs
+            self.g_aligned = all(q % 16 == 0 for q in ptrs)
         self.g_ptrs = grads  # their storages outlive the launch
         return self.g_table
 
@@ -269,22 +313,26 @@ def _tables(opt: OptimizerParts, plan: _Plan, b: _Bucket) -> KahanTables | None:
 
 def _launch(tables: KahanTables, g_table: Tensor, scalars: Mapping[str, Tensor], ka: Tensor, kb: Tensor,
             decay: Tensor | None, ctx: _DeviceCtx, group: Mapping[str, Any], g_bf16: bool) -> None:
-    """One launch over every block of the bucket (no host sync)."""
+    """The bucket's two launches, full blocks then partial ones (no host sync)."""
     v = tables.views
     beta1, beta2 = group["betas"]
     wd = float(group["weight_decay"])
     decoupled = bool(group["decoupled_weight_decay"])
     dummy = v[4]  # a pointer for the arguments a variant does not read
+    kernel = _kernel[0]
     with on_device(tables.device_index):
-        _kernel[0][(tables.blocks,)](
-            v[0], v[1], v[2], v[3], g_table, v[4], v[5], v[9], v[6],
-            scalars["step_size"], scalars["bc2_sqrt"], ka, kb,
-            decay if decay is not None else dummy, ctx.scale if ctx.scale is not None else dummy,
-            ctx.keep if ctx.keep is not None else dummy,
-            1.0 - beta1, beta2, 1.0 - beta2, float(group["eps"]), wd,
-            BLOCK=BLOCK, G_BF16=g_bf16, HAS_SCALE=ctx.scale is not None, HAS_KEEP=ctx.keep is not None,
-            MAXIMIZE=bool(group["maximize"]), L2=wd != 0 and not decoupled, DECAY=wd != 0 and decoupled,
-            enable_fp_fusion=False)
+        for masked, count, blocks, starts in ((False, tables.full, v[8], v[9]), (True, tables.tail, v[10], v[11])):
+            if not count:
+                continue
+            kernel[(count,)](
+                v[0], v[1], v[2], v[3], g_table, v[4], blocks, starts, v[5],
+                scalars["step_size"], scalars["bc2_sqrt"], ka, kb,
+                decay if decay is not None else dummy, ctx.scale if ctx.scale is not None else dummy,
+                ctx.keep if ctx.keep is not None else dummy,
+                1.0 - beta1, beta2, 1.0 - beta2, float(group["eps"]), wd,
+                BLOCK=BLOCK, MASKED=masked, ALIGNED=tables.aligned and tables.g_aligned, G_BF16=g_bf16,
+                HAS_SCALE=ctx.scale is not None, HAS_KEEP=ctx.keep is not None, MAXIMIZE=bool(group["maximize"]),
+                L2=wd != 0 and not decoupled, DECAY=wd != 0 and decoupled, enable_fp_fusion=False)
 
 
 def step_bucket(opt: OptimizerParts, group: Mapping[str, Any], plan: _Plan, b: _Bucket,
