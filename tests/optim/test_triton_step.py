@@ -51,14 +51,17 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     ts.reset()
 
 
-def _params(seed: int = 0, shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.nn.Parameter]:
+def _params(seed: int = 0, shapes: list[tuple[int, ...]] = SHAPES,
+            dtype: torch.dtype = torch.bfloat16) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(torch.bfloat16)) for s in shapes]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in shapes]
 
 
-def _train(fused: bool, steps: int = 4, *, grad_dtype: torch.dtype = torch.bfloat16, scale: float | None = None,
-           skip_at: int | None = None, shapes: list[tuple[int, ...]] = SHAPES, **kw: Any) -> mo.AdamW:
-    ps = _params(shapes=shapes)
+def _train(fused: bool, steps: int = 4, *, grad_dtype: torch.dtype | None = None, scale: float | None = None,
+           skip_at: int | None = None, shapes: list[tuple[int, ...]] = SHAPES, dtype: torch.dtype = torch.bfloat16,
+           **kw: Any) -> mo.AdamW:
+    ps = _params(shapes=shapes, dtype=dtype)
+    grad_dtype = grad_dtype or dtype
     opt = mo.AdamW(ps, fused=fused, seed=11, **{"lr": 1e-3, **kw})
     g = torch.Generator().manual_seed(5)
     for i in range(steps):
@@ -84,6 +87,12 @@ CASES = {
     "skip": {"skip_at": 1},
     "fp32-grads": {"grad_dtype": torch.float32},
     "lr-tensor": {"lr": torch.tensor(3e-3)},
+    "stochastic": {"compensation": "stochastic"},
+    "round-to-nearest": {"compensation": "none"},
+    "bf16-states": {"state_dtype": torch.bfloat16},
+    "stochastic-bf16-states": {"compensation": "stochastic", "state_dtype": torch.bfloat16, "skip_at": 2},
+    "fp32-island": {"dtype": torch.float32, "scale": 8.0},
+    "fp32-island-bf16-states": {"dtype": torch.float32, "state_dtype": torch.bfloat16},
 }
 
 
@@ -100,7 +109,7 @@ def test_the_kernel_equals_the_eager_step_bit_for_bit(interpreted: list[int], ca
     assert len(interpreted) == 4 + 1  # the first-use check's own launch, then one per step
     assert all(ts._state.values()) and ts._state
     plan = fused._plan_cache[0][1][0]
-    assert isinstance(plan.triton, ts.KahanTables) and plan.fused is None  # no compiled tile layout was built
+    assert isinstance(plan.triton, ts.AdamWTables) and plan.fused is None  # no compiled tile layout was built
     if case == "skip":
         assert float(fused.state[fused.param_groups[0]["params"][0]]["step"]) == 3.0
 
@@ -144,8 +153,9 @@ def test_new_addresses_rebuild_the_tables(interpreted: list[int]) -> None:
 
 
 @needs_triton
-def test_only_kahan_adamw_on_bf16_with_fp32_states_is_eligible(interpreted: list[int]) -> None:
-    """Other configurations and subclasses that change the arithmetic are left to the compiled tile step."""
+def test_adamw_on_bf16_or_fp32_parameters_is_eligible(interpreted: list[int]) -> None:
+    """AdamW/Adam without amsgrad on BF16 (any compensation) or FP32 parameters, FP32 or BF16 states; others
+    (FP16 parameters, amsgrad, SGD, subclasses that change the arithmetic) are left to the compiled tile step."""
     def eligible(opt: torch.optim.Optimizer) -> bool:
         ps = opt.param_groups[0]["params"]
         for p in ps:
@@ -156,10 +166,11 @@ def test_only_kahan_adamw_on_bf16_with_fp32_states_is_eligible(interpreted: list
 
     assert eligible(mo.AdamW(_params(), fused=True))
     assert eligible(mo.Adam(_params(), fused=True))
+    assert eligible(mo.AdamW(_params(), fused=True, compensation="stochastic", state_dtype=torch.bfloat16))
+    assert eligible(mo.AdamW(_params(dtype=torch.float32), fused=True))
     assert not eligible(mo.AdamW(_params(), fused=True, amsgrad=True))
-    assert not eligible(mo.AdamW(_params(), fused=True, compensation="stochastic"))
-    assert not eligible(mo.AdamW(_params(), fused=True, state_dtype=torch.bfloat16))
     assert not eligible(mo.AdamW([torch.nn.Parameter(torch.randn(4, dtype=torch.float16))], fused=True))
+    assert not eligible(mo.AdamW([torch.nn.Parameter(torch.randn(4, dtype=torch.float64))], fused=True))
     assert not eligible(mo.SGD(_params(), lr=0.1, momentum=0.9, fused=True))
 
     class Custom(mo.AdamW):
@@ -216,7 +227,7 @@ def test_a_kernel_that_disagrees_warns_once_and_is_not_used(interpreted: list[in
     before = snapshot(opt)
     lr_t = torch.tensor([1e-3], dtype=torch.float64)
     ctx = _DeviceCtx(None, None, None)
-    with pytest.warns(RuntimeWarning, match=r"Triton Kahan AdamW step on cpu under TRITON_INTERPRET=1 is off: "
+    with pytest.warns(RuntimeWarning, match=r"Triton AdamW step on cpu under TRITON_INTERPRET=1 is off: "
                                             r"it disagreed with the eager step"):
         assert not ts.step_bucket(opt, group, plan, b, ctx, lr_t)
     with warnings.catch_warnings():
@@ -231,21 +242,23 @@ def test_the_kernel_is_only_for_cuda_by_default() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("case", ["adamw", "grad-scale", "skip"])
+@pytest.mark.parametrize("case", ["adamw", "grad-scale", "skip", "stochastic-bf16-states", "fp32-island"])
 def test_the_compiled_kernel_on_cuda_equals_cudas_eager_step(case: str) -> None:
     """GPT-2-like shapes on the GPU: the kernel (no warning: it passed its first-use check) equals the eager step."""
     ts.reset()
     shapes = [(768, 2304), (2304,), (768,), (3072, 768), (50, 768), (1,)]
     kw = dict(CASES[case])
+    dtype = kw.pop("dtype", torch.bfloat16)
+    opt_kw = {k: v for k, v in kw.items() if k in ("compensation", "state_dtype")}
 
     def run(fused: bool) -> mo.AdamW:
         torch.manual_seed(0)
-        ps = [torch.nn.Parameter((torch.randn(s, device="cuda") * 0.02).to(torch.bfloat16)) for s in shapes]
-        opt = mo.AdamW(ps, lr=1e-3, fused=fused, seed=2)
+        ps = [torch.nn.Parameter((torch.randn(s, device="cuda") * 0.02).to(dtype)) for s in shapes]
+        opt = mo.AdamW(ps, lr=1e-3, fused=fused, seed=2, **opt_kw)
         g = torch.Generator(device="cuda").manual_seed(1)
         for i in range(5):
             for p in ps:
-                p.grad = (torch.randn(p.shape, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
+                p.grad = (torch.randn(p.shape, device="cuda", generator=g) * 1e-3).to(dtype)
             extra = {}
             if "scale" in kw:
                 extra["grad_scale"] = torch.tensor(kw["scale"], device="cuda")
@@ -257,7 +270,7 @@ def test_the_compiled_kernel_on_cuda_equals_cudas_eager_step(case: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         fused = run(True)
-    assert isinstance(fused._plan_cache[0][1][0].triton, ts.KahanTables)
+    assert isinstance(fused._plan_cache[0][1][0].triton, ts.AdamWTables)
     assert_bit_identical(snapshot(fused), snapshot(run(False)))
 
 

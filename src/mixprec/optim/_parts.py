@@ -123,7 +123,7 @@ class _Plan:
         self.hp_key = ""
         self.eager: _EagerLayout | None = None
         self.fused: Any = None
-        self.triton: Any = None  # _triton_step.KahanTables of a bucket stepped by the Triton kernel
+        self.triton: Any = None  # _triton_step.AdamWTables of a bucket stepped by the Triton kernel
 
 
 class _Tile:
