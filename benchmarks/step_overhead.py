@@ -24,8 +24,9 @@ fused AdamW, with ``--fused``):
 * ``pure-kahan-eager``: ``mixprec.optim.AdamW`` on BF16 parameters, Kahan, FP32 states,
   ``fused=False`` (the eager foreach reference), ``found_inf`` passed (the on-device skip).
 * ``pure-sr-bf16-eager``: stochastic rounding with BF16 states, ``fused=False``, ``found_inf`` passed.
-* ``pure-kahan-fused``: the same as ``pure-kahan-eager`` with ``fused=True`` (the ``torch.compile``d step).
-* ``pure-sr-bf16-fused``: stochastic rounding with BF16 states, ``fused=True``.
+* ``pure-kahan-fused``: the same as ``pure-kahan-eager`` with ``fused=True`` (the ``torch.compile``d
+  tile step on a CPU; on CUDA one Triton kernel per bucket, ``mixprec/optim/_triton_step.py``).
+* ``pure-sr-bf16-fused``: stochastic rounding with BF16 states, ``fused=True`` (the same two routes).
 * ``bf16-pure-fused``: ``MixedPrecision("bf16-pure").step(opt)`` around ``pure-kahan-fused``
   (the whole step: check + fused update + bookkeeping).
   First-step compile times are printed separately (``compile_seconds``), not in the medians.
@@ -47,8 +48,9 @@ Usage::
     python benchmarks/step_overhead.py --count-ops 2,12,24 # aten ops per eager optimizer step, by depth
     python benchmarks/step_overhead.py --device cuda --only-compensated --fused --shapes gpt2
                                         # issue 27, item 3: bf16-pure's step on GPT-2 124M's tensors
-    python benchmarks/step_overhead.py --device cuda --only-compensated --fused --shapes gpt2 --fused-tile 524288
-                                        # the same with 2**19-element tiles (the default is 2**21 on a GPU)
+    python benchmarks/step_overhead.py --only-compensated --fused --fused-tile 524288
+                                        # the compiled tile step with 2**19-element tiles (on CUDA AdamW takes
+                                        # the Triton kernel, which has no tiles)
     python benchmarks/step_overhead.py --device cuda --fused --profile
                                         # + per row: kernel time against the step's, top kernels and Python functions
 """

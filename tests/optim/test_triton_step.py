@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,8 @@ CASES = {
     "skip": {"skip_at": 1},
     "fp32-grads": {"grad_dtype": torch.float32},
     "lr-tensor": {"lr": torch.tensor(3e-3)},
+    "lr-1-element": {"lr": torch.tensor([3e-3]), "weight_decay": 0.3},  # (1,): no FP64 promotion in the eager step
+    "lr-numpy": {"lr": np.float32(3e-3), "weight_decay": 0.3},  # 1 - lr * wd in FP64, as for a float
     "stochastic": {"compensation": "stochastic"},
     "round-to-nearest": {"compensation": "none"},
     "bf16-states": {"state_dtype": torch.bfloat16},
@@ -293,3 +296,63 @@ def test_a_misaligned_parameter_takes_the_unhinted_variant(interpreted: list[int
     assert_bit_identical(snapshot(fused), snapshot(run(False)))
     tables = fused._plan_cache[0][1][0].triton
     assert not tables.aligned and tables.full == 1 + 2 and tables.tail == 1
+
+
+def _one_bucket(opt: mo.AdamW) -> tuple[dict[str, Any], Any, Any]:
+    group = opt.param_groups[0]
+    plan = opt._plans(0, group)[0]
+    keys = opt._state_keys(group)
+    b = opt._bucket(group, plan.params, opt._streams(), opt._ensure_states(plan.params, group, keys))
+    return group, plan, b
+
+
+@needs_triton
+def test_the_step_holds_no_gradient_and_bumps_version_counters(interpreted: list[int]) -> None:
+    """After ``zero_grad`` the step's gradients are freed (as after torch's step); a graph built before the step
+    refuses its stale weights (autograd's in-place check), as after the eager step."""
+    import weakref
+
+    ps = _params(shapes=[(40, 3), (ts.BLOCK + 5,)])
+    opt = mo.AdamW(ps, fused=True)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    refs = [weakref.ref(p.grad) for p in ps]
+    versions = [p._version for p in ps]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert interpreted and all(r() is None for r in refs)
+    assert all(p._version > v for p, v in zip(ps, versions))
+    assert all(opt.state[p][k]._version > 0 for p in ps for k in ("exp_avg", "exp_avg_sq", "kahan_comp"))
+    loss = (ps[0] * ps[0]).sum()  # saves ps[0] itself for backward
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@needs_triton
+@pytest.mark.parametrize("change", ["state-dtype", "comp-dtype", "transposed-grad"])
+def test_a_bucket_the_kernel_cannot_read_as_it_is_is_left_to_the_other_steps(interpreted: list[int],
+                                                                               change: str) -> None:
+    """A state or compensation in another dtype than the step writes, a gradient re-strided at the same address:
+    checked every step, not only when an address changes (the kernel would read the bytes wrongly)."""
+    ps = _params(shapes=[(64, 32)])
+    opt = mo.AdamW(ps, fused=True)
+    ps[0].grad = torch.ones_like(ps[0])
+    opt.step()
+    assert len(interpreted) == 2  # the first-use check, then the step
+    st = opt.state[ps[0]]
+    if change == "state-dtype":
+        st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)
+        ps[0].grad = torch.ones_like(ps[0])
+    elif change == "comp-dtype":
+        st["kahan_comp"] = st["kahan_comp"].float()
+        ps[0].grad = torch.ones_like(ps[0])
+    else:
+        ps[0].grad = torch.ones(32, 64, dtype=torch.bfloat16).t()
+    group, plan, b = _one_bucket(opt)
+    before = snapshot(opt)
+    assert not ts.step_bucket(opt, group, plan, b, _DeviceCtx(None, None, None), torch.tensor([1e-3], dtype=torch.float64))
+    assert len(interpreted) == 2 and plan.triton is None
+    assert_bit_identical(snapshot(opt), before)

@@ -164,8 +164,13 @@ class AdamW(LowPrecisionOptimizer):
         lr = group["lr"]
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
+        # A 0-d FP64 tensor or a Python float, whatever the user's form: a (1,)-shaped tensor would
+        # promote the decayed weight to FP64, a NumPy FP32 scalar compute 1 - lr * wd in FP32 (both
+        # then differ from a float lr, from the fused steps and from each other).
         if isinstance(lr, Tensor):
-            lr = lr_on(lr, w.device, torch.float64 if w.device.type != "mps" else torch.float32)
+            lr = lr_on(lr, w.device, torch.float64 if w.device.type != "mps" else torch.float32).reshape(())
+        else:
+            lr = float(lr)
         # Only single-rounding ops (+ - * / sqrt), no lerp/addcmul/alpha=: ATen's CPU kernels fuse
         # those into FMAs and Inductor (fp-contract off) does not, so the compiled step (fused=True)
         # equals this eager one bit for bit only when no op has a fused form.

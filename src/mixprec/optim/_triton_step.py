@@ -69,6 +69,8 @@ DEVICES: frozenset[str] = frozenset({"cuda"})
 BLOCK = 2048
 _KEYS = ("exp_avg", "exp_avg_sq")
 _DATA_PTR = operator.methodcaller("data_ptr")
+_CONTIGUOUS = operator.methodcaller("is_contiguous")
+_DTYPE = operator.attrgetter("dtype")
 
 tl: Any = None  # triton.language once _build imported it
 _kernel: list[Any] = []  # the jitted kernel, built on first use
@@ -286,7 +288,7 @@ class AdamWTables:
     caching allocator's addresses, so rarely). Holds the tensors whose pointers it stores.
     """
 
-    __slots__ = ("aligned", "bufs", "device_index", "full", "g_aligned", "g_host", "g_ptrs", "g_sig", "g_table", "host",
+    __slots__ = ("aligned", "bufs", "device_index", "full", "g_aligned", "g_host", "g_sig", "g_table", "host",
                  "ka0", "kb0", "sig", "slots", "table", "tail", "views")
 
     def __init__(self, sig: tuple[Any, ...], b: _Bucket, seed: int, slots: tuple[int, ...]) -> None:
@@ -333,14 +335,15 @@ class AdamWTables:
         self.g_host: Tensor | None = None
         self.g_table: Tensor | None = None
         self.g_aligned = False
-        self.g_ptrs: list[Tensor] = []
 
-    def grads(self, grads: list[Tensor]) -> Tensor | None:
-        """The gradients' pointer table (rebuilt when they moved); ``None`` when one is not contiguous."""
+    def grads(self, grads: list[Tensor]) -> Tensor:
+        """The gradients' pointer table, rebuilt when they moved.
+
+        Holds no gradient: the launch is stream-ordered before any later use of their memory, so
+        ``zero_grad`` frees them as it does after torch's step (the caller checked their layout).
+        """
         ptrs = list(map(_DATA_PTR, grads))
         if ptrs != self.g_sig:
-            if not all(g.is_contiguous() for g in grads):
-                return None
             host = torch.tensor(ptrs, dtype=torch.int64)
             if self.device_index is not None:
                 host = host.pin_memory()
@@ -348,20 +351,31 @@ class AdamWTables:
             self.g_table = host.to(self.table.device, non_blocking=True)
             self.g_sig = ptrs
             self.g_aligned = all(q % 16 == 0 for q in ptrs)
-        self.g_ptrs = grads  # their storages outlive the launch
-        return self.g_table
+        return cast(Tensor, self.g_table)
 
 
 def _tables(opt: OptimizerParts, plan: _Plan, b: _Bucket) -> AdamWTables | None:
-    """The bucket's cached tables (rebuilt when seed, streams, offsets or any address changed); ``None``: not contiguous."""
-    ptrs = tuple(map(_DATA_PTR, chain(b.params, b.comps, b.states["exp_avg"], b.states["exp_avg_sq"])))
+    """The bucket's cached tables (rebuilt when seed, streams, offsets or any address changed).
+
+    ``None`` when the kernel cannot step the bucket as it is now (checked every step, host work
+    only: a tensor re-pointed or replaced keeps or reuses an address): a parameter, gradient,
+    compensation or state that is not contiguous (the kernel walks memory order, the random bits
+    follow the logical one), or a compensation or state not in the dtype the step writes (the
+    eager step converts those; the kernel would read the bytes as another type).
+    """
+    bufs = b.states["exp_avg"] + b.states["exp_avg_sq"]
+    pdt = b.params[0].dtype
+    if (not all(map(_CONTIGUOUS, chain(b.params, b.grads, b.comps, bufs)))
+            or set(map(_DTYPE, bufs)) != {opt._state_dtype_for(b.params[0])}
+            or (b.comps and set(map(_DTYPE, b.comps)) != {pdt})):
+        plan.triton = None
+        return None
+    ptrs = tuple(map(_DATA_PTR, chain(b.params, b.comps, bufs)))
     sig = (opt.seed, tuple(b.ids), tuple(b.offsets), ptrs)
     tables: AdamWTables | None = plan.triton
     if tables is not None and tables.sig == sig:
         return tables
     plan.triton = None
-    if not all(t.is_contiguous() for t in chain(b.params, b.comps, b.states["exp_avg"], b.states["exp_avg_sq"])):
-        return None
     plan.triton = AdamWTables(sig, b, opt.seed, opt._random_slots(b, _KEYS))
     return plan.triton
 
@@ -416,6 +430,9 @@ def _step(opt: OptimizerParts, group: Mapping[str, Any], tables: AdamWTables, g_
     wd = float(group["weight_decay"])
     decay = (1 - lr_t.reshape(()) * wd).to(torch.float32) if wd != 0 and group["decoupled_weight_decay"] else None
     _untraced(_launch)(tables, g_table, scalars, keys, decay, ctx, group, modes)
+    # Written through raw pointers: autograd's version counters as an in-place op bumps them (a graph
+    # built before the step then refuses its stale weights, as after the eager step).
+    torch.autograd.graph.increment_version(tables.bufs)
     opt._count_steps(b, ctx)
 
 
@@ -434,8 +451,6 @@ def step_bucket(opt: OptimizerParts, group: Mapping[str, Any], plan: _Plan, b: _
     if tables is None:
         return False
     g_table = tables.grads(b.grads)
-    if g_table is None:
-        return False
     modes = _modes(opt, b.params[0].dtype, gdt)
     wd = float(group["weight_decay"])
     decoupled = bool(group["decoupled_weight_decay"])
@@ -506,9 +521,9 @@ def _first_check(opt: OptimizerParts, group: Mapping[str, Any], device: torch.de
                 lr_t = torch.tensor([float(lr)] if not isinstance(lr, Tensor) else [float(lr.detach().cpu())],
                                     dtype=torch.float64, device=device)
                 tables = _tables(opt, plan, b)
-                g_table = tables.grads(gs) if tables is not None else None
-                if tables is None or g_table is None:
+                if tables is None:
                     raise RuntimeError("internal: the check's tensors are not contiguous")
+                g_table = tables.grads(gs)
                 _step(opt, group, tables, g_table, b, ctx, lr_t, _modes(opt, pdt, gdt))
             else:
                 cast(Any, opt)._step_bucket(dict(group), plan, b, _KEYS, ctx)
