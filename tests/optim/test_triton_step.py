@@ -356,3 +356,28 @@ def test_a_bucket_the_kernel_cannot_read_as_it_is_is_left_to_the_other_steps(int
     assert not ts.step_bucket(opt, group, plan, b, _DeviceCtx(None, None, None), torch.tensor([1e-3], dtype=torch.float64))
     assert len(interpreted) == 2 and plan.triton is None
     assert_bit_identical(snapshot(opt), before)
+
+
+@needs_triton
+@pytest.mark.parametrize("how", ["numpy", "tensor"])
+def test_hyper_parameters_a_scheduler_writes_as_numpy_or_tensors(interpreted: list[int], how: str) -> None:
+    """betas and weight decay set mid-run as NumPy FP32 scalars (taken as floats: the kernel) or tensors (the
+    eager step; compiled in, the tiles could not take them): still the eager step's values, no warning."""
+    def run(fused: bool) -> mo.AdamW:
+        ps = _params(shapes=[(ts.BLOCK + 3,), (5, 7)])
+        opt = mo.AdamW(ps, lr=0.3, weight_decay=0.5, fused=fused, seed=2)
+        for i in range(4):
+            if i == 2:
+                conv = np.float32 if how == "numpy" else torch.tensor
+                opt.param_groups[0]["weight_decay"] = conv(0.98278546)
+                opt.param_groups[0]["betas"] = (conv(0.85), conv(0.995))
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            opt.step()
+        return opt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fused = run(True)
+    assert_bit_identical(snapshot(fused), snapshot(run(False)))
+    assert len(interpreted) == 1 + (4 if how == "numpy" else 2)  # the check, then the steps the kernel took

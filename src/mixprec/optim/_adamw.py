@@ -162,11 +162,12 @@ class AdamW(LowPrecisionOptimizer):
         expand: Callable[[Tensor], Tensor],
     ) -> tuple[Tensor, dict[str, Tensor]]:
         lr = group["lr"]
-        beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
-        # A 0-d FP64 tensor or a Python float, whatever the user's form: a (1,)-shaped tensor would
-        # promote the decayed weight to FP64, a NumPy FP32 scalar compute 1 - lr * wd in FP32 (both
-        # then differ from a float lr, from the fused steps and from each other).
+        # Python floats (or a 0-d FP64 lr tensor), whatever the user's form, also when a scheduler
+        # writes them mid-run: a (1,)-shaped lr would promote the decayed weight to FP64, a NumPy
+        # FP32 scalar compute 1 - lr * wd or 1 - beta in FP32 (each then differing from a float,
+        # from the fused steps and from the others).
+        beta1, beta2 = (_number(b) for b in group["betas"])
+        eps, wd = _number(group["eps"]), _number(group["weight_decay"])
         if isinstance(lr, Tensor):
             lr = lr_on(lr, w.device, torch.float64 if w.device.type != "mps" else torch.float32).reshape(())
         else:
@@ -195,6 +196,11 @@ class AdamW(LowPrecisionOptimizer):
         delta = (m * expand(scalars["step_size"])).div_(denom)
         w_new = w_new.sub_(delta) if w_new is not w else delta.neg_().add_(w)  # w - delta, exactly
         return w_new, new
+
+
+def _number(v: Any) -> Any:
+    """A hyper-parameter as a Python float (a NumPy scalar, an int), or the tensor a user gave."""
+    return v if isinstance(v, Tensor) else float(v)
 
 
 class Adam(AdamW):

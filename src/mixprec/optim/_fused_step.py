@@ -357,13 +357,16 @@ class FusedStep(OptimizerParts):
         """Step one bucket tile by tile with the compiled tile step (built on first use, shared process-wide).
 
         Returns ``False`` (the caller steps eagerly) when compiling failed under ``fused=None``,
-        too many configurations were compiled, or the bucket cannot be tiled without copies
-        (a large non-contiguous parameter, mirrors of two dtypes).
+        too many configurations were compiled, the bucket cannot be tiled without copies
+        (a large non-contiguous parameter, mirrors of two dtypes), or a hyper-parameter other than
+        ``lr`` is a tensor (compiled in as a constant, it cannot be).
         """
         params = plan.params
         p0 = params[0]
         device = plan.device
         hp = {k: v for k, v in group.items() if k not in _DYNAMIC_GROUP_KEYS}
+        if any(isinstance(x, Tensor) for v in hp.values() for x in (v if isinstance(v, (tuple, list)) else (v,))):
+            return False  # a tensor hyper-parameter other than lr (betas from a scheduler): compiled in, it cannot be
         if plan.hp is None or not _same_values(hp, plan.hp):
             plan.hp, plan.hp_key = hp, repr(sorted(hp.items(), key=lambda kv: kv[0]))
         lr = group["lr"]

@@ -250,8 +250,9 @@ def eligible(opt: OptimizerParts, group: Mapping[str, Any], plan: _Plan, keys: t
     if (plan.device.type not in DEVICES or p0.dtype not in (torch.bfloat16, torch.float32)
             or opt._state_dtype_for(p0) not in (torch.bfloat16, torch.float32) or keys != _KEYS
             or group.get("amsgrad") or _origin(cls._update) != _ADAMW_UPDATE
-            or _origin(cls._step_scalars) != _ADAMW_SCALARS or opt.mirrors or opt.remainders):
-        return False
+            or _origin(cls._step_scalars) != _ADAMW_SCALARS or opt.mirrors or opt.remainders
+            or any(isinstance(h, Tensor) for h in (*group["betas"], group["eps"], group["weight_decay"]))):
+        return False  # (tensor betas, eps or weight decay: the eager step, see _fused_step)
     if _state.get((plan.device.type, _index(plan.device), "import")) is False:
         return False
     if not _kernel and _build() is None:
@@ -388,7 +389,7 @@ def _launch(tables: AdamWTables, g_table: Tensor, scalars: Mapping[str, Tensor],
     compensation mode, BF16 states, BF16 gradients.
     """
     v = tables.views
-    beta1, beta2 = group["betas"]
+    beta1, beta2 = (float(b) for b in group["betas"])  # NumPy scalars as the eager step takes them (floats)
     wd = float(group["weight_decay"])
     decoupled = bool(group["decoupled_weight_decay"])
     dummy = v[4]  # a pointer for the arguments a variant does not read
