@@ -433,8 +433,17 @@ def _step(opt: OptimizerParts, group: Mapping[str, Any], tables: AdamWTables, g_
     _untraced(_launch)(tables, g_table, scalars, keys, decay, ctx, group, modes)
     # Written through raw pointers: autograd's version counters as an in-place op bumps them (a graph
     # built before the step then refuses its stale weights, as after the eager step).
-    torch.autograd.graph.increment_version(tables.bufs)
+    _bump_versions(tables.bufs)
     opt._count_steps(b, ctx)
+
+
+def _bump_versions(tensors: list[Tensor]) -> None:
+    """``torch.autograd.graph.increment_version`` of every tensor (one call; one per tensor before torch 2.6)."""
+    try:
+        torch.autograd.graph.increment_version(tensors)
+    except TypeError:  # torch < 2.6 takes one tensor
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)
 
 
 def step_bucket(opt: OptimizerParts, group: Mapping[str, Any], plan: _Plan, b: _Bucket,
