@@ -6,7 +6,8 @@ away, so plain BF16 training stalls. These optimizers compute the step in FP32 a
 ``"stochastic"`` (unbiased stochastic rounding from seeded random bits) or ``"none"``. Optimizer
 states are FP32 by default or BF16 (``state_dtype``) for the least memory. With FP32 parameters
 they behave like ``torch.optim.AdamW``/``Adam``/``SGD``. ``fused=True`` runs each step as
-``torch.compile``d kernels (equal to the eager step bit for bit); the random bits of stochastic
+``torch.compile``d kernels, or on CUDA for AdamW/Adam as one Triton kernel per bucket (equal to
+the eager step bit for bit either way); the random bits of stochastic
 rounding are a counter-based hash of (seed, step, buffer, global element position), so DDP
 replicas and FSDP2 (``DTensor``) shards round consistently. See ``docs/optim.md``.
 

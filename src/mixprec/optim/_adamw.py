@@ -67,8 +67,10 @@ class AdamW(LowPrecisionOptimizer):
             It also caps the fused step's tile (2**16 elements on a CPU, 2**23 elsewhere, 2**21 for
             a bucket of at most 2**22 elements).
         fused: ``True``: each (group, device, dtype) bucket steps through one ``torch.compile``d
-            tile step, equal to the eager step bit for bit (first-step compile time in
-            ``compile_seconds``, cached process-wide per configuration, not per parameter shape);
+            tile step, or on CUDA (not ``amsgrad``, BF16 or FP32 parameters) one Triton kernel
+            over all its tensors (``_triton_step``), equal to the eager step bit for bit (first-step
+            compile time in ``compile_seconds``, cached process-wide per configuration, not per
+            parameter shape);
             ``False``: the eager foreach step; ``None`` (default): fused on CUDA/XPU with Triton,
             eager on CPU (the rule and measurements: ``docs/optim.md``, :meth:`fused_enabled`).
 

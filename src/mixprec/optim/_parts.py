@@ -6,6 +6,7 @@ The optimizer is written in parts, one concept a module (``_base.py`` says how a
   :class:`OptimizerParts`, the members every part uses (the subclass hooks of the algorithm, the
   state layout: state dtypes, compensation, random-stream slots, global offsets, step counting);
 * ``_fused_step.py``: the fused (``torch.compile``d) step;
+* ``_triton_step.py``: on CUDA, AdamW/Adam's fused step as one Triton kernel per bucket;
 * ``_state_io.py``: state creation, ``state_dict``/``load_state_dict``, full-precision weights, memory;
 * ``_base.py``: ``LowPrecisionOptimizer`` itself (construction, ``step`` and the eager, tiled step).
 """
