@@ -168,11 +168,13 @@ class AdamW(LowPrecisionOptimizer):
         # writes them mid-run: a (1,)-shaped lr would promote the decayed weight to FP64, a NumPy
         # FP32 scalar compute 1 - lr * wd or 1 - beta in FP32 (each then differing from a float,
         # from the fused steps and from the others).
-        beta1, beta2 = (_number(b) for b in group["betas"])
-        eps, wd = _number(group["eps"]), _number(group["weight_decay"])
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        if not type(beta1) is type(beta2) is type(eps) is type(wd) is float:  # (no call on the usual path)
+            beta1, beta2, eps, wd = (_number(v) for v in (beta1, beta2, eps, wd))
         if isinstance(lr, Tensor):
             lr = lr_on(lr, w.device, torch.float64 if w.device.type != "mps" else torch.float32).reshape(())
-        else:
+        elif type(lr) is not float:
             lr = float(lr)
         # Only single-rounding ops (+ - * / sqrt), no lerp/addcmul/alpha=: ATen's CPU kernels fuse
         # those into FMAs and Inductor (fp-contract off) does not, so the compiled step (fused=True)
