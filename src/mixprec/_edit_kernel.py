@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK", "DEVICES", "EditTables", "available", "carry_edits_triton_", "reset"]
+__all__ = ["BLOCK", "DEVICES", "EditTables", "available", "carry_edits_triton_", "device_index", "import_triton", "reset"]
 
 #: Devices whose edit check runs as this kernel (tests add ``"cpu"`` with ``TRITON_INTERPRET=1``).
 DEVICES: frozenset[str] = frozenset({"cuda"})
@@ -68,16 +68,28 @@ def available(device: torch.device, weight_dtype: torch.dtype, master_dtype: tor
         return False
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
-    if _state.get((device.type, _index(device), weight_dtype)) is False:
+    if _state.get((device.type, device_index(device), weight_dtype)) is False:
         return False
     return bool(_kernel) or _build() is not None
 
 
-def _index(device: torch.device) -> int | None:
+def device_index(device: torch.device) -> int | None:
     """The device's index (the current one for a bare ``cuda``): first-use checks are per device."""
     if device.type == "cuda" and device.index is None:
         return torch.cuda.current_device()
     return device.index
+
+
+def import_triton() -> tuple[Any, Any] | None:
+    """``(triton, triton.language)``, imported lazily, or None without Triton (or with a broken one).
+
+    Typed ``Any``: mypy need not know Triton (not installed everywhere). A kernel's module keeps
+    ``triton.language`` as its global ``tl``: Triton resolves a kernel's names among its globals.
+    """
+    try:
+        return importlib.import_module("triton"), importlib.import_module("triton.language")
+    except Exception:
+        return None
 
 
 def _build() -> Any:
@@ -85,11 +97,10 @@ def _build() -> Any:
     if _kernel:
         return _kernel[0]
     global tl
-    try:  # typed Any: mypy need not know Triton (not installed everywhere)
-        triton: Any = importlib.import_module("triton")
-        tl = importlib.import_module("triton.language")  # a module global: Triton resolves the kernel's names there
-    except Exception:  # no Triton, or a broken one: the foreach check serves
+    modules = import_triton()
+    if modules is None:  # the foreach check serves
         return None  # (asked again at each build of a group's tables: rare, and cheap once the import failed)
+    triton, tl = modules
 
     @triton.jit
     def carry_edits_kernel(m_ptrs, w_ptrs, numels, first_block, block_tensor,
@@ -153,7 +164,7 @@ class EditTables:
         self.m_ptrs, self.w_ptrs = self.table[:n], self.table[n:2 * n]
         self.numels, self.first_block = self.table[2 * n:3 * n], self.table[3 * n:4 * n]
         self.block_tensor = self.table[4 * n:]
-        self.device_index = _index(device) if device.type == "cuda" else None
+        self.device_index = device_index(device) if device.type == "cuda" else None
         self.masters, self.weights = masters, weights
         self.run: Callable[[], Any] | None = None
 
@@ -190,7 +201,7 @@ def carry_edits_triton_(tables: EditTables) -> bool:
     first check cannot run, so the call returns False (the foreach check is captured instead).
     """
     device = tables.masters[0].device
-    key = (device.type, _index(device), tables.weights[0].dtype)
+    key = (device.type, device_index(device), tables.weights[0].dtype)
     import torch._dynamo  # (imported by then wherever a GPU step runs; lazily here, not at mixprec's import)
 
     ok = _state.get(key)

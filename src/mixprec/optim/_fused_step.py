@@ -383,7 +383,7 @@ class FusedStep(OptimizerParts):
         # stochastic compensation, half states): FP32 steps skip the key kernels.
         bits = (p0.dtype in HALF and self.compensation != "none") or self._state_dtype_for(p0) in HALF
         b = self._bucket(group, params, self._streams() if bits else None, sts)
-        # Kahan AdamW on BF16 with FP32 states on a GPU: the whole bucket in one Triton launch (no tiles).
+        # AdamW/Adam on a GPU (BF16 or FP32 parameters, not amsgrad): the whole bucket in one Triton kernel, no tiles.
         if _triton_eligible(self, group, plan, keys) and _triton_step_bucket(self, group, plan, b, ctx, lr_t):
             return True
         layout = self._fused_layout(plan, b, keys)

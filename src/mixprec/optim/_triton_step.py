@@ -36,7 +36,6 @@ inside a dynamo trace (``_parts._compile_blocked``, the step's graph break).
 
 from __future__ import annotations
 
-import importlib
 import operator
 import os
 import time
@@ -48,7 +47,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from .._edit_kernel import on_device
+from .._edit_kernel import device_index as _index
+from .._edit_kernel import import_triton, on_device
 from ._parts import (
     _SLOT_COMP,
     _SLOT_PARAM,
@@ -90,11 +90,10 @@ def _build() -> Any:
     if _kernel:
         return _kernel[0]
     global tl
-    try:  # typed Any: mypy need not know Triton (not installed everywhere)
-        triton: Any = importlib.import_module("triton")
-        tl = importlib.import_module("triton.language")  # a module global: Triton resolves the kernel's names there
-    except Exception:
+    modules = import_triton()
+    if modules is None:
         return None
+    triton, tl = modules
 
     # Every pointer argument unspecialised: Triton would otherwise compile a variant per alignment of the
     # small tables' views (the data's alignment is a constexpr of its own, ALIGNED).
@@ -243,16 +242,16 @@ def eligible(opt: OptimizerParts, group: Mapping[str, Any], plan: _Plan, keys: t
     AdamW/Adam's own arithmetic (a subclass overriding ``_update`` or ``_step_scalars`` is left to
     the compiled step), BF16 parameters (any compensation) or FP32 ones (an FP32 island), FP32 or
     BF16 states, no ``amsgrad``, no mirrors or remainders (the master presets' fused step), on
-    :data:`DEVICES`, and Triton imports.
+    :data:`DEVICES`, and Triton imports. (Tensor betas, eps or weight decay never get here: the
+    caller, ``_step_bucket_fused``, steps those eagerly.)
     """
     cls = type(opt)
     p0 = plan.params[0]
     if (plan.device.type not in DEVICES or p0.dtype not in (torch.bfloat16, torch.float32)
             or opt._state_dtype_for(p0) not in (torch.bfloat16, torch.float32) or keys != _KEYS
             or group.get("amsgrad") or _origin(cls._update) != _ADAMW_UPDATE
-            or _origin(cls._step_scalars) != _ADAMW_SCALARS or opt.mirrors or opt.remainders
-            or any(isinstance(h, Tensor) for h in (*group["betas"], group["eps"], group["weight_decay"]))):
-        return False  # (tensor betas, eps or weight decay: the eager step, see _fused_step)
+            or _origin(cls._step_scalars) != _ADAMW_SCALARS or opt.mirrors or opt.remainders):
+        return False
     if _state.get((plan.device.type, _index(plan.device), "import")) is False:
         return False
     if not _kernel and _build() is None:
@@ -268,12 +267,6 @@ _ADAMW_SCALARS = ("mixprec.optim._adamw", "AdamW._step_scalars")
 
 def _origin(fn: Any) -> tuple[str, str]:
     return getattr(fn, "__module__", ""), getattr(fn, "__qualname__", "")
-
-
-def _index(device: torch.device) -> int | None:
-    if device.type == "cuda" and device.index is None:
-        return torch.cuda.current_device()
-    return device.index
 
 
 class AdamWTables:
@@ -414,11 +407,11 @@ def _launch(tables: AdamWTables, g_table: Tensor, scalars: Mapping[str, Tensor],
                 enable_fp_fusion=False)
 
 
-def _modes(opt: OptimizerParts, pdt: torch.dtype, gdt: torch.dtype) -> tuple[bool, int, bool, bool]:
-    """(BF16 parameters, compensation mode, BF16 states, BF16 gradients) of a bucket."""
-    p_bf16 = pdt == torch.bfloat16
-    return (p_bf16, _COMP_MODE[opt.compensation] if p_bf16 else 0,
-            opt._state_dtype_for(torch.empty(0, dtype=pdt)) == torch.bfloat16, gdt == torch.bfloat16)
+def _modes(opt: OptimizerParts, p: Tensor, gdt: torch.dtype) -> tuple[bool, int, bool, bool]:
+    """(BF16 parameters, compensation mode, BF16 states, BF16 gradients) of a bucket whose first parameter is ``p``."""
+    p_bf16 = p.dtype == torch.bfloat16
+    return (p_bf16, _COMP_MODE[opt.compensation] if p_bf16 else 0, opt._state_dtype_for(p) == torch.bfloat16,
+            gdt == torch.bfloat16)
 
 
 def _step(opt: OptimizerParts, group: Mapping[str, Any], tables: AdamWTables, g_table: Tensor, b: _Bucket,
@@ -461,7 +454,7 @@ def step_bucket(opt: OptimizerParts, group: Mapping[str, Any], plan: _Plan, b: _
     if tables is None:
         return False
     g_table = tables.grads(b.grads)
-    modes = _modes(opt, b.params[0].dtype, gdt)
+    modes = _modes(opt, b.params[0], gdt)
     wd = float(group["weight_decay"])
     decoupled = bool(group["decoupled_weight_decay"])
     variant = (modes, ctx.scale is not None, ctx.keep is not None, bool(group["maximize"]), wd != 0 and not decoupled,
@@ -470,7 +463,7 @@ def step_bucket(opt: OptimizerParts, group: Mapping[str, Any], plan: _Plan, b: _
     ok = _state.get(key)
     if ok is None:
         t0 = time.perf_counter()
-        ok = _state[key] = _untraced(_first_check)(opt, group, plan.device, b.params[0].dtype, gdt, ctx)
+        ok = _state[key] = _untraced(_first_check)(opt, group, plan.device, b.params[0].dtype, gdt, ctx, lr_t)
         cast(Any, opt).compile_seconds += time.perf_counter() - t0
     if not ok:
         return False
@@ -492,7 +485,7 @@ def _untraced(fn: Any) -> Any:
 
 
 def _first_check(opt: OptimizerParts, group: Mapping[str, Any], device: torch.device, pdt: torch.dtype,
-                 gdt: torch.dtype, ctx: _DeviceCtx) -> bool:
+                 gdt: torch.dtype, ctx: _DeviceCtx, lr_t: Tensor) -> bool:
     """Compile the kernel and compare one step with the eager step on two small tensors (one host sync).
 
     The tensors: ``3 * BLOCK + 37`` and 300 elements, at global offsets 5 and ``2**32 + 7`` (both
@@ -527,14 +520,11 @@ def _first_check(opt: OptimizerParts, group: Mapping[str, Any], device: torch.de
                         [5, (1 << 32) + 7], [None, None], [None, None])
             plan = _Plan(device, ps)
             if fused:
-                lr = group["lr"]
-                lr_t = torch.tensor([float(lr)] if not isinstance(lr, Tensor) else [float(lr.detach().cpu())],
-                                    dtype=torch.float64, device=device)
                 tables = _tables(opt, plan, b)
                 if tables is None:
                     raise RuntimeError("internal: the check's tensors are not contiguous")
                 g_table = tables.grads(gs)
-                _step(opt, group, tables, g_table, b, ctx, lr_t, _modes(opt, pdt, gdt))
+                _step(opt, group, tables, g_table, b, ctx, lr_t, _modes(opt, ps[0], gdt))
             else:
                 cast(Any, opt)._step_bucket(dict(group), plan, b, _KEYS, ctx)
             results.append([*ps, *(cs if kahan else []), *ms, *vs, *steps])
