@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
     print(f"cuda_tests: {len(files) - len(failed)} of {len(files)} files passed in {time.perf_counter() - t0:.1f} s",
           flush=True)
+    shutil.rmtree(logs, ignore_errors=True)  # every log worth reading was printed above
     return 1 if failed else 0
 
 

@@ -301,8 +301,12 @@ def test_the_version_has_one_home():
 _IMPORT_EACH = textwrap.dedent("""
     import importlib, importlib.machinery, importlib.util, json, sys, traceback
 
-    names, package, root = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    names, package, root, pyc = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     import torch  # kept loaded: only the package's own modules are cleared between imports
+
+    # Each module's source is compiled once, not at each of its ~140 imports (machines that set
+    # PYTHONDONTWRITEBYTECODE would recompile it every time): byte code goes to a private folder.
+    sys.pycache_prefix, sys.dont_write_bytecode = pyc, False
 
     def clear():
         for mod in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
@@ -334,14 +338,15 @@ _IMPORT_EACH = textwrap.dedent("""
 """)
 
 
-def test_every_module_imports_on_its_own(modules):
+def test_every_module_imports_on_its_own(modules, tmp_path):
     """Each module imports in a fresh interpreter state: after the package (entry through ``__init__``), and
     alone (parents stubbed, so a module that needs a partly initialised package or an import cycle fails)."""
     spec = importlib.util.find_spec(PACKAGE)
     assert spec is not None and spec.submodule_search_locations
     root = str(next(iter(spec.submodule_search_locations)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(sorted(modules)), PACKAGE, root],
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(sorted(modules)), PACKAGE, root,
+                           str(tmp_path / "pyc")],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     failures = json.loads(proc.stdout.strip().splitlines()[-1])

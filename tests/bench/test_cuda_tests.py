@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,13 @@ def test_it_finds_the_files_with_cuda_marked_tests_and_only_those(load_benchmark
 
 
 def test_each_file_reports_when_it_finishes_and_a_cpu_run_passes(capsys: pytest.CaptureFixture[str],
-                                                                  load_benchmark: Any) -> None:
+                                                                  load_benchmark: Any, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     module = load_benchmark("cuda_tests")
     files = FILES
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert module.main([*files, "--jobs", "2", "--timeout", "120"]) == 0
+    assert not list(tmp_path.iterdir())  # the per-file logs are removed once printed
     out = capsys.readouterr().out
     for f in files:  # without CUDA each file's CUDA tests are skipped: a pass, with pytest's summary line
         assert any(line.startswith("ok") and f in line and "skipped" in line for line in out.splitlines()), out
