@@ -825,3 +825,78 @@ def test_a_scheduler_built_after_prepare_on_the_wrapped_optimizer_does_not_warn_
         opt.step()
         sched.step()
     assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master"])
+def test_master_gradients_take_the_masters_memory_format(preset: str) -> None:
+    """A model moved to channels_last after prepare (half weights channels_last, FP32 masters not): the master
+    gradients are in the masters' format, so the fused step reads them right, with no host read and no warning."""
+    import mixprec as mp
+    from mixprec.bench._step_cost import StepCounter
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 3, 6, 6, generator=g).contiguous(memory_format=torch.channels_last) for _ in range(4)]
+    ys = [torch.randint(0, 5, (4,), generator=g) for _ in range(4)]
+    results = []
+    for after in (False, True):
+        model = _cnn()
+        if not after:
+            model = model.to(memory_format=torch.channels_last)
+        prec = mp.MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        if after:
+            model = model.to(memory_format=torch.channels_last)
+        reads = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for x, y in zip(xs, ys):
+                with prec.autocast():
+                    loss = nn.functional.cross_entropy(model(x).float(), y)
+                prec.backward(loss)
+                with StepCounter((opt,)) as c:
+                    prec.step(opt)
+                reads.append(c.host_reads)
+                opt.zero_grad(set_to_none=True)
+        assert reads == [0] * len(xs)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_a_parameter_viewing_part_of_a_larger_tensor_gets_a_whole_master() -> None:
+    """``nn.Parameter(base[:, 3:9])`` under a master preset: its master is a dense copy with its values (elementwise
+    fused kernels walk memory), and training matches the same model built from a whole tensor."""
+    import mixprec as mp
+
+    class M(nn.Module):
+        def __init__(self, whole: bool) -> None:
+            super().__init__()
+            base = torch.randn(8, 20, generator=torch.Generator().manual_seed(0))
+            self.w = nn.Parameter(base[:, 3:9].clone() if whole else base[:, 3:9])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x @ self.w).pow(2).mean()
+
+    runs = []
+    for whole in (False, True):
+        model = M(whole)
+        fp32 = model.w.detach().clone()
+        prec = mp.MixedPrecision("bf16-master")
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        master = opt.masters[0]
+        assert master.is_contiguous() and torch.equal(master, fp32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step in range(3):
+                with prec.autocast():
+                    loss = model(torch.randn(5, 8, generator=torch.Generator().manual_seed(step)))
+                prec.backward(loss)
+                prec.step(opt)
+                opt.zero_grad(set_to_none=True)
+        runs.append(opt.masters[0].clone())
+    assert torch.equal(runs[0], runs[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -312,3 +313,85 @@ def test_half_sgd_on_a_cpu_is_not_routed_through_torchs_fused_kernel(dtype: torc
         mp.MixedPrecision("p=bf16,c=bf16,o=f32,m=none" if dtype == torch.bfloat16 else "fp16-pure").prepare(
             model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
     assert any("SGD(fused=True) with FP16/BF16 parameters on a CPU" in str(w.message) for w in caught)
+
+
+# ----- memory layouts the fused kernel would misread ------------------------------------------------
+def _layout_case(case: str) -> tuple[list[nn.Parameter], Any]:
+    """Parameters and a ``set_grads(step, params)`` for one layout torch's fused kernels would misread."""
+    g = torch.Generator().manual_seed(3)
+    if case == "views-of-one-tensor":  # two parameters viewing one tensor, only the first with a gradient
+        base = torch.randn(4, 6, generator=g)
+        ps = [nn.Parameter(base[:, :3]), nn.Parameter(base[:, 3:])]
+
+        def set_grads(step: int, params: list[nn.Parameter]) -> None:
+            params[0].grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+        return ps, set_grads
+    ps = [nn.Parameter(torch.randn(8, 3, 3, 3, generator=g)), nn.Parameter(torch.randn(8, generator=g))]
+    if case == "non-dense":
+        ps[0] = nn.Parameter(torch.randn(8, 3, 3, 5, generator=g)[..., 1:4])
+
+    def set_grads(step: int, params: list[nn.Parameter]) -> None:
+        gg = torch.Generator().manual_seed(step)
+        for p in params:
+            grad = torch.randn(p.shape, generator=gg)
+            if case == "grad-channels-last" and p.dim() == 4:  # torch.autograd.grad of a conv fed channels_last
+                grad = grad.contiguous(memory_format=torch.channels_last)
+            if case == "format-changed-after-state" and step >= 2 and p.dim() == 4:
+                grad = grad.contiguous(memory_format=torch.channels_last)
+            p.grad = grad
+        if case == "format-changed-after-state" and step == 2:  # model.to(memory_format=...) after step 2
+            for p in params:
+                if p.dim() == 4:
+                    p.data = p.data.contiguous(memory_format=torch.channels_last)
+    return ps, set_grads
+
+
+@pytest.mark.parametrize("case", ["grad-channels-last", "non-dense", "format-changed-after-state", "views-of-one-tensor"])
+@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov"])
+def test_a_layout_the_fused_kernel_would_misread_takes_the_optimizers_own_step(case: str, name: str) -> None:
+    """torch's fused kernels pair elements in memory order: such steps run the optimizer's own step, equal to it bit for bit."""
+    ps, set_grads = _layout_case(case)
+    own_ps, _ = _layout_case(case)
+    opt = OPTIMIZERS[name](ps, foreach=True)
+    own = OPTIMIZERS[name](own_ps, foreach=True)
+    reads = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            set_grads(step, ps)
+            set_grads(step, own_ps)
+            with StepCounter((opt,)) as c:
+                step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
+            reads.append(c.host_reads)
+            own.step()
+    for p, q in zip(ps, own_ps):
+        if case == "format-changed-after-state":  # its first two steps were fused: equal to rounding
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(p, q)
+    if case == "views-of-one-tensor":
+        assert torch.equal(ps[1], own_ps[1])  # the other view untouched (the fused kernel wrote into it)
+    msgs = [str(w.message) for w in caught if "memory order" in str(w.message)]
+    assert len(msgs) == 1, msgs  # once per cause, not per step
+    assert "strides" in msgs[0] and type(opt).__name__ in msgs[0]
+    first_bad = 2 if case == "format-changed-after-state" else 0
+    assert reads[:first_bad] == [0] * first_bad and reads[first_bad:] == [1] * (5 - first_bad)
+
+
+def test_one_memory_format_everywhere_stays_on_the_fused_kernel() -> None:
+    """channels_last parameters with channels_last gradients and states: no host read, no warning, torch's fused result."""
+    g = torch.Generator().manual_seed(4)
+    ps, fused_ps = ([nn.Parameter(torch.randn(8, 3, 3, 3, generator=torch.Generator().manual_seed(4))
+                                  .contiguous(memory_format=torch.channels_last))] for _ in range(2))
+    opt, fused = torch.optim.AdamW(ps, lr=1e-2, foreach=True), torch.optim.AdamW(fused_ps, lr=1e-2, fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            grad = torch.randn(8, 3, 3, 3, generator=g).contiguous(memory_format=torch.channels_last)
+            ps[0].grad, fused_ps[0].grad = grad.clone(), grad.clone()
+            with StepCounter((opt,)) as c:
+                step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
+            assert c.host_reads == 0
+            fused.step()
+    assert torch.equal(ps[0], fused_ps[0])
+    assert opt.state[ps[0]]["exp_avg"].stride() == ps[0].stride()

@@ -39,7 +39,7 @@ from ._remainder import (
     split_flat_compilable_,
     split_into_,
 )
-from ._stepping import step_or_skip
+from ._stepping import dense_layout, step_or_skip
 
 __all__ = [
     "GradAccumulation",
@@ -321,6 +321,8 @@ class MasterWeightOptimizer(Optimizer):
                 raise ValueError(f"initial master of shape {tuple(src.shape)} for a parameter of shape {tuple(p.shape)}.")
             # No copy when the given tensor already has the right dtype and device.
             master = src.detach().to(device=p.device, dtype=self.master_dtype)
+            if not dense_layout(master):  # a slice of a larger tensor: elementwise kernels need a whole one
+                master = master.contiguous()
         else:
             master = p.detach().to(self.master_dtype).clone()
         rem = None
@@ -431,7 +433,8 @@ class MasterWeightOptimizer(Optimizer):
             _realias_params(self.optimizer, {id(p): master})
             self._attach(p, master)
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
-                master.grad = p.grad.to(self.master_dtype)  # gradients from before the hook existed
+                # gradients from before the hook existed
+                master.grad = p.grad.to(self.master_dtype, memory_format=grad_format(master))
                 p.grad = self._views[id(p)] if self.grad_accumulation == "fp32" and id(p) in self._views else p.grad
 
     # ----- edits of the model's weights outside the step ----------------------------------------
@@ -738,7 +741,7 @@ class MasterWeightOptimizer(Optimizer):
             for p, m in self._half_pairs():
                 g = p.grad
                 if g is not None and not isinstance(g, MasterGradView) and id(p) in self._views:
-                    g32 = m.grad = g.to(m.dtype, copy=True)
+                    g32 = m.grad = g.to(m.dtype, copy=True, memory_format=grad_format(m))
                     setattr(g32, FROM_VIEW, True)
                     p.grad = self._views[id(p)]
 
@@ -1547,7 +1550,7 @@ class EditViews:
         for m, w in zip(masters, weights):
             if m.numel() == 0:
                 continue
-            if m.stride() != w.stride() or not _dense(m):
+            if m.stride() != w.stride() or not dense_layout(m):
                 self.odd.append((m, w))
             else:
                 groups.setdefault((w.device, w.dtype, m.dtype), []).append((m, w))
@@ -1575,16 +1578,16 @@ _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory span with no gaps or overlaps (contiguous in some dimension order)."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda ss: ss[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+def grad_format(master: torch.Tensor) -> torch.memory_format:
+    """The memory format a gradient copied into ``master``'s dtype takes: ``master``'s own where it has a
+    name (contiguous, ``channels_last``, ``channels_last_3d``), else the gradient's (``preserve_format``)."""
+    if master.is_contiguous():
+        return torch.contiguous_format
+    if master.dim() == 4 and master.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if master.dim() == 5 and master.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.preserve_format
 
 
 def _carry_edits(masters: list[torch.Tensor], weights: list[torch.Tensor], views: EditViews | None = None) -> None:
@@ -1683,6 +1686,7 @@ class _AccumulateInto:
     def __init__(self, master: torch.Tensor, view: MasterGradView) -> None:
         self.master = master
         self.view = view
+        self.format = grad_format(master)
 
     def __call__(self, param: torch.Tensor) -> None:
         g = param.grad
@@ -1694,11 +1698,13 @@ class _AccumulateInto:
             raise RuntimeError(reshaped_message(g.shape, self.master.shape))
         # Runs once per parameter per backward: torch.no_grad()'s decorator costs ~7 Python calls, and
         # autograd runs hooks with grad mode off anyway unless create_graph=True.
+        # In the master's memory format (the half weight may be channels_last beside a contiguous master):
+        # the fused optimizer kernels pair gradient and master elements in memory order.
         if torch.is_grad_enabled():
             with torch.no_grad():
-                g32 = self.master.grad = g.to(self.master.dtype)
+                g32 = self.master.grad = g.to(self.master.dtype, memory_format=self.format)
         else:
-            g32 = self.master.grad = g.to(self.master.dtype)
+            g32 = self.master.grad = g.to(self.master.dtype, memory_format=self.format)
         setattr(g32, FROM_VIEW, True)
         param.grad = self.view
 

@@ -13,7 +13,10 @@ import contextlib
 import dataclasses
 import functools
 import operator
+import os
+import sys
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -26,6 +29,36 @@ from ._dtypes import HALF
 from ._finite import unscale_and_check_
 
 _SHAPE = operator.attrgetter("shape")
+_STRIDE = operator.methodcaller("stride")
+_GRAD = operator.attrgetter("grad")
+_CONTIGUOUS = operator.methodcaller("is_contiguous")
+
+
+def _outside_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` for its caller's first frame outside mixprec and torch (the user's line)."""
+    inside = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def dense_layout(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span with no gaps or overlaps (contiguous in some dimension order).
+
+    A dense tensor's memory order is a permutation of its logical order (``channels_last``, a
+    transposed matrix); elementwise kernels that walk memory (torch's fused optimizers, Triton
+    kernels over pointer tables) pair its elements correctly with another tensor's of the same
+    strides. A view of part of a larger tensor (``base[:, 3:9]``) or an expanded one is not dense.
+    """
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda ss: ss[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 __all__ = [
     "CPU_FUSED_SGD_HALF",
@@ -107,6 +140,14 @@ class FusedTwin:
     The optimizer's ``state_dict()`` keeps the options the user gave (the switch lasts for the
     step only). Torch's step hooks run as around any ``step``. An optimizer built with an explicit
     ``fused=False`` keeps its own step (and the host read; ``prepare`` says so on a GPU).
+
+    Memory layouts: torch's fused kernels pair a parameter's elements with its gradient's and
+    state's in memory order, ignoring strides (the foreach step does not). Each step checks, on
+    the host, that every parameter is dense (:func:`dense_layout`) and that its gradient and
+    state tensors have its strides (C-level passes while everything is contiguous); a step
+    where they do not (a gradient from ``torch.autograd.grad`` in another layout, a model moved
+    to ``channels_last`` after its state exists, a parameter that views part of a larger
+    tensor) runs the optimizer's own step after one host read, with a warning naming the tensor.
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -119,6 +160,10 @@ class FusedTwin:
         # tensor matches its parameter (a parameter resized after its state exists corrupts memory there).
         self._params: list[Tensor] = []
         self._shapes: list[Any] = []
+        self._strides: list[Any] = []  # every parameter's strides when last made ready
+        self._contiguous = True  # every parameter contiguous then
+        self._bad_layout: str | None = None  # why a parameter or its state cannot take the fused kernel
+        self._warned: set[str] = set()
         optimizer.register_load_state_dict_post_hook(_unready)
 
     @staticmethod
@@ -179,7 +224,64 @@ class FusedTwin:
         self._groups = len(opt.param_groups)
         self._params = [p for g in opt.param_groups for p in g["params"]]
         self._shapes = list(map(_SHAPE, self._params))
+        self._strides = list(map(_STRIDE, self._params))
+        self._contiguous = all(map(_CONTIGUOUS, self._params))
+        self._bad_layout = self._state_layout()
         self._damped = is_sgd and self._missing_damped_buffers()
+
+    def _state_layout(self) -> str | None:
+        """Why a parameter or one of its state tensors cannot take the fused kernel (``None``: all can)."""
+        opt = self.optimizer
+        for p in self._params:
+            if not dense_layout(p):
+                return (f"a parameter of shape {tuple(p.shape)} with strides {p.stride()} is not dense (it views part "
+                        "of a larger tensor)")
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, Tensor) and v.dim() and v.stride() != p.stride():
+                    return (f"a parameter of shape {tuple(p.shape)} has strides {p.stride()} and its state {k!r} "
+                            f"{v.stride()} (its memory format changed after the state was made, or a checkpoint "
+                            "of another layout was loaded)")
+        return None
+
+    def _grad_layout(self) -> str | None:
+        """Why a gradient cannot take the fused kernel now (``None``: every one can). Host work, no sync.
+
+        Raises:
+            RuntimeError: a sparse gradient (``is_contiguous`` refuses it): the caller's sparse path.
+        """
+        grads = [g for g in map(_GRAD, self._params) if g is not None]
+        if self._contiguous and all(map(_CONTIGUOUS, grads)):  # C loops: no Python call per tensor
+            return None
+        for p in self._params:
+            g = p.grad
+            if g is not None and g.stride() != p.stride():
+                return (f"a parameter of shape {tuple(p.shape)} has strides {p.stride()} and its gradient "
+                        f"{g.stride()} (a gradient assigned in another memory format, e.g. from torch.autograd.grad)")
+        return None
+
+    def _layout_mismatch(self) -> bool:
+        """Whether a parameter, gradient or state layout keeps this step off the fused kernel (warned once per cause)."""
+        try:
+            why = self._bad_layout or self._grad_layout()
+        except RuntimeError:  # a sparse gradient: torch's fused SGD refuses those anyway
+            self.sparse = True
+            return True
+        if why is None:
+            return False
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(
+                f"mixprec: {type(self.optimizer).__name__} steps through torch's fused kernel so that it can skip "
+                f"overflowing steps without a host sync, and that kernel pairs elements in memory order: {why}. "
+                f"This step runs {type(self.optimizer).__name__}'s own step after one host read (found_inf.item()), "
+                "as every step while the layouts differ. Give the parameter, its gradient and its state one memory "
+                "format (move the model to channels_last before its first step or before prepare(); assign "
+                "gradients with p.grad = g.to(memory_format=...) matching the parameter; keep parameters as whole "
+                "tensors, not slices of a larger one).",
+                UserWarning,
+                stacklevel=_outside_stacklevel(),
+            )
+        return True
 
     def _missing_damped_buffers(self) -> bool:
         opt = self.optimizer
@@ -188,14 +290,18 @@ class FusedTwin:
                    for g in opt.param_groups)
 
     def needs_host_read(self) -> bool:
-        """Whether this step must be decided on the host: sparse gradients seen, or SGD with
-        ``dampening`` != 0 before its first applied step (its first step is ``buf = grad``, not a
-        dampened zero buffer). No host sync to answer."""
+        """Whether this step must be decided on the host: sparse gradients seen, a memory layout the
+        fused kernel would misread (see the class docstring), or SGD with ``dampening`` != 0 before
+        its first applied step (its first step is ``buf = grad``, not a dampened zero buffer). No
+        host sync to answer."""
         if self.sparse:
             return True
         if not self._ready or self._groups != len(self.optimizer.param_groups) \
-                or list(map(_SHAPE, self._params)) != self._shapes:  # C-level: no Python call per parameter
+                or list(map(_SHAPE, self._params)) != self._shapes \
+                or list(map(_STRIDE, self._params)) != self._strides:  # C-level: no Python call per parameter
             self._make_ready()
+        if self._layout_mismatch():
+            return True
         if self._damped:
             self._damped = self._missing_damped_buffers()
         return self._damped
