@@ -832,10 +832,13 @@ def _cnn() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
 
 
-@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master"])
-def test_master_gradients_take_the_masters_memory_format(preset: str) -> None:
-    """A model moved to channels_last after prepare (half weights channels_last, FP32 masters not): the master
-    gradients are in the masters' format, so the fused step reads them right, with no host read and no warning."""
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("accumulation", ["fp32", "compute"])
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+def test_master_gradients_take_the_masters_memory_format(preset: str, accumulation: str, fused: bool) -> None:
+    """A model moved to channels_last before or after prepare (half weights channels_last, FP32 masters channels_last
+    or not): the master gradients are in the layout of the master the step reads, so torch's fused kernel (the
+    user's ``fused=True``, or the twin of a foreach AdamW) reads them right: no host read, no warning, same result."""
     import mixprec as mp
     from mixprec.bench._step_cost import StepCounter
 
@@ -847,8 +850,8 @@ def test_master_gradients_take_the_masters_memory_format(preset: str) -> None:
         model = _cnn()
         if not after:
             model = model.to(memory_format=torch.channels_last)
-        prec = mp.MixedPrecision(preset)
-        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        prec = mp.MixedPrecision(preset, grad_accumulation=accumulation)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None))
         if after:
             model = model.to(memory_format=torch.channels_last)
         reads = []

@@ -663,8 +663,12 @@ class MasterWeightOptimizer(Optimizer):
                 for p, m in pending:
                     if p.shape != m.shape:
                         raise RuntimeError(reshaped_message(p.shape, m.shape))
-                bufs = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for _, m in pending]  # m may be a placeholder
-                torch._foreach_copy_(bufs, [p.grad for p, _ in pending if p.grad is not None])
+                # In the layout of the master the step reads (the fused kernels pair elements in memory order): m's
+                # own, or for a placeholder (a broadcast NaN: zero strides) the weight's, which its join takes.
+                grads = [p.grad for p, _ in pending if p.grad is not None]
+                bufs = [torch.empty_like(g, dtype=m.dtype) if 0 in m.stride() else torch.empty_like(m)
+                        for g, (_, m) in zip(grads, pending)]
+                torch._foreach_copy_(bufs, grads)
                 for (p, m), b in zip(pending, bufs):
                     # A plain half gradient means the view was dropped since the last gather (p.grad = None:
                     # zero_grad, or model.zero_grad() inside a closure): it replaces the master gradient, which
