@@ -381,3 +381,32 @@ def test_hyper_parameters_a_scheduler_writes_as_numpy_or_tensors(interpreted: li
         fused = run(True)
     assert_bit_identical(snapshot(fused), snapshot(run(False)))
     assert len(interpreted) == 1 + (4 if how == "numpy" else 2)  # the check, then the steps the kernel took
+
+
+@needs_triton
+@pytest.mark.parametrize(("capability", "variant"), [
+    (90, dict(P_BF16=True, COMP=1, S_BF16=False, G_BF16=True, HAS_SCALE=False, HAS_KEEP=False, DECAY=True)),  # bf16-pure
+    (90, dict(P_BF16=True, COMP=2, S_BF16=True, G_BF16=True, HAS_SCALE=True, HAS_KEEP=True, DECAY=False)),
+    (90, dict(P_BF16=False, COMP=0, S_BF16=False, G_BF16=False, HAS_SCALE=False, HAS_KEEP=True, DECAY=True)),  # islands
+    (80, dict(P_BF16=True, COMP=1, S_BF16=False, G_BF16=True, HAS_SCALE=False, HAS_KEEP=True, DECAY=True)),
+])
+def test_the_kernel_compiles_for_nvidia_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capability: int,
+                                             variant: dict[str, Any]) -> None:
+    """The kernel lowers to machine code for Hopper and Ampere, both launches (no GPU needed: Triton's own ptxas)."""
+    from _triton_aot import compile_for_gpu  # tests/_triton_aot.py
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled here, not found in a cache
+    ts.reset()
+    try:
+        kernel = ts._build()
+        tables = ["p_ptrs", "c_ptrs", "m_ptrs", "v_ptrs", "g_ptrs", "numels", "block_tensor", "block_start", "bases",
+                  "ka_p", "kb_p", "ka_c", "kb_c", "ka_m", "kb_m", "ka_v", "kb_v"]
+        types = {**dict.fromkeys(tables, "*i64"), **dict.fromkeys(["step_size", "bc2_sqrt", "decay", "scale", "keep"], "*fp32"),
+                 **dict.fromkeys(["beta1c", "beta2", "beta2c", "eps", "wd"], "fp32")}
+        for masked, aligned in ((False, True), (True, False)):
+            compiled = compile_for_gpu(kernel, types, {**variant, "BLOCK": ts.BLOCK, "MASKED": masked, "ALIGNED": aligned,
+                                                       "MAXIMIZE": False, "L2": False}, capability)
+            assert compiled.asm["cubin"] and f"sm_{capability}" in compiled.asm["ptx"]
+    finally:
+        ts.reset()
