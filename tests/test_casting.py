@@ -336,6 +336,30 @@ def test_fast_path_guard_only_on_mixed_layers_and_undone_by_uncast() -> None:
     assert plain.use_nested_tensor is True and not plain.layers[0]._forward_pre_hooks
 
 
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+def test_mixed_eval_of_an_encoder_with_a_padding_mask_under_cpu_autocast_runs_and_matches_fp32(preset: str) -> None:
+    # torch takes the fast path under CPU autocast (not under CUDA's) and it fails there for FP32 weights with
+    # half activations ("expected scalar type Float but found BFloat16"), plain torch.autocast too: FP32-weight
+    # layers of a policy that autocasts on a CPU are kept off it.
+    x = torch.randn(4, 9, 16)
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    mask[1, 6:] = True
+    ref_model = _encoder().eval()
+    with torch.no_grad():
+        ref = ref_model(x, src_key_padding_mask=mask)
+    prec = mp.MixedPrecision(preset)
+    model = _encoder()
+    model, _ = prec.prepare(model, torch.optim.AdamW(model.parameters()))
+    model.eval()
+    with torch.no_grad(), prec.autocast():
+        out = model(x, src_key_padding_mask=mask)
+    keep = ~mask
+    torch.testing.assert_close(out.float()[keep], ref[keep], atol=1e-1, rtol=1e-1)
+    # an FP32 policy keeps torch's fast path
+    fp32 = mp.cast_module(_encoder(), "fp32")
+    assert fp32.use_nested_tensor is True and not fp32.layers[0]._forward_pre_hooks
+
+
 class _Regressor(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -490,7 +490,7 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
         # every castable parameter: a cast of one submodule (model.head.float()) changes only its own
         sentinels = [(p, p.dtype) for p in model.parameters() if p.dtype in _CASTABLE]
     handles.append(_patched_forward(root, _root_forward, input_dtype, policy.output_dtype, sentinels))
-    handles.extend(_guard_fast_paths(model))
+    handles.extend(_guard_fast_paths(model, policy.compute_dtype != torch.float32 and "cpu" in devices))
     object.__setattr__(model, _HOOKS_ATTR, handles)
     object.__setattr__(model, _POLICY_ATTR, str(policy))
     return model
@@ -606,8 +606,9 @@ class _AttrPatch:
         setattr(self.module, self.name, self.previous)
 
 
-def _guard_fast_paths(model: nn.Module) -> list[RemovableHandle | _AttrPatch]:
-    """Keep torch's Transformer inference fast path off layers whose parameters have several dtypes.
+def _guard_fast_paths(model: nn.Module, cpu_autocast: bool = False) -> list[RemovableHandle | _AttrPatch]:
+    """Keep torch's Transformer inference fast path off layers whose parameters have several dtypes
+    (and off layers with FP32 weights when the policy autocasts on a CPU: ``cpu_autocast``).
 
     In ``eval()`` without gradients, ``nn.TransformerEncoderLayer`` calls one fused kernel
     (``torch._transformer_encoder_layer_fwd``) on its weights directly, past the FP32 islands'
@@ -616,13 +617,17 @@ def _guard_fast_paths(model: nn.Module) -> list[RemovableHandle | _AttrPatch]:
     nested tensor for that path. torch skips the layer's fast path when a forward hook is attached,
     so such a layer gets a no-op pre-hook and its encoder ``use_nested_tensor = False``: the layer
     runs its ordinary modules, islands included, with the same math. Layers of one dtype keep
-    the fast path.
+    the fast path, except under a policy that autocasts on a CPU: torch leaves the fast path off
+    under CUDA autocast but takes it under CPU autocast, where, for a post-norm layer given a
+    padding mask, it fails the same way (FP32 weights, half activations; plain ``torch.autocast``
+    too, torch 2.13).
     """
     handles: list[RemovableHandle | _AttrPatch] = []
     mixed: set[int] = set()
     for module in model.modules():
         layer = isinstance(module, nn.TransformerEncoderLayer)
-        if layer and len({p.dtype for p in module.parameters() if p.dtype.is_floating_point}) > 1:
+        dtypes = {p.dtype for p in module.parameters() if p.dtype.is_floating_point} if layer else set()
+        if len(dtypes) > 1 or (cpu_autocast and torch.float32 in dtypes):
             mixed.add(id(module))
             handles.append(module.register_forward_pre_hook(_no_fast_path))
     for module in model.modules():
