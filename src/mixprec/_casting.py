@@ -780,7 +780,10 @@ def for_inference(
     saying so: training on would train the cast model). A module inside a run whose other layers
     hold half weights (``*-master``, ``bf16-pure``) returns its outputs in their dtype, so the
     whole model still runs. To evaluate in the middle of training use
-    ``with torch.no_grad(), prec.autocast(): model(x)`` instead.
+    ``with torch.no_grad(), prec.autocast(): model(x)`` instead. No autocast runs here: a
+    ``forward`` that upcasts an activation itself (``h(x.float())`` with a half ``h``) fails with a
+    dtype mismatch, as in any half model; call such a model under ``torch.autocast(device, dtype)``
+    or make that layer an FP32 island (``fp32_islands=("norm", "name:h")``).
 
     Args:
         model: The trained model.
