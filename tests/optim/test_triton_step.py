@@ -12,6 +12,7 @@ arithmetic. The CUDA test at the end compares the compiled kernel with CUDA's ea
 from __future__ import annotations
 
 import importlib.util
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -392,7 +393,9 @@ def test_hyper_parameters_a_scheduler_writes_as_numpy_or_tensors(interpreted: li
 ])
 def test_the_kernel_compiles_for_nvidia_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capability: int,
                                              variant: dict[str, Any]) -> None:
-    """The kernel lowers to machine code for Hopper and Ampere, both launches (no GPU needed: Triton's own ptxas)."""
+    """The kernel lowers to machine code for Hopper and Ampere, both launches (no GPU needed: Triton's own ptxas);
+    the full blocks of aligned tensors read and write with 16-byte vector instructions only (the step is bound by
+    memory bandwidth: 2-byte scalar accesses would be several times slower)."""
     from _triton_aot import compile_for_gpu  # tests/_triton_aot.py
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -407,6 +410,13 @@ def test_the_kernel_compiles_for_nvidia_gpus(monkeypatch: pytest.MonkeyPatch, tm
         for masked, aligned in ((False, True), (True, False)):
             compiled = compile_for_gpu(kernel, types, {**variant, "BLOCK": ts.BLOCK, "MASKED": masked, "ALIGNED": aligned,
                                                        "MAXIMIZE": False, "L2": False}, capability)
-            assert compiled.asm["cubin"] and f"sm_{capability}" in compiled.asm["ptx"]
+            ptx = compiled.asm["ptx"]
+            assert compiled.asm["cubin"] and f"sm_{capability}" in ptx
+            if not masked:
+                ops = re.findall(r"(?:ld|st)\.global(?:\.v\d)?\.b(?:16|32)\b", ptx)  # not the 64-bit table reads
+                scalar = [op for op in ops if ".v4." not in op]
+                # the only scalar accesses: one value per tensor or per step (step size, bias correction, decay,
+                # scale, keep), never the data
+                assert len(ops) - len(scalar) >= 8 and all(op == "ld.global.b32" for op in scalar) and len(scalar) <= 5, ops
     finally:
         ts.reset()
