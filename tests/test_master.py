@@ -903,3 +903,37 @@ def test_a_parameter_viewing_part_of_a_larger_tensor_gets_a_whole_master() -> No
                 opt.zero_grad(set_to_none=True)
         runs.append(opt.masters[0].clone())
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-master-r16"])
+def test_assigned_gradients_of_another_layout_become_master_gradients_the_fused_step_reads(preset: str) -> None:
+    """``p.grad = g`` from ``torch.autograd.grad`` of a conv fed channels_last input (g channels_last, the weight
+    contiguous): the FP32 master gradient is in the master's layout: no fallback, no warning, the backward's result."""
+    import mixprec as mp
+    from mixprec.bench._step_cost import StepCounter
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 3, 6, 6, generator=g).contiguous(memory_format=torch.channels_last)
+    results = []
+    for assign in (False, True):
+        model = _cnn()
+        prec = mp.MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                with prec.autocast():
+                    loss = model(x).float().pow(2).mean()
+                if assign:
+                    params = list(model.parameters())
+                    for p, grad in zip(params, torch.autograd.grad(loss, params)):
+                        p.grad = grad
+                else:
+                    prec.backward(loss)
+                with StepCounter((opt,)) as c:
+                    prec.step(opt)
+                assert c.host_reads == 0
+                opt.zero_grad(set_to_none=True)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

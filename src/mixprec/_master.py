@@ -39,7 +39,7 @@ from ._remainder import (
     split_flat_compilable_,
     split_into_,
 )
-from ._stepping import dense_layout, step_or_skip
+from ._stepping import dense_layout, same_layout, step_or_skip
 
 __all__ = [
     "GradAccumulation",
@@ -371,7 +371,7 @@ class MasterWeightOptimizer(Optimizer):
         view = MasterGradView(p, master, _ReadHook(self))
         self._views[id(p)] = view
         if self.grad_accumulation == "fp32":
-            self._hooks.append(p.register_post_accumulate_grad_hook(_AccumulateInto(master, view)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_AccumulateInto(master, view, p)))
 
     def _rekey_state(self) -> None:
         """Move state the wrapped optimizer already holds (a loaded checkpoint, earlier steps) to the masters.
@@ -434,7 +434,7 @@ class MasterWeightOptimizer(Optimizer):
             self._attach(p, master)
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
                 # gradients from before the hook existed
-                master.grad = p.grad.to(self.master_dtype, memory_format=grad_format(master))
+                master.grad = p.grad.to(self.master_dtype, memory_format=grad_format(master, p))
                 p.grad = self._views[id(p)] if self.grad_accumulation == "fp32" and id(p) in self._views else p.grad
 
     # ----- edits of the model's weights outside the step ----------------------------------------
@@ -745,7 +745,7 @@ class MasterWeightOptimizer(Optimizer):
             for p, m in self._half_pairs():
                 g = p.grad
                 if g is not None and not isinstance(g, MasterGradView) and id(p) in self._views:
-                    g32 = m.grad = g.to(m.dtype, copy=True, memory_format=grad_format(m))
+                    g32 = m.grad = g.to(m.dtype, copy=True, memory_format=grad_format(m, p))
                     setattr(g32, FROM_VIEW, True)
                     p.grad = self._views[id(p)]
 
@@ -1554,7 +1554,7 @@ class EditViews:
         for m, w in zip(masters, weights):
             if m.numel() == 0:
                 continue
-            if m.stride() != w.stride() or not dense_layout(m):
+            if not same_layout(m, w) or not dense_layout(m):
                 self.odd.append((m, w))
             else:
                 groups.setdefault((w.device, w.dtype, m.dtype), []).append((m, w))
@@ -1582,9 +1582,13 @@ _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 
 
-def grad_format(master: torch.Tensor) -> torch.memory_format:
-    """The memory format a gradient copied into ``master``'s dtype takes: ``master``'s own where it has a
-    name (contiguous, ``channels_last``, ``channels_last_3d``), else the gradient's (``preserve_format``)."""
+def grad_format(master: torch.Tensor, param: torch.Tensor) -> torch.memory_format:
+    """The memory format a gradient copied into ``master``'s dtype takes: the format of the master the step
+    reads where it has a name (contiguous, ``channels_last``, ``channels_last_3d``), else the gradient's
+    (``preserve_format``). A placeholder master (``bf16-master-r16``: a broadcast NaN, zero strides) is
+    joined from its weight ``param`` in the weight's layout, so the weight's format is taken."""
+    if 0 in master.stride():
+        master = param
     if master.is_contiguous():
         return torch.contiguous_format
     if master.dim() == 4 and master.is_contiguous(memory_format=torch.channels_last):
@@ -1687,10 +1691,12 @@ class _AccumulateInto:
     the gradients), so it replaces the master gradient rather than adding to a stale one.
     """
 
-    def __init__(self, master: torch.Tensor, view: MasterGradView) -> None:
+    def __init__(self, master: torch.Tensor, view: MasterGradView, param: torch.Tensor) -> None:
         self.master = master
         self.view = view
-        self.format = grad_format(master)
+        # A placeholder master (bf16-master-r16) is joined in its weight's layout, which autograd's gradient
+        # follows as the weight's layout changes (model.to(memory_format=...) after prepare): kept as it is.
+        self.format = torch.preserve_format if 0 in master.stride() else grad_format(master, param)
 
     def __call__(self, param: torch.Tensor) -> None:
         g = param.grad

@@ -32,15 +32,26 @@ _SHAPE = operator.attrgetter("shape")
 _STRIDE = operator.methodcaller("stride")
 _GRAD = operator.attrgetter("grad")
 _CONTIGUOUS = operator.methodcaller("is_contiguous")
+_LAYOUT = operator.attrgetter("layout")
+_STRIDED = {torch.strided}
 
 
 def _outside_stacklevel() -> int:
     """``warnings.warn``'s ``stacklevel`` for its caller's first frame outside mixprec and torch (the user's line)."""
-    inside = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+    inside = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))  # not torchvision
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def same_layout(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one shape) hold their elements in one memory order: equal strides on every
+    dimension of more than one element (a size-1 dimension's stride is arbitrary: a 1x1 conv weight in
+    ``channels_last`` is also contiguous)."""
+    if a.stride() == b.stride() or a.numel() == 0:
+        return True
+    return all(s == t for n, s, t in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
 def dense_layout(t: Tensor) -> bool:
@@ -51,6 +62,8 @@ def dense_layout(t: Tensor) -> bool:
     kernels over pointer tables) pair its elements correctly with another tensor's of the same
     strides. A view of part of a larger tensor (``base[:, 3:9]``) or an expanded one is not dense.
     """
+    if t.numel() == 0:
+        return True
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride()), key=lambda ss: ss[1]):
         if size == 1:
@@ -142,12 +155,15 @@ class FusedTwin:
     ``fused=False`` keeps its own step (and the host read; ``prepare`` says so on a GPU).
 
     Memory layouts: torch's fused kernels pair a parameter's elements with its gradient's and
-    state's in memory order, ignoring strides (the foreach step does not). Each step checks, on
-    the host, that every parameter is dense (:func:`dense_layout`) and that its gradient and
-    state tensors have its strides (C-level passes while everything is contiguous); a step
-    where they do not (a gradient from ``torch.autograd.grad`` in another layout, a model moved
-    to ``channels_last`` after its state exists, a parameter that views part of a larger
-    tensor) runs the optimizer's own step after one host read, with a warning naming the tensor.
+    state's in memory order, ignoring strides (the foreach step does not). State tensors in
+    another order than their parameter (a model moved to ``channels_last`` after its state was
+    made, a checkpoint of another layout) are copied into the parameter's layout when the twin
+    is made ready (the first step, a parameter's strides changed, ``load_state_dict``). Each step
+    checks, on the host, that every parameter is dense (:func:`dense_layout`) and that its
+    gradient is in its order (:func:`same_layout`; C-level passes while everything is
+    contiguous); a step where that fails (a gradient from ``torch.autograd.grad`` in another
+    layout, a parameter that views part of a larger tensor) runs the optimizer's own step after
+    one host read, with a warning naming the tensor.
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -226,58 +242,66 @@ class FusedTwin:
         self._shapes = list(map(_SHAPE, self._params))
         self._strides = list(map(_STRIDE, self._params))
         self._contiguous = all(map(_CONTIGUOUS, self._params))
-        self._bad_layout = self._state_layout()
+        self._bad_layout = self._align_states()
         self._damped = is_sgd and self._missing_damped_buffers()
 
-    def _state_layout(self) -> str | None:
-        """Why a parameter or one of its state tensors cannot take the fused kernel (``None``: all can)."""
+    def _align_states(self) -> str | None:
+        """Lay every state tensor out as its parameter (values kept); why a parameter cannot take the fused kernel.
+
+        A state in another memory order than its parameter (a model moved to ``channels_last`` after
+        its state was made, a checkpoint of another layout loaded, SGD's momentum cloned from a
+        gradient of another layout) is replaced by a copy in the parameter's layout, so the fused
+        kernel reads it right. ``None``: every parameter can take the kernel; else the reason (a
+        parameter that is not dense).
+        """
         opt = self.optimizer
         for p in self._params:
             if not dense_layout(p):
                 return (f"a parameter of shape {tuple(p.shape)} with strides {p.stride()} is not dense (it views part "
                         "of a larger tensor)")
-            for k, v in opt.state.get(p, {}).items():
-                if isinstance(v, Tensor) and v.dim() and v.stride() != p.stride():
-                    return (f"a parameter of shape {tuple(p.shape)} has strides {p.stride()} and its state {k!r} "
-                            f"{v.stride()} (its memory format changed after the state was made, or a checkpoint "
-                            "of another layout was loaded)")
+            st = opt.state.get(p)
+            for k, v in list((st or {}).items()):
+                if isinstance(v, Tensor) and v.dim() and v.shape == p.shape and not same_layout(v, p):
+                    st[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)  # p is dense: empty_like keeps its strides
         return None
 
     def _grad_layout(self) -> str | None:
         """Why a gradient cannot take the fused kernel now (``None``: every one can). Host work, no sync.
 
-        Raises:
-            RuntimeError: a sparse gradient (``is_contiguous`` refuses it): the caller's sparse path.
+        A sparse gradient sets :attr:`sparse` (the host decides from then on, as before: torch's fused
+        SGD refuses them) and answers ``None``.
         """
         grads = [g for g in map(_GRAD, self._params) if g is not None]
-        if self._contiguous and all(map(_CONTIGUOUS, grads)):  # C loops: no Python call per tensor
+        if set(map(_LAYOUT, grads)) - _STRIDED:  # C loops, as below: no Python call per tensor
+            self.sparse = True
+            return None
+        if self._contiguous and all(map(_CONTIGUOUS, grads)):
             return None
         for p in self._params:
             g = p.grad
-            if g is not None and g.stride() != p.stride():
+            if g is not None and not same_layout(g, p):
                 return (f"a parameter of shape {tuple(p.shape)} has strides {p.stride()} and its gradient "
                         f"{g.stride()} (a gradient assigned in another memory format, e.g. from torch.autograd.grad)")
         return None
 
     def _layout_mismatch(self) -> bool:
-        """Whether a parameter, gradient or state layout keeps this step off the fused kernel (warned once per cause)."""
-        try:
-            why = self._bad_layout or self._grad_layout()
-        except RuntimeError:  # a sparse gradient: torch's fused SGD refuses those anyway
-            self.sparse = True
-            return True
+        """Whether a parameter or gradient layout keeps this step off the fused kernel (warned once per cause)."""
+        why = self._bad_layout or self._grad_layout()
         if why is None:
-            return False
+            return self.sparse
+        if self._bad_layout is None:
+            # The step below is the optimizer's own: a state it makes (SGD's momentum, a clone of the gradient)
+            # may take the gradient's layout; the next step lays it out as its parameter again (_align_states).
+            self._ready = False
         if why not in self._warned:
             self._warned.add(why)
             warnings.warn(
                 f"mixprec: {type(self.optimizer).__name__} steps through torch's fused kernel so that it can skip "
                 f"overflowing steps without a host sync, and that kernel pairs elements in memory order: {why}. "
                 f"This step runs {type(self.optimizer).__name__}'s own step after one host read (found_inf.item()), "
-                "as every step while the layouts differ. Give the parameter, its gradient and its state one memory "
-                "format (move the model to channels_last before its first step or before prepare(); assign "
-                "gradients with p.grad = g.to(memory_format=...) matching the parameter; keep parameters as whole "
-                "tensors, not slices of a larger one).",
+                "as every step while it lasts. Give each parameter and its gradient one memory format (assign "
+                "gradients with p.grad = g.to(memory_format=...) matching the parameter's; keep parameters as "
+                "whole tensors, not slices of a larger one).",
                 UserWarning,
                 stacklevel=_outside_stacklevel(),
             )
