@@ -154,7 +154,13 @@ def test_compare_workload_given_twice_and_disagreeing_is_one_line(capsys: pytest
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["-p", "fp32,bf16-mixd"], "unknown preset 'bf16-mixd'; Did you mean 'bf16-mixed'?"),
+        (["-p", "fp32,bf16-mixd"], "unknown preset 'bf16-mixd' (did you mean 'bf16-mixed'?); choose from"),
+        (["-p", "bf16-true"], "'bf16-true' is the policy 'p=bf16,c=bf16,o=f32,m=none,ls=none,i=norm,tf32=0,comp=none', "
+                              "not one of the presets compare runs as its rows; choose from: fp32,"),
+        (["-p", "p=f32,c=bf16"], "'p=f32' is part of a policy string, not one of the presets compare runs as its rows"),
+        (["--peak-tflops", "0"], "--peak-tflops: expects a finite number of TFLOP/s above 0 (e.g. 989 for an H100), got '0'"),
+        (["--peak-tflops", "-1"], "got '-1'"),
+        (["--peak-tflops", "nan"], "got 'nan'"),
         (["-w", "gtp"], "unknown workload 'gtp'; choose one of: gpt, cnn, hf-gpt2, or your own as MODULE:FUNCTION. Did you mean 'gpt'?"),
         (["-w", "no_such_module_xyz:make"], "no module named 'no_such_module_xyz'"),
         (["-w", "mixprec_cli_wl:nope"], "module 'mixprec_cli_wl' has no function 'nope'"),
@@ -207,7 +213,7 @@ def test_console_entry_point_errors_without_traceback(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "mixprec compare: error: unknown preset 'fp16-mixd'; Did you mean 'fp16-mixed'? choose from: fp32, tf32, "
+        "mixprec compare: error: unknown preset 'fp16-mixd' (did you mean 'fp16-mixed'?); choose from: fp32, tf32, "
         "bf16-mixed, fp16-mixed, bf16-master, bf16-master-r16, fp16-master, bf16-pure, fp16-pure, fp8-tensorwise, fp8-rowwise, or "
         "'all' (the torch-amp baseline is set with --baseline)"
     )

@@ -685,6 +685,7 @@ def test_bad_static_scale_and_update_argument():
 def test_repr():
     assert repr(DynamicScaler()).startswith("DynamicScaler(init_scale=65536, growth_interval=2000, hysteresis=1")
     assert repr(StaticScaler(2.0)) == "StaticScaler(scale=2, device=lazy, steps=0)"
+    assert repr(NoOpScaler()) == "NoOpScaler(device=lazy, steps=0)"  # (was "NoOpScaler(, device=...")
 
 
 def test_statistics_do_not_create_the_device_state():

@@ -731,7 +731,8 @@ class _ScalerBase:
     def __repr__(self) -> str:
         core = self._core
         where = core.device if core.device is not None else "lazy"
-        return f"{type(self).__name__}({self._describe()}, device={where}, steps={core.steps})"
+        fields = [self._describe(), f"device={where}", f"steps={core.steps}"]
+        return f"{type(self).__name__}({', '.join(f for f in fields if f)})"
 
     def _describe(self) -> str:
         return ""

@@ -112,13 +112,15 @@ def parse_presets(spec: str | Sequence[str] | None, device: torch.device | str =
             if pol is not None and pol.name in PRESETS:
                 names = [pol.name]
             else:
-                near = closest(item, [*ALL_PRESETS, *PRESETS, BASELINE, "all"])
-                hint = f" Did you mean {near!r}?" if near else ""
                 fp8 = [n for n in PRESETS if n not in ALL_PRESETS and PRESETS[n].fp8 != "none"]
-                raise BenchError(
-                    f"unknown preset {item!r};{hint} choose from: {', '.join([*ALL_PRESETS, *fp8])}, or 'all' "
-                    f"(the {BASELINE} baseline is set with --baseline)"
-                )
+                choices = f"choose from: {', '.join([*ALL_PRESETS, *fp8])}, or 'all' (the {BASELINE} baseline is set with --baseline)"
+                if pol is not None or "=" in key:
+                    # an alias of a policy that is no preset (bf16-true), or a policy string the comma list cut up
+                    what = f"{item!r} is the policy {str(pol)!r}" if pol is not None else f"{item!r} is part of a policy string"
+                    raise BenchError(f"{what}, not one of the presets compare runs as its rows; {choices}")
+                near = closest(item, [*ALL_PRESETS, *PRESETS, BASELINE, "all"])
+                hint = f" (did you mean {near!r}?)" if near else ""
+                raise BenchError(f"unknown preset {item!r}{hint}; {choices}")
         for n in names:
             if n not in out:
                 out.append(n)

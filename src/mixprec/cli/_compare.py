@@ -6,6 +6,7 @@ The work is :func:`mixprec.bench.run_compare`; this module parses the arguments 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from typing import Any
@@ -51,6 +52,17 @@ def _baseline_arg(text: str) -> str:
     return ",".join(parts)
 
 
+def _peak_tflops_arg(text: str) -> float:
+    """``--peak-tflops``: a finite number above 0 (0, negative or NaN would give no MFU or a meaningless one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number of TFLOP/s, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expects a finite number of TFLOP/s above 0 (e.g. 989 for an H100), got {text!r}")
+    return value
+
+
 def add_compare(subparsers: Any) -> None:
     """Add the ``compare`` subcommand to ``mixprec``'s parser."""
     p = subparsers.add_parser(
@@ -93,7 +105,7 @@ def add_compare(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON record to PATH ('-': stdout)")
     p.add_argument("--out", metavar="DIR", default=None, help="write PNG plots and compare.json into DIR")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=_peak_tflops_arg, default=None,
                    help="the GPU's dense peak TFLOP/s for MFU, when its name is not in mixprec's table")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_compare)
