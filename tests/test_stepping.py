@@ -347,14 +347,9 @@ def _layout_case(case: str) -> tuple[list[nn.Parameter], Any]:
     return ps, set_grads
 
 
-@pytest.mark.parametrize("case", ["grad-channels-last", "non-dense", "views-of-one-tensor"])
-@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov"])
-def test_a_layout_the_fused_kernel_would_misread_takes_the_optimizers_own_step(case: str, name: str) -> None:
-    """torch's fused kernels pair elements in memory order: such steps run the optimizer's own step, equal to it bit for bit."""
-    ps, set_grads = _layout_case(case)
-    own_ps, _ = _layout_case(case)
-    opt = OPTIMIZERS[name](ps, foreach=True)
-    own = OPTIMIZERS[name](own_ps, foreach=True)
+def _twin_beside_own(opt: Any, own: Any, ps: list[nn.Parameter], own_ps: list[nn.Parameter],
+                     set_grads: Any) -> tuple[list[int], list[warnings.WarningMessage]]:
+    """Five steps of ``opt`` through the twin beside ``own`` stepped by torch: the host reads per step, the warnings."""
     reads = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -365,6 +360,18 @@ def test_a_layout_the_fused_kernel_would_misread_takes_the_optimizers_own_step(c
                 step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
             reads.append(c.host_reads)
             own.step()
+    return reads, caught
+
+
+@pytest.mark.parametrize("case", ["grad-channels-last", "non-dense", "views-of-one-tensor"])
+@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov"])
+def test_a_layout_the_fused_kernel_would_misread_takes_the_optimizers_own_step(case: str, name: str) -> None:
+    """torch's fused kernels pair elements in memory order: such steps run the optimizer's own step, equal to it bit for bit."""
+    ps, set_grads = _layout_case(case)
+    own_ps, _ = _layout_case(case)
+    opt = OPTIMIZERS[name](ps, foreach=True)
+    own = OPTIMIZERS[name](own_ps, foreach=True)
+    reads, caught = _twin_beside_own(opt, own, ps, own_ps, set_grads)
     for p, q in zip(ps, own_ps):
         assert torch.equal(p, q)
     if case == "views-of-one-tensor":
@@ -385,16 +392,7 @@ def test_state_in_another_layout_is_laid_out_as_its_parameter_and_stays_on_the_f
     ps, set_grads = _layout_case(case)
     own_ps, _ = _layout_case(case)
     opt, own = make(ps, foreach=True), make(own_ps, foreach=True)
-    reads = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(5):
-            set_grads(step, ps)
-            set_grads(step, own_ps)
-            with StepCounter((opt,)) as c:
-                step_or_skip(opt, torch.tensor(0.0), None, (), {}, twin=True)
-            reads.append(c.host_reads)
-            own.step()
+    reads, caught = _twin_beside_own(opt, own, ps, own_ps, set_grads)
     for p, q in zip(ps, own_ps):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         for k, v in opt.state[p].items():
