@@ -38,6 +38,7 @@ from ._dist import fsdp_remainders as _fsdp_remainders
 from ._dist import is_fsdp2 as _is_fsdp2
 from ._dist import local_grad as local_grad  # explicit re-export (not in __all__, as before)
 from ._master_grad import is_view
+from ._stepping import dense_layout, same_layout
 
 if TYPE_CHECKING:  # core modules are imported inside the functions that need them (this module sits on top)
     from torch.nn.parallel import DistributedDataParallel
@@ -187,6 +188,15 @@ class _DDPState:
                 self.cleared_by_us.discard(id(p))
 
 
+def _bucket_grad(flat: Tensor, offset: int, p: Tensor) -> Tensor:
+    """``p``'s gradient in a DDP bucket's flat buffer ``flat``, as DDP's reducer lays it out: with ``p``'s
+    strides when ``p`` is dense (a ``channels_last`` weight's gradient is in that memory order), else
+    contiguous from ``offset``."""
+    if p.is_contiguous() or not dense_layout(p):
+        return flat[offset:offset + p.numel()].view(p.shape)
+    return flat.as_strided(p.shape, p.stride(), flat.storage_offset() + offset)
+
+
 def _reduce_hook(state, bucket):
     # (_DDPState, dist.GradBucket) -> Future[Tensor]. Unannotated on purpose: DDP compares the
     # annotations with its own types, and `from __future__ import annotations` makes them strings.
@@ -201,21 +211,21 @@ def _reduce_hook(state, bucket):
     """
     dist = torch.distributed
     buf: Tensor = bucket.buffer()
-    accum: list[tuple[int, int, Tensor]] = []
+    accum: list[tuple[int, Tensor, Tensor]] = []
     if state.masters:
         state.queue_show_views()
         offset = 0
         for p in bucket.parameters():
             m = state.masters.get(id(p))
             if m is not None:
-                accum.append((offset, p.numel(), m))
+                accum.append((offset, p, m))
             offset += p.numel()
     src = buf
     if accum:
         src = buf.to(torch.float32)
-        for off, n, m in accum:
+        for off, p, m in accum:
             if m.grad is not None:  # FP32 partial sum from micro-batches under no_sync()
-                src[off:off + n].add_(m.grad.reshape(-1))
+                _bucket_grad(src, off, p).add_(m.grad)
     comm = src.to(state.reduce_dtype)  # no copy when the dtypes already match
     comm.div_(state.world)
     fut = dist.all_reduce(comm, group=state.group, async_op=True).get_future()
@@ -224,8 +234,11 @@ def _reduce_hook(state, bucket):
         reduced = f.value()[0]
         if accum:
             r32 = reduced.to(torch.float32)
-            for off, n, m in accum:
-                m.grad = r32[off:off + n].view_as(m)
+            for off, p, m in accum:
+                g = _bucket_grad(r32, off, p)
+                # In the master's memory order (the fused optimizer kernels pair elements in memory order); a
+                # placeholder master (bf16-master-r16, zero strides) is joined in its weight's, which g has.
+                m.grad = g if 0 in m.stride() or same_layout(g, m) else torch.empty_like(m).copy_(g)
         for p in bucket.parameters():
             state.cleared_by_us.discard(id(p))  # DDP writes the reduced gradient into p.grad next
         return reduced.to(buf.dtype)

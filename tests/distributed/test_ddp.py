@@ -34,6 +34,8 @@ SCENARIOS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int]] = {
 TOL = {"bf16": 3e-3, "fp16": 5e-4}
 
 
+CNN_POLICIES = ("bf16-master", "fp16-master", "bf16-master-r16")
+
 CLEARS = {
     "model.zero_grad()": lambda m, o: m.zero_grad(),
     "model.zero_grad(set_to_none=False)": lambda m, o: m.zero_grad(set_to_none=False),
@@ -55,6 +57,45 @@ def _run(policy: str, prec_kw: dict[str, Any], ddp_kw: dict[str, Any], accum: in
     out = c.train(prec, fwd, opt, rank=rank, world=world, accum=accum, no_sync=no_sync, clear=clear)
     out["params"] = c.fp32_params(prec, model)
     return out
+
+
+def _cnn_run(policy: str, after: bool, world: int) -> dict[str, Any]:
+    """A channels_last CNN (converted before or after prepare), 3 SGD steps of 2 micro-batches (the first under
+    no_sync), the same data on every rank: DDP's average is the one-process gradient. The FP32 weights, the host
+    reads per step and mixprec's layout warnings."""
+    import contextlib
+
+    from mixprec.bench._step_cost import StepCounter
+    from mixprec.distributed import wrap_ddp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 4 * 4, 3))
+    if not after:
+        model = model.to(memory_format=torch.channels_last)
+    prec = c.make_prec(policy)
+    model, opt = prec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    if after:
+        model = model.to(memory_format=torch.channels_last)
+    fwd = wrap_ddp(prec, model) if world > 1 else model
+    g = torch.Generator().manual_seed(7)
+    reads = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for micro in range(2):
+                x = torch.randn(2, 3, 4, 4, generator=g).contiguous(memory_format=torch.channels_last)
+                ctx = fwd.no_sync() if world > 1 and micro == 0 else contextlib.nullcontext()
+                with ctx:
+                    with prec.autocast():
+                        loss = fwd(x).float().square().mean() / 2
+                    prec.backward(loss)
+            with StepCounter((opt,)) as counter:
+                prec.step(opt)
+            reads.append(counter.host_reads)
+            opt.zero_grad(set_to_none=True)
+    return {"params": c.fp32_params(prec, model), "reads": reads,
+            "layout_warnings": [str(w.message) for w in caught if "memory order" in str(w.message)]}
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -125,6 +166,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 "params": {str(i): p.detach().float().flatten().tolist() for i, p in enumerate(model.parameters())},
                 "moved": max((p.detach().float() - b).abs().max().item() for p, b in zip(model.parameters(), before)),
             }
+    # channels_last models: DDP lays each gradient out in its parameter's memory order in the bucket; the masters'
+    # gradients are read from it in that order (were reinterpreted as contiguous: scrambled).
+    for policy in CNN_POLICIES:
+        for after in (False, True):
+            results[f"cnn/{policy}/{after}"] = _cnn_run(policy, after, c.WORLD)
     # Misuse: wrap_ddp on the torch.compile'd model (compile the DDP module instead).
     prec = c.make_prec("bf16-mixed")
     m = c.make_model()
@@ -211,3 +257,17 @@ def test_gradient_edits_between_backward_and_step_reach_the_step_under_wrap_ddp(
 
 def test_wrap_ddp_of_a_compiled_model_says_to_compile_the_ddp_module(ranks: list[dict[str, Any]]) -> None:
     assert "compile the result instead: torch.compile(wrap_ddp(prec, model))" in (ranks[0]["wrap_compiled_error"] or "")
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["channels_last-before-prepare", "channels_last-after-prepare"])
+@pytest.mark.parametrize("policy", CNN_POLICIES)
+def test_a_channels_last_model_under_wrap_ddp_matches_one_process(ranks: list[dict[str, Any]], policy: str,
+                                                                  after: bool) -> None:
+    ref = _cnn_run(policy, after, world=1)
+    for r in ranks:
+        got = r[f"cnn/{policy}/{after}"]
+        assert got["reads"] == [0, 0, 0] and got["layout_warnings"] == []
+        # every rank saw the same data: the reduction (in FP32) of equal gradients is the one-process gradient
+        diff = c.max_diff(got["params"], ref["params"])
+        assert diff <= TOL[policy[:4]], diff
+    assert c.max_diff(ranks[0][f"cnn/{policy}/{after}"]["params"], ranks[1][f"cnn/{policy}/{after}"]["params"]) == 0.0
