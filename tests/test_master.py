@@ -937,3 +937,23 @@ def test_assigned_gradients_of_another_layout_become_master_gradients_the_fused_
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_accumulating_a_channels_last_models_gradients_gives_no_layout_contract_warning() -> None:
+    """The master-gradient view has its parameter's strides: autograd adding a second micro-batch into it does not
+    warn "grad and param do not obey the gradient layout contract" (plain torch does not either)."""
+    import mixprec as mp
+
+    model = _cnn().to(memory_format=torch.channels_last)
+    prec = mp.MixedPrecision("bf16-master")
+    model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randn(2, 3, 6, 6).contiguous(memory_format=torch.channels_last)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with prec.autocast():
+                loss = model(x).float().pow(2).mean()
+            prec.backward(loss)
+        prec.step(opt)
+    conv = next(model.parameters())
+    assert isinstance(conv.grad, MasterGradView) and conv.grad.stride() == conv.stride()

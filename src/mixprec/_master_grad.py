@@ -95,8 +95,10 @@ class MasterGradView(torch.Tensor):
     def __new__(
         cls, param: torch.Tensor, master: torch.Tensor, before_read: Callable[[str], None] | None = None
     ) -> MasterGradView:
+        # The parameter's strides (a channels_last weight's): autograd, adding a micro-batch's gradient into the
+        # view, otherwise warns that the gradient does not obey the layout contract.
         view = torch.Tensor._make_wrapper_subclass(
-            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
+            cls, param.shape, strides=param.stride(), dtype=param.dtype, device=param.device, requires_grad=False
         )
         view._master = master
         view._before_read = before_read
