@@ -446,3 +446,24 @@ def test_a_sparse_gradient_is_decided_on_the_host_without_a_layout_warning() -> 
             assert c.host_reads == 1
             opt.zero_grad()
     assert opt._mixprec_twin.sparse
+
+
+def test_the_layout_check_costs_no_python_call_per_parameter_and_ignores_frozen_slices() -> None:
+    """A channels_last model (the per-parameter stride comparison runs every step): the twin's decision makes as many
+    Python calls for 24 parameters as for 6; a frozen parameter that views part of a larger tensor (no gradient) does
+    not take the step off the fused kernel."""
+    from mixprec.bench._step_cost import python_calls
+
+    def calls(n: int) -> int:
+        g = torch.Generator().manual_seed(6)
+        ps = [nn.Parameter(torch.randn(4, 3, 3, 3, generator=g).contiguous(memory_format=torch.channels_last))
+              for _ in range(n)]
+        frozen = nn.Parameter(torch.randn(4, 10, generator=g)[:, 2:5], requires_grad=False)
+        opt = torch.optim.AdamW([*ps, frozen], lr=1e-2, foreach=True)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).contiguous(memory_format=torch.channels_last)
+        twin = FusedTwin(opt)
+        assert not twin.needs_host_read()  # made ready here (the per-parameter work of the first step)
+        return python_calls(twin.needs_host_read)
+
+    assert calls(6) == calls(24)

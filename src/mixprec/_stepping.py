@@ -178,7 +178,7 @@ class FusedTwin:
         self._shapes: list[Any] = []
         self._strides: list[Any] = []  # every parameter's strides when last made ready
         self._contiguous = True  # every parameter contiguous then
-        self._bad_layout: str | None = None  # why a parameter or its state cannot take the fused kernel
+        self._non_dense: list[Tensor] = []  # parameters that view part of a larger tensor (when last made ready)
         self._warned: set[str] = set()
         optimizer.register_load_state_dict_post_hook(_unready)
 
@@ -242,27 +242,34 @@ class FusedTwin:
         self._shapes = list(map(_SHAPE, self._params))
         self._strides = list(map(_STRIDE, self._params))
         self._contiguous = all(map(_CONTIGUOUS, self._params))
-        self._bad_layout = self._align_states()
+        self._align_states()
         self._damped = is_sgd and self._missing_damped_buffers()
 
-    def _align_states(self) -> str | None:
-        """Lay every state tensor out as its parameter (values kept); why a parameter cannot take the fused kernel.
+    def _align_states(self) -> None:
+        """Lay every state tensor out as its parameter (values kept); note the parameters that are not dense.
 
         A state in another memory order than its parameter (a model moved to ``channels_last`` after
         its state was made, a checkpoint of another layout loaded, SGD's momentum cloned from a
         gradient of another layout) is replaced by a copy in the parameter's layout, so the fused
-        kernel reads it right. ``None``: every parameter can take the kernel; else the reason (a
-        parameter that is not dense).
+        kernel reads it right.
         """
         opt = self.optimizer
+        self._non_dense = [p for p in self._params if not dense_layout(p)]
         for p in self._params:
-            if not dense_layout(p):
-                return (f"a parameter of shape {tuple(p.shape)} with strides {p.stride()} is not dense (it views part "
-                        "of a larger tensor)")
             st = opt.state.get(p)
             for k, v in list((st or {}).items()):
                 if isinstance(v, Tensor) and v.dim() and v.shape == p.shape and not same_layout(v, p):
                     st[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)  # p is dense: empty_like keeps its strides
+
+    def _non_dense_layout(self) -> str | None:
+        """Why a parameter with a gradient cannot take the fused kernel (not dense), or ``None``.
+
+        Frozen or gradient-less slices of a larger tensor do not count: the fused step skips them.
+        """
+        for p in self._non_dense:
+            if p.grad is not None:
+                return (f"a parameter of shape {tuple(p.shape)} with strides {p.stride()} is not dense (it views part "
+                        "of a larger tensor)")
         return None
 
     def _grad_layout(self) -> str | None:
@@ -277,19 +284,20 @@ class FusedTwin:
             return None
         if self._contiguous and all(map(_CONTIGUOUS, grads)):
             return None
-        for p in self._params:
+        for p in self._params:  # (a channels_last model every step: C-level stride compares, no call per tensor)
             g = p.grad
-            if g is not None and not same_layout(g, p):
+            if g is not None and g.stride() != p.stride() and not same_layout(g, p):
                 return (f"a parameter of shape {tuple(p.shape)} has strides {p.stride()} and its gradient "
                         f"{g.stride()} (a gradient assigned in another memory format, e.g. from torch.autograd.grad)")
         return None
 
     def _layout_mismatch(self) -> bool:
         """Whether a parameter or gradient layout keeps this step off the fused kernel (warned once per cause)."""
-        why = self._bad_layout or self._grad_layout()
+        bad = self._non_dense_layout() if self._non_dense else None
+        why = bad or self._grad_layout()
         if why is None:
             return self.sparse
-        if self._bad_layout is None:
+        if bad is None:
             # The step below is the optimizer's own: a state it makes (SGD's momentum, a clone of the gradient)
             # may take the gradient's layout; the next step lays it out as its parameter again (_align_states).
             self._ready = False
