@@ -606,7 +606,7 @@ class _AttrPatch:
         setattr(self.module, self.name, self.previous)
 
 
-def _guard_fast_paths(model: nn.Module, cpu_autocast: bool = False) -> list[RemovableHandle | _AttrPatch]:
+def _guard_fast_paths(model: nn.Module, cpu_autocast: bool) -> list[RemovableHandle | _AttrPatch]:
     """Keep torch's Transformer inference fast path off layers whose parameters have several dtypes
     (and off layers with FP32 weights when the policy autocasts on a CPU: ``cpu_autocast``).
 

@@ -256,6 +256,8 @@ class FusedTwin:
         opt = self.optimizer
         self._non_dense = [p for p in self._params if not dense_layout(p)]
         for p in self._params:
+            if self._non_dense and any(p is q for q in self._non_dense):
+                continue  # no layout of its own to copy into (its steps are the optimizer's own)
             st = opt.state.get(p)
             for k, v in list((st or {}).items()):
                 if isinstance(v, Tensor) and v.dim() and v.shape == p.shape and not same_layout(v, p):
