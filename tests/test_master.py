@@ -957,3 +957,106 @@ def test_accumulating_a_channels_last_models_gradients_gives_no_layout_contract_
         prec.step(opt)
     conv = next(model.parameters())
     assert isinstance(conv.grad, MasterGradView) and conv.grad.stride() == conv.stride()
+
+
+
+
+@pytest.mark.parametrize("accumulation", ["fp32", "compute"])
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+def test_a_sparse_embedding_trains_its_fp32_master_as_a_dense_one_does(preset: str, accumulation: str) -> None:
+    """``Embedding(sparse=True)`` (the model bf16-pure's refusal sends to a master preset): its sparse half gradient
+    becomes a sparse FP32 master gradient, accumulated over micro-batches, and the master moves as the same run with
+    a dense embedding moves it (to the rounding of summing in another order), near an FP32 run of torch's SGD; rows
+    no batch touched stay as they were."""
+    import mixprec
+    from mixprec.checkpoint import fp32_state_dict
+
+    class Model(nn.Module):
+        def __init__(self, sparse: bool) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 8, sparse=sparse)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids).mean(1)).float()
+
+    # torch's autograd cannot add two sparse FP16 gradients on a CPU ("cadd_sparse" not implemented for 'Half'):
+    # fp16 gradients accumulated in fp16 take one micro-batch per step.
+    micro = 1 if (preset, accumulation) == ("fp16-master", "compute") else 2
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 16, (4, 5), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(6)]
+
+    def updates(sparse: bool | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = Model(bool(sparse))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if sparse is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fp16 on a CPU
+                prec = mixprec.MixedPrecision(preset, grad_accumulation=accumulation)
+                model, opt = prec.prepare(model, opt)
+        start = model.emb.weight.detach().clone() if sparse is None else fp32_state_dict(prec)["emb.weight"]
+        for step in range(3):
+            for ids, y in data[micro * step: micro * step + micro]:
+                if sparse is None:
+                    nn.functional.cross_entropy(model(ids), y).div(micro).backward()
+                    continue
+                with prec.autocast():
+                    loss = nn.functional.cross_entropy(model(ids), y).div(micro)
+                prec.backward(loss)
+            if sparse is None:
+                opt.step()
+            else:
+                assert prec.step(opt).applied()
+            opt.zero_grad()
+        end = model.emb.weight.detach() if sparse is None else fp32_state_dict(prec)["emb.weight"]
+        return end - start
+
+    sparse, dense, fp32 = updates(True), updates(False), updates(None)
+    assert fp32[:16].abs().amax() > 1e-2 and torch.equal(fp32[16:], torch.zeros(4, 8))
+    ulp = 2.0**-8 if "bf16" in preset else 2.0**-11
+    torch.testing.assert_close(sparse, dense, atol=ulp * 4e-2, rtol=0)  # updates ~2.5e-2
+    torch.testing.assert_close(sparse, fp32, atol=ulp * 0.5, rtol=0)
+    assert torch.equal(sparse[16:], torch.zeros(4, 8))  # rows no id reached
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "fp16-master", "bf16-master-r16"])
+def test_zero_grad_keeping_zeros_steps_an_unreached_parameter_under_compute_accumulation(preset: str) -> None:
+    """``zero_grad(set_to_none=False)`` leaves a zero gradient, so AdamW keeps stepping a parameter the next backward
+    does not reach (an unused branch, an expert without tokens: momentum and weight decay). Under
+    ``grad_accumulation="compute"`` the step had dropped the gradient, so that parameter stopped moving; now it moves
+    as under FP32 accumulation (as torch moves it), bit for bit."""
+    import mixprec
+    from mixprec.checkpoint import fp32_state_dict
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.h = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+            return self.h(torch.relu(self.a(x) + (self.b(x) if use_b else 0)))
+
+    def run(accumulation: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = Branchy()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fp16 on a CPU
+            prec = mixprec.MixedPrecision(preset, grad_accumulation=accumulation)
+            model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+        seen = []
+        for i in range(5):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with prec.autocast():
+                loss = nn.functional.cross_entropy(model(x, use_b=i < 2), y)  # b unreached from step 2 on
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad(set_to_none=False)
+            seen.append(fp32_state_dict(prec)["b.weight"])
+        return seen
+
+    fp32, compute = run("fp32"), run("compute")
+    for a, b in zip(fp32, compute):
+        assert torch.equal(a, b)
+    assert all((compute[i] - compute[i - 1]).abs().max() > 1e-3 for i in range(2, 5))  # still stepped

@@ -162,6 +162,9 @@ class MasterWeightOptimizer(Optimizer):
     _live = False  # "remainder": the masters hold their joined FP32 values (inside a step)
     _edit_views: EditViews | None = None  # the edit check's cached 1-D views (built at its first use)
     _own32: tuple[torch.Tensor, ...] = ()  # set in __init__; the default reads instances pickled before it existed
+    # grad_accumulation="compute": the parameters whose gradients the last step dropped (zero_grad(set_to_none=False)
+    # gives them the zero gradient torch would have left).
+    _dropped: tuple[torch.Tensor, ...] = ()
     master_storage: MasterStorage = "full"  # set in __init__; the default reads instances pickled before it existed
     # How many more of the wrapped optimizer's steps to watch for writes to half weights
     # (_check_inner_step): set whenever the pairs are rebuilt (construction, parameters added or
@@ -301,11 +304,12 @@ class MasterWeightOptimizer(Optimizer):
                 "(model.parameters() yields a tied one once)."
             )
         self._pairs = None
-        if not p.dtype.is_floating_point or p.dtype == self.master_dtype:
+        # A float64 parameter (a learned temperature) is its own master too: an FP32 master would round its updates.
+        if not p.dtype.is_floating_point or p.dtype == self.master_dtype or p.dtype == torch.float64:
             self._model_params.append(p)
             self._masters.append(p)
             self._rems.append(None)
-            if p.dtype.is_floating_point:
+            if p.dtype == self.master_dtype:
                 self._own32 = (*self._own32, p)
             return p
         if not p.requires_grad:
@@ -434,7 +438,7 @@ class MasterWeightOptimizer(Optimizer):
             self._attach(p, master)
             if p.grad is not None and not isinstance(p.grad, MasterGradView):
                 # gradients from before the hook existed
-                master.grad = p.grad.to(self.master_dtype, memory_format=grad_format(master, p))
+                master.grad = p.grad.to(self.master_dtype, memory_format=grad_format(master, p, p.grad))
                 p.grad = self._views[id(p)] if self.grad_accumulation == "fp32" and id(p) in self._views else p.grad
 
     # ----- edits of the model's weights outside the step ----------------------------------------
@@ -666,9 +670,14 @@ class MasterWeightOptimizer(Optimizer):
                 # In the layout of the master the step reads (the fused kernels pair elements in memory order): m's
                 # own, or for a placeholder (a broadcast NaN: zero strides) the weight's, which its join takes.
                 grads = [p.grad for p, _ in pending if p.grad is not None]
-                bufs = [torch.empty_like(g, dtype=m.dtype) if 0 in m.stride() else torch.empty_like(m)
+                dense = [i for i, g in enumerate(grads) if g.layout is _STRIDED]
+                bufs = [g.to(m.dtype) if g.layout is not _STRIDED  # a sparse gradient stays sparse, in FP32
+                        else torch.empty_like(g, dtype=m.dtype) if 0 in m.stride() else torch.empty_like(m)
                         for g, (_, m) in zip(grads, pending)]
-                torch._foreach_copy_(bufs, grads)
+                if len(dense) == len(grads):
+                    torch._foreach_copy_(bufs, grads)
+                elif dense:
+                    torch._foreach_copy_([bufs[i] for i in dense], [grads[i] for i in dense])
                 for (p, m), b in zip(pending, bufs):
                     # A plain half gradient means the view was dropped since the last gather (p.grad = None:
                     # zero_grad, or model.zero_grad() inside a closure): it replaces the master gradient, which
@@ -745,7 +754,7 @@ class MasterWeightOptimizer(Optimizer):
             for p, m in self._half_pairs():
                 g = p.grad
                 if g is not None and not isinstance(g, MasterGradView) and id(p) in self._views:
-                    g32 = m.grad = g.to(m.dtype, copy=True, memory_format=grad_format(m, p))
+                    g32 = m.grad = g.to(m.dtype, copy=True, memory_format=grad_format(m, p, g))
                     setattr(g32, FROM_VIEW, True)
                     p.grad = self._views[id(p)]
 
@@ -806,7 +815,19 @@ class MasterWeightOptimizer(Optimizer):
         return unscale_and_check_(self.master_grads(), inv_scale, found_inf)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the masters' gradients and any gradient left on the model's parameters."""
+        """Clear the masters' gradients and any gradient left on the model's parameters.
+
+        ``set_to_none=False`` under ``grad_accumulation="compute"``: a parameter whose gradient the
+        last step dropped (to keep 2 bytes per parameter between steps) gets a zero gradient in its
+        own dtype, the one torch would have left, so a parameter that the next backward does not
+        reach is still stepped (momentum, weight decay) as torch steps it.
+        """
+        if self._dropped:
+            if not set_to_none:
+                for p in self._dropped:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            self._dropped = ()
         for t in (*self._masters, *self._model_params):
             if t.grad is not None:
                 if set_to_none:
@@ -977,10 +998,14 @@ class MasterWeightOptimizer(Optimizer):
         if self.grad_accumulation == "compute":
             # The FP32 gradient buffers were transient: drop them so only the half gradients'
             # 2 bytes per parameter persist between steps (16 B/param with AdamW, not 20).
+            dropped = []
             for p, m in self._half_pairs():
+                if m.grad is not None:
+                    dropped.append(p)
                 m.grad = None
                 if isinstance(p.grad, MasterGradView) or id(p) not in self._views:  # (no view: an FSDP2 shard's)
                     p.grad = None
+            self._dropped = tuple(dropped)
         if self._optimizer_step_post_hooks:
             for hook in list(self._optimizer_step_post_hooks.values()):
                 hook(self, args, {})
@@ -1476,6 +1501,7 @@ CREATE_GRAPH_FP32_ACCUMULATION = (
 )
 _DTYPE = operator.attrgetter("dtype")
 _NONE_TYPE = type(None)
+_STRIDED = torch.strided
 _ONLY_VIEWS = frozenset({MasterGradView, _NONE_TYPE})
 #: Elements carried through :func:`carry_edits_` per pass: bounds its temporaries (11 bytes per
 #: element) to 352 MiB whatever the model's size.
@@ -1582,11 +1608,14 @@ _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 
 
-def grad_format(master: torch.Tensor, param: torch.Tensor) -> torch.memory_format:
+def grad_format(master: torch.Tensor, param: torch.Tensor, grad: torch.Tensor | None = None) -> torch.memory_format:
     """The memory format a gradient copied into ``master``'s dtype takes: the format of the master the step
     reads where it has a name (contiguous, ``channels_last``, ``channels_last_3d``), else the gradient's
     (``preserve_format``). A placeholder master (``bf16-master-r16``: a broadcast NaN, zero strides) is
-    joined from its weight ``param`` in the weight's layout, so the weight's format is taken."""
+    joined from its weight ``param`` in the weight's layout, so the weight's format is taken. A sparse
+    ``grad`` (``Embedding(sparse=True)``) stays sparse: ``preserve_format``, the only format it takes."""
+    if grad is not None and grad.layout != torch.strided:
+        return torch.preserve_format
     if 0 in master.stride():
         master = param
     if master.is_contiguous():
@@ -1710,11 +1739,13 @@ class _AccumulateInto:
         # autograd runs hooks with grad mode off anyway unless create_graph=True.
         # In the master's memory format (the half weight may be channels_last beside a contiguous master):
         # the fused optimizer kernels pair gradient and master elements in memory order.
+        # A sparse gradient (Embedding(sparse=True)) takes no memory format but its own.
+        fmt = self.format if g.layout is _STRIDED else torch.preserve_format
         if torch.is_grad_enabled():
             with torch.no_grad():
-                g32 = self.master.grad = g.to(self.master.dtype, memory_format=self.format)
+                g32 = self.master.grad = g.to(self.master.dtype, memory_format=fmt)
         else:
-            g32 = self.master.grad = g.to(self.master.dtype, memory_format=self.format)
+            g32 = self.master.grad = g.to(self.master.dtype, memory_format=fmt)
         setattr(g32, FROM_VIEW, True)
         param.grad = self.view
 
