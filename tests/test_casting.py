@@ -499,3 +499,122 @@ def test_uncast_module_of_a_live_run_closes_the_run_and_its_gradient_hooks(prese
         own = [m for m, p in zip(opt.masters, opt.model_params) if m is not p]  # (FP32 islands are their own masters)
         assert len(own) == 4 and all(m.grad is None for m in own)  # the first run's hooks are off
     prec2.step(opt2)
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16-pure"])
+def test_a_model_with_a_torchscript_submodule_prepares_and_trains_as_the_eager_one(preset: str) -> None:
+    """A scripted submodule (``torch.jit.script(nn.LayerNorm(8))``): prepare raised torch's "not supported on
+    ScriptModules" from mixprec's load-state-dict guard, and left the model cast and patched. Now it prepares, the
+    scripted norm is an FP32 island (it is a LayerNorm), and three steps give the eager model's result bit for bit."""
+    import warnings
+
+    class Model(nn.Module):
+        def __init__(self, script: bool) -> None:
+            super().__init__()
+            self.a, self.n, self.h = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+            if script:
+                self.n = torch.jit.script(self.n)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.h(self.n(self.a(x)))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, 3, generator=g)
+    outs = []
+    for script in (False, True):
+        torch.manual_seed(0)
+        model = Model(script)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fp16 on a CPU
+            prec = mp.MixedPrecision(preset)
+            model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        assert model.n.weight.dtype == torch.float32
+        for _ in range(3):
+            with prec.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            prec.backward(loss)
+            prec.step(opt)
+            opt.zero_grad()
+        with prec.autocast():
+            outs.append(model(x).float())
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_an_island_on_a_multihead_attentions_out_proj_alone_is_refused() -> None:
+    """torch's attention computes ``out_proj`` from its weight without calling its ``forward``: an island there kept an
+    FP32 weight and still projected in BF16 (bit for bit plain bf16-master), and failed outside autocast. Refused,
+    naming the fix; the attention module itself as the island runs in FP32."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.h = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.h(self.a(x, x, x, need_weights=False)[0])
+
+    for islands in ("name:a.out_proj", "NonDynamicallyQuantizableLinear", "Linear"):
+        model = Model()
+        with pytest.raises(ValueError, match=r"match 'a.out_proj', the output projection of a MultiheadAttention.*"
+                                             r"Make the attention module the island \('name:a' or 'MultiheadAttention'\)"):
+            mp.MixedPrecision(f"p=bf16,c=bf16,m=f32,i=norm+{islands}").prepare(model, torch.optim.SGD(model.parameters()))
+        assert model.a.out_proj.weight.dtype == torch.float32 and model.h.weight.dtype == torch.float32  # unchanged
+    torch.manual_seed(0)
+    ref = Model()
+    x = torch.randn(2, 5, 16)
+    half = copy.deepcopy(ref)
+    mp.MixedPrecision("bf16-master").prepare(half, torch.optim.SGD(half.parameters()))
+    model = copy.deepcopy(ref)
+    prec = mp.MixedPrecision("p=bf16,c=bf16,o=f32,m=f32,i=norm+name:a")
+    prec.prepare(model, torch.optim.SGD(model.parameters()))
+    assert model.a.out_proj.weight.dtype == torch.float32 and model.a.in_proj_weight.dtype == torch.float32
+    with torch.no_grad():
+        exact = ref.a(x, x, x, need_weights=False)[0]
+        island = model.a(x.bfloat16(), x.bfloat16(), x.bfloat16(), need_weights=False)[0].float()
+        plain = half.a(x.bfloat16(), x.bfloat16(), x.bfloat16(), need_weights=False)[0].float()
+    # the island's only rounding is its inputs' and output's (to BF16); the plain BF16 attention rounds throughout
+    assert (island - exact).abs().max() < (plain - exact).abs().max()
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-master"])
+def test_an_islands_0d_outputs_stay_fp32(preset: str) -> None:
+    """An MoE router made an island returns (logits, an auxiliary loss): the logits go on in the compute dtype, the
+    0-d auxiliary loss stays FP32 (rounded to BF16 it moved the loss by 1e-3 relative; a 0-d FP32 tensor does not
+    promote the half tensors it meets)."""
+
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(16, 8, bias=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.w(x)
+            p = logits.softmax(-1)
+            return logits, (p.mean(0) * 8).pow(2).sum() / 8
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.router = nn.Linear(16, 16), Router()
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits, aux = self.router(self.inp(x))
+            self.seen = (logits.dtype, aux.dtype, (logits * aux).dtype)  # what the model's own code gets
+            return logits, aux
+
+    torch.manual_seed(0)
+    ref = Model()
+    model = copy.deepcopy(ref)
+    prec = mp.MixedPrecision(Policy.parse(preset).replace(fp32_islands=("norm", "name:router")))
+    prec.prepare(model, torch.optim.SGD(model.parameters()))
+    x = torch.randn(256, 16)
+    with prec.autocast():
+        _, aux = model(x)
+    # the logits in BF16, the 0-d FP32 loss, which leaves the activations it scales in BF16
+    assert model.seen == (torch.bfloat16, torch.float32, torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = ref.inp(x)
+        with torch.autocast("cpu", enabled=False):
+            _, ref_aux = ref.router(h.float() if preset == "bf16-mixed" else h.bfloat16().float())
+    torch.testing.assert_close(aux.detach(), ref_aux, rtol=1e-6, atol=0)

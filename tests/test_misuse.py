@@ -279,7 +279,7 @@ MISUSES = [
            "FP32 island 'LayerNrom' of policy 'p=f32,c=bf16,o=f32,m=none,ls=none,i=LayerNrom,tf32=0,comp=none' matches "
            "no module of the model, so nothing would stay in FP32 for it"),
     Misuse("float64-model", "fresh", "fp16-mixed", lambda c: c.prec.prepare(c.model, c.raw_opt), ValueError,
-           "the model has f64 parameters but policy 'fp16-mixed' keeps parameters in FP32",
+           "trainable parameters are all float64 (first: '0.weight'), which policy 'fp16-mixed' would leave in float64",
            arrange=lambda c: c.model.double()),
     Misuse("create-graph-fp32-accumulation", "trained", "bf16-master",
            lambda c: c.prec.backward(c.loss(), create_graph=True), ValueError,

@@ -1,3 +1,4 @@
+import copy
 import itertools
 import re
 
@@ -6,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mixprec._casting import island_modules
 from mixprec._policy import ALIASES, PRESETS, Policy
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -342,3 +344,105 @@ def test_islands_from_any_iterable_and_a_frozen_float64_constant() -> None:
     one.temp = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
     MixedPrecision("bf16-master").prepare(one, torch.optim.SGD(one.parameters(), lr=0.1))
     assert one.temp.dtype == torch.float64
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-master-r16"])
+def test_a_float64_temperature_in_an_fp32_model_stays_float64_and_trains(preset: str) -> None:
+    """One learned float64 parameter beside FP32 weights (a temperature): FP32-parameter policies keep it in float64
+    and train it as torch does (they refused it as a "half" dtype, with advice to pick a half-parameter policy); master
+    policies step it as its own float64 master (an FP32 master rounded every update to FP32; bf16-master-r16 refused
+    it); an overflowing step is skipped for it too."""
+    import copy
+    import warnings
+
+    from mixprec import MixedPrecision
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+            self.temp = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).float() / self.temp.float()
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, 3, generator=g)
+    torch.manual_seed(0)
+    model = Model()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on a CPU
+        prec = MixedPrecision(preset)
+        model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(4):
+        with prec.autocast():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        prec.backward(loss * (float("inf") if step == 1 else 1.0))
+        assert prec.step(opt).applied() == (step != 1)
+        opt.zero_grad()
+        if step != 1:
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert model.temp.dtype == torch.float64 and float(model.temp) != 1.5
+    if "master" in preset:
+        assert any(m is model.temp for m in opt.masters)  # its own master: stepped in float64
+        assert float(model.temp) != float(torch.tensor(float(model.temp)).float())  # not an FP32 number
+    # the compute dtype's rounding of the gradient only (FP32: the same update)
+    tol = 0.0 if preset == "fp32" else 1e-4 if preset.startswith("bf16") else 1e-5
+    assert abs(float(model.temp) - float(ref.temp)) <= tol
+
+
+def test_an_island_glob_matches_a_shared_module_under_any_of_its_names() -> None:
+    """A module registered under two names (shared by an encoder and a decoder): ``name:`` matches either name
+    (the second was refused as matching nothing, and was not an island)."""
+    from mixprec import MixedPrecision
+
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.ModuleDict({"enc": torch.nn.Sequential(torch.nn.Linear(4, 4), shared),
+                                 "dec": torch.nn.Sequential(shared, torch.nn.Linear(4, 2))})
+    for glob in ("enc.1", "dec.0"):
+        pol = Policy.parse(f"p=bf16,c=bf16,m=f32,i=norm+name:{glob}")
+        pol.check_islands(model)
+        assert [m for _, m in island_modules(model, pol)] == [shared]
+    m = copy.deepcopy(model)
+    MixedPrecision("p=bf16,c=bf16,m=f32,i=norm+name:dec.0").prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    assert m["dec"][0].weight.dtype == torch.float32 and m["enc"][0].weight.dtype == torch.bfloat16
+
+
+def test_norm_detection_by_what_a_layer_is_not_only_its_name() -> None:
+    """A scripted LayerNorm (``RecursiveScriptModule``, ``original_name`` LayerNorm) is a norm; a Linear or Conv
+    subclass named like one (Tacotron's ``LinearNorm``/``ConvNorm``: a layer with a normalised initialisation) is not."""
+
+    class LinearNorm(torch.nn.Linear):
+        pass
+
+    class ConvNorm(torch.nn.Conv1d):
+        pass
+
+    class RMSNorm(torch.nn.Module):  # a custom norm without torch's classes
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+
+    pol = Policy.parse("bf16-master")
+    assert pol.is_fp32_island(torch.jit.script(torch.nn.LayerNorm(4)))
+    assert pol.is_fp32_island(RMSNorm())
+    assert not pol.is_fp32_island(LinearNorm(4, 4)) and not pol.is_fp32_island(ConvNorm(4, 4, 3))
+    assert Policy.parse("p=bf16,c=bf16,m=f32,i=LayerNorm").is_fp32_island(torch.jit.script(torch.nn.LayerNorm(4)))
+
+
+def test_bf16_pure_names_the_fix_for_an_integer_parameter() -> None:
+    """A frozen integer parameter (an index table) in the optimizer under bf16-pure: refused with the advice for it
+    (it said to "keep it real", written for complex parameters), and nothing is cast."""
+    from mixprec import MixedPrecision
+
+    model = torch.nn.Linear(4, 3)
+    model.idx = torch.nn.Parameter(torch.arange(3), requires_grad=False)
+    with pytest.raises(ValueError, match=r"holds a torch.int64 parameter of shape \(3,\), which never gets a gradient;.*"
+                                         r"Leave it out of the optimizer \(e.g. \[p for p in model.parameters\(\) if "
+                                         r"p.is_floating_point\(\)\]\) or register it as a buffer"):
+        MixedPrecision("bf16-pure").prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model.weight.dtype == torch.float32

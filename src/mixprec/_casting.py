@@ -91,14 +91,19 @@ def _caster(dtype: torch.dtype, f64: bool = False) -> Callable[[torch.Tensor], t
 def island_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
     """Yield ``(qualified_name, module)`` for every FP32 island of ``model`` under ``policy``.
 
-    Submodules of an island are part of it and are not yielded separately.
+    Submodules of an island are part of it and are not yielded separately. A module registered under
+    several names (shared between two parents) is an island when any of its names matches, and is
+    yielded once, under its first name.
     """
-    skip_prefixes: list[str] = []
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    inside: set[int] = set()
     for name, module in model.named_modules():
-        if any(name.startswith(p) for p in skip_prefixes):
+        if id(module) in inside:
             continue
-        if policy.is_fp32_island(module, name):
-            skip_prefixes.append(name + "." if name else "")
+        if any(policy.is_fp32_island(module, n) for n in names[id(module)]):
+            inside.update(map(id, module.modules()))
             yield name, module
 
 
@@ -180,7 +185,7 @@ def _island_forward(
     module: nn.Module, previous: Any, compute_dtype: torch.dtype, device_types: tuple[str, ...], always: bool,
     *args: Any, **kwargs: Any
 ) -> Any:
-    """An FP32 island's ``forward``: FP32 inputs, autocast off inside, outputs in the compute dtype.
+    """An FP32 island's ``forward``: FP32 inputs, autocast off inside, outputs in the compute dtype (0-d ones kept).
 
     ``always``: cast the outputs even outside autocast (the model's other parameters are half,
     so the next layer computes in the compute dtype whatever the context); ``False`` under FP32
@@ -220,8 +225,14 @@ def _island_forward(
     if out is None or not (on or always):
         return out
     if type(out) is torch.Tensor:
-        return out.to(compute_dtype) if out.dtype != compute_dtype and out.dtype in _CASTABLE else out
-    return tree_map(functools.partial(_to_dtype, compute_dtype), out)
+        return out.to(compute_dtype) if out.dtype != compute_dtype and out.dtype in _CASTABLE and out.dim() else out
+    return tree_map(functools.partial(_activation_to, compute_dtype), out)
+
+
+def _activation_to(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
+    """An island's output to ``dtype``, but a 0-d one (an auxiliary loss, a statistic) stays as it is: a 0-d FP32
+    tensor does not promote the half tensors it meets (type promotion), and rounded it would move the loss."""
+    return t.to(dtype) if t.dtype != dtype and t.dtype in _CASTABLE and t.dim() else t
 
 
 #: Keyword arguments of the root's ``forward`` that the input cast leaves alone: targets, not
@@ -563,8 +574,9 @@ def guard_assign(model: nn.Module) -> None:
     """
     handles = model.__dict__.get(_HOOKS_ATTR)
     if handles is not None:
+        # TorchScript modules take no load-state-dict hooks (torch raises): their tensors go unguarded.
         handles.extend(m.register_load_state_dict_pre_hook(_refuse_assign) for m in model.modules()
-                       if m._parameters or m._buffers)
+                       if (m._parameters or m._buffers) and not isinstance(m, torch.jit.ScriptModule))
 
 
 def _refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *args: Any) -> None:

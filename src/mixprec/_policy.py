@@ -300,7 +300,7 @@ class Policy:
             >>> Policy.parse("bf16-master").is_fp32_island(torch.nn.LayerNorm(4))
             True
         """
-        mro_names = {cls.__name__ for cls in type(module).__mro__}
+        mro_names = set(_class_names(module))
         for island in self.fp32_islands:
             if island == "norm":
                 if _is_norm_layer(module):
@@ -327,15 +327,15 @@ class Policy:
         if not entries:
             return
         model = getattr(model, "_orig_mod", model)
-        modules = list(model.named_modules())
-        mro_names = {cls.__name__ for _, m in modules for cls in type(m).__mro__}
+        modules = list(model.named_modules(remove_duplicate=False))  # a shared module under each of its names
+        mro_names = {n for _, m in modules for n in _class_names(m)}
         for island in entries:
             if island.startswith("name:"):
                 hit = any(fnmatch.fnmatchcase(qn, island[5:]) for qn, _ in modules)
             else:
                 hit = island in mro_names
             if not hit:
-                classes = sorted({type(m).__name__ for _, m in modules})
+                classes = sorted({_class_names(m)[0] for _, m in modules})
                 names = [qn for qn, _ in modules if qn][:6]
                 raise ValueError(
                     f"FP32 island {island!r} of policy {self.label!r} matches no module of the model, so nothing would "
@@ -343,6 +343,32 @@ class Policy:
                     f"{', ...' if len(classes) > 20 else ''}; its module names start {names}. Use 'norm' (every "
                     "normalization layer), one of those class names, or 'name:<glob>' on the module names "
                     "(e.g. 'name:*lm_head')."
+                )
+        self._check_bypassed_islands(modules)
+
+    def _check_bypassed_islands(self, modules: list[tuple[str, nn.Module]]) -> None:
+        """Raise ``ValueError`` for an island whose ``forward`` its parent never calls.
+
+        ``nn.MultiheadAttention`` reads ``out_proj.weight`` and ``.bias`` itself (torch's
+        ``F.multi_head_attention_forward``): an island on ``out_proj`` alone would keep its weight in
+        FP32 and still compute the projection in the compute dtype (and, outside autocast, meet
+        half activations with an FP32 weight). The attention module itself can be the island.
+        """
+        for name, module in modules:
+            if not isinstance(module, nn.MultiheadAttention) or self.is_fp32_island(module, name):
+                continue
+            proj = module.out_proj
+            proj_names = [qn for qn, m in modules if m is proj]
+            if any(self.is_fp32_island(proj, qn) for qn in proj_names) and not any(
+                self.is_fp32_island(m, qn) for qn, m in modules if m is not proj and any(
+                    sub is module for sub in m.modules())):
+                where = proj_names[0] if proj_names else f"{name}.out_proj"
+                raise ValueError(
+                    f"FP32 island entries {'+'.join(i for i in self.fp32_islands if i != 'norm')!r} of policy "
+                    f"{self.label!r} match {where!r}, the output projection of a MultiheadAttention, which torch's "
+                    "attention computes from its weight directly, without calling its forward: it would run in the "
+                    f"compute dtype, not FP32. Make the attention module the island ('name:{name or '*'}' or "
+                    "'MultiheadAttention'), or leave its out_proj out of the island entries."
                 )
 
     # ----- string form --------------------------------------------------------------------
@@ -527,7 +553,24 @@ def _has_parametrised_child(module: nn.Module) -> bool:
     return False
 
 
+def _class_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s classes (its MRO); for a TorchScript module, the scripted class's name first
+    (``torch.jit.script(nn.LayerNorm(8))`` is a ``RecursiveScriptModule`` whose ``original_name`` is ``LayerNorm``)."""
+    names = [c.__name__ for c in type(module).__mro__]
+    original = getattr(module, "original_name", None) if isinstance(module, torch.jit.ScriptModule) else None
+    return [original, *names] if isinstance(original, str) else names
+
+
+#: Layers that compute with a weight rather than normalise: a subclass named like a norm (Tacotron's
+#: ``LinearNorm(nn.Linear)``, ``ConvNorm(nn.Conv1d)``: a layer with a normalised initialisation) is not one.
+_WEIGHT_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag, nn.RNNBase, nn.MultiheadAttention,
+)
+
+
 def _is_norm_layer(module: nn.Module) -> bool:
-    """A normalization layer: named like one, with no parametrised child but norms of its own (recursive)."""
-    return any(_NORM_NAME.search(c.__name__) for c in type(module).__mro__) and not _has_parametrised_child(module)
+    """A normalization layer: named like one, no linear/conv/embedding/recurrent/attention layer (however named),
+    with no parametrised child but norms of its own (recursive)."""
+    return (any(_NORM_NAME.search(n) for n in _class_names(module)) and not isinstance(module, _WEIGHT_LAYERS)
+            and not _has_parametrised_child(module))
 

@@ -405,12 +405,12 @@ class MixedPrecision(RunCheckpoint):
             cast_module(model, self.policy.replace(param_dtype=torch.float32, master_dtype=None) if fsdp_masters
                         else self.policy, keep_dtypes=self._keep_dtypes)
             wrapped = wrap_optimizers(optimizers, self.policy, self.grad_accumulation, facts, originals, fused=self.fused)
+            guard_assign(model)  # load_state_dict(assign=True) would swap the parameters the optimizers hold
         except BaseException:
             if rollback is not None:  # nothing changed when prepare raises (FSDP2 shards and FP8 swaps aside)
                 rollback.restore()
             raise
         warn_host_reads(wrapped, facts.device)
-        guard_assign(model)  # load_state_dict(assign=True) would swap the parameters the optimizers hold
         if self.policy.param_dtype != torch.float32 and not self._keep_dtypes and not fsdp_masters:
             check = AddedParamCheck(model, self.policy)
             for opt in wrapped:

@@ -134,7 +134,8 @@ def check_prepare(
             "sample batch first, then build the optimizer and call prepare(). Nothing was changed."
         )
     floating = [p for p in model_params if p.dtype.is_floating_point]
-    half = sorted({dtype_name(p.dtype) for p in floating if p.dtype != torch.float32})
+    # FP64 is not "half": cast_module leaves it as it is under every policy (a learned temperature kept in float64).
+    half = sorted({dtype_name(p.dtype) for p in floating if p.dtype not in (torch.float32, torch.float64)})
     if half and policy.param_dtype == torch.float32 and not keep_dtypes:
         raise ValueError(
             f"the model has {'/'.join(half)} parameters but policy {policy.label!r} keeps "
@@ -410,6 +411,14 @@ def check_convertible(optimizers: Sequence[Optimizer], policy: Policy) -> None:
                         "with differentiable=False, or use a master-weight policy such as 'bf16-master'."
                     )
                 odd = next((t for t in g["params"] if t.dtype not in _PARAM_DTYPES), None)
+                if odd is not None and not (odd.is_floating_point() or odd.is_complex()):
+                    raise ValueError(  # an integer/bool tensor (an index table) cannot have a gradient
+                        f"optimizer {i} ({type(opt).__name__}) holds a {odd.dtype} parameter of shape "
+                        f"{tuple(odd.shape)}, which never gets a gradient; policy {policy.label!r} steps every optimizer "
+                        "with mixprec.optim, which takes floating parameters only. Leave it out of the optimizer "
+                        "(e.g. [p for p in model.parameters() if p.is_floating_point()]) or register it as a buffer, "
+                        "or use a master-weight policy such as 'bf16-master' (torch's optimizer holds it there)."
+                    )
                 if odd is not None:
                     raise ValueError(
                         f"optimizer {i} ({type(opt).__name__}) holds a {odd.dtype} parameter of shape {tuple(odd.shape)}; "
