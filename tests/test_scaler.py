@@ -1061,3 +1061,40 @@ def test_a_loaded_growth_tracker_past_the_interval_grows_at_the_next_clean_step(
     for _ in range(100):
         d2.update(torch.tensor(0.0))
     assert d2.statistics()["scale"] == 64.0
+
+
+@pytest.mark.parametrize("kind", ["noop", "static", "dynamic"])
+def test_a_run_of_patience_skips_that_ends_between_two_checks_escalates_at_the_next(kind: str) -> None:
+    """The rule is "20 in a row" whatever the phase of the 50-step check: a run of 20 (at the floor) that ended before
+    the check (60-79, or one straddling a check) raised nothing, while a run of 40 ending at the check raised. Now the
+    fold keeps the longest run since the last check; 19 in a row still pass; a run reported while it went on is not
+    reported again when it ends."""
+
+    def scaler(on_failure: str = "raise") -> LossScaler:
+        kw = {"check_interval": 50, "patience": 20, "on_failure": on_failure}
+        if kind == "noop":
+            return NoOpScaler(**kw)
+        if kind == "static":
+            return StaticScaler(2.0, **kw)
+        return DynamicScaler(init_scale=1.0, min_scale=1.0, **kw)  # at the floor from the start
+
+    def steps(bad: set[int], n: int = 160, on_failure: str = "raise") -> tuple[int | None, str]:
+        s = scaler(on_failure)
+        for i in range(n):
+            try:
+                s.update(INF if i in bad else CLEAN)
+            except NumericsError as e:
+                return i, str(e)
+        return None, ""
+
+    assert steps(set(range(60, 79)))[0] is None  # 19 in a row
+    at, msg = steps(set(range(60, 80)))  # 20, ended at 79: raised at the check after it
+    assert at == 99 and "the 20 steps up to step 79" in msg and "finite gradients came back after step 79" in msg
+    at, msg = steps(set(range(40, 60)))  # straddles the check at 49 (10 before it)
+    assert at == 99 and "the 20 steps up to step 59" in msg
+    at, msg = steps(set(range(60, 120)))  # going on at the check at 99: the message of an ongoing run, as before
+    assert at == 99 and "the last 40 steps" in msg
+    with warnings.catch_warnings(record=True) as seen:  # reported once while going on, not again after it ended
+        warnings.simplefilter("always")
+        assert steps(set(range(60, 110)), on_failure="warn")[0] is None
+    assert sum("inf/NaN gradients" in str(w.message) for w in seen) == 1

@@ -14,7 +14,7 @@ this module records what happened and acts on it. :class:`ScaleHistory` keeps, o
 Host reads happen only where named:
 
 * the periodic check, every ``check_interval`` steps when escalation or overflow logging is
-  on: one read of a 7-value snapshot (counters and scale). On CUDA the snapshot is copied
+  on: one read of a 9-value snapshot (counters, scale, the longest run since the last check). On CUDA the snapshot is copied
   asynchronously into pinned memory and read one interval later, so it does not stall the
   stream. It drives the rate-limited overflow log line and escalation (raise or warn);
 * :meth:`ScaleHistory.statistics` (and through it the scalers' ``state_dict``) and pickling.
@@ -129,6 +129,9 @@ class ScaleHistory:
     """
 
     _reported_clean = -1.0  # (a copy pickled before this field existed)
+    # [longest run at the floor folded since the last check, the step it ended at]: a run that ended between two
+    # checks escalates as one still going would (device, float64; made by the first fold)
+    _run: Tensor | None = None
 
     def __init__(self, config: HistoryConfig) -> None:
         self.cfg = config
@@ -290,6 +293,7 @@ class ScaleHistory:
 
         last_true = torch.where(flags, pos, -1.0).max()
         last_false = torch.where(flags, -1.0, pos).max()
+        carry = c[_FLOOR].clone()
         before = torch.cat([c[_PREV_SCALE:].float(), scales[:-1]])
         if self.cfg.kind == "dynamic":
             floor = self.cfg.floor  # with no floor, a float32 scale's smallest: escalation counts there too
@@ -305,13 +309,24 @@ class ScaleHistory:
             scales[-1].double(),
         ])
         c.copy_(new)
+        # The longest run at the floor in this window (the run carried in counts from its start) and where it ended:
+        # a run of `patience` that ends before the next check escalates too (a few kernels per fold, none per step).
+        latest_clean = torch.cummax(torch.where(at_floor, -1.0, pos), 0).values
+        runs = torch.where(at_floor, pos - latest_clean + torch.where(latest_clean < 0, carry, 0.0), 0.0)
+        longest, end = runs.max(0)
+        if self._run is None or self._run.device != c.device:
+            self._run = torch.zeros(2, dtype=torch.float64, device=c.device)
+        found = torch.cat([longest.reshape(1), (base + end.double()).reshape(1)])
+        self._run.copy_(torch.where(longest > self._run[0], found, self._run))
         self.folded = self.steps
         return overflows
 
     def snapshot(self, scale: Tensor) -> Tensor:
-        """[skipped, consecutive, last_overflow, last_clean, floor_streak, prev_scale, scale] on the device."""
+        """[skipped, consecutive, last_overflow, last_clean, floor_streak, prev_scale, scale, longest run at the
+        floor since the last check, the step it ended at] on the device."""
         assert self.counters is not None
-        return torch.cat([self.counters, scale.double().reshape(1)])
+        run = self._run if self._run is not None else self.counters.new_zeros(2)
+        return torch.cat([self.counters, scale.double().reshape(1), run])
 
     def _periodic_check(self, scale: Tensor) -> None:
         """Every check_interval steps: read the counters and act (escalate, log).
@@ -326,6 +341,8 @@ class ScaleHistory:
         if scale.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         snap = self.snapshot(scale)
+        if self._run is not None:
+            self._run.zero_()  # the next check looks at the runs after this snapshot (a copy: cat)
         if snap.device.type != "cuda":
             self.act(snap.tolist(), self.steps)
             return
@@ -353,7 +370,7 @@ class ScaleHistory:
             NumericsError: ``on_failure="raise"`` and ``patience`` overflows at the floor (for
                 the fixed-scale scalers: consecutive skips), once per episode.
         """
-        skipped, _consec, _last_ovf, _last_clean, floor_streak, _prev, scale = values
+        skipped, _consec, _last_ovf, _last_clean, floor_streak, _prev, scale, longest, _end = values
         cfg = self.cfg
         if cfg.log_overflow:
             window_skips = skipped - self._logged_skipped
@@ -364,16 +381,19 @@ class ScaleHistory:
                     "(up to step %d); loss scale now %g.", int(window_skips), at_step - 1, scale)
                 self._last_log = now
                 self._logged_skipped = skipped
+        was_reported = self._reported
         if self._reported and _last_clean != self._reported_clean:
             self._reported = False  # a finite step since the report: that episode ended, a new one is reported again
-        if floor_streak < cfg.patience:
+        ended = floor_streak < cfg.patience and longest >= cfg.patience and not was_reported
+        if floor_streak < cfg.patience and not ended:
             if floor_streak == 0:
                 self._reported = False
             return
         if self._reported or cfg.on_failure == "ignore":
             return
-        self._reported = True
-        self._reported_clean = _last_clean
+        if not ended:  # an episode still going: reported once (a run that ended is over, nothing to remember)
+            self._reported = True
+            self._reported_clean = _last_clean
         msg = self.failure_message(values, at_step)
         if cfg.on_failure == "raise":
             raise NumericsError(msg)
@@ -391,12 +411,16 @@ class ScaleHistory:
 
         Returns:
             One of four messages: (dynamic scale at its floor | no scale to lower) x (no step of
-            this run was ever applied | steps were applied, then it collapsed).
+            this run was ever applied | steps were applied, then it collapsed); about the run
+            that ended since the last check when the current one is shorter than ``patience``.
         """
-        skipped, consec, _last_ovf, last_clean, floor_streak, _prev, scale = values
+        skipped, consec, _last_ovf, last_clean, floor_streak, _prev, scale, longest, end = values
         cfg = self.cfg
+        ended = floor_streak < cfg.patience <= longest  # the run ended between two checks
+        run = f"the {int(longest)} steps up to step {int(end)}" if ended else f"the last {int(floor_streak)} steps"
+        came_back = f"finite gradients came back after step {int(end)}"
         applied = at_step - int(skipped)
-        never = last_clean < 0 and not self.finite_before
+        never = last_clean < 0 and not self.finite_before and not ended
         never_applied = "no step of this run was ever applied: the gradients were inf/NaN from the first step on"
         causes = ("Likely causes: the model, the data or the initialisation produce inf/NaN (an activation that "
                   "overflows in the forward pass, a bad input), or an inf in the gradient buffers persists from step "
@@ -406,7 +430,7 @@ class ScaleHistory:
                "are finite, and keep the layers that overflow in FP32 (FP32 islands, Policy 'i=...').")
         if cfg.kind != "dynamic":
             what = "without loss scaling" if cfg.kind == "noop" else f"at the fixed loss scale {scale:g}"
-            head = (f"training has failed {what}: the last {int(floor_streak)} steps all had inf/NaN gradients and "
+            head = (f"training has failed {what}: {run} all had inf/NaN gradients and "
                     f"were skipped ({int(skipped)} skipped of {at_step})")
             if never:
                 too_large = (f", or the fixed loss scale {scale:g} is too large for the gradients' dtype (try a smaller "
@@ -414,7 +438,7 @@ class ScaleHistory:
                 return f"{head}; {never_applied}. There is no scale to lower. {causes}{too_large}. {fix}"
             last = f"was step {int(last_clean)}" if last_clean >= 0 else "came before the loaded state dict"
             return (
-                f"{head}; the last step with finite gradients {last}. "
+                f"{head}; {came_back if ended else f'the last step with finite gradients {last}'}. "
                 "There is no scale to lower, so the inf/NaN comes from the model, the data or the learning rate, and "
                 "skipping more steps would only hide it. Run `mixprec doctor` (or mixprec.numerics.trace_nonfinite) "
                 "to find the first module that produces inf/NaN, check the inputs and the learning rate, and keep the "
@@ -422,12 +446,14 @@ class ScaleHistory:
             )
         min_scale = cfg.floor
         head = (f"loss scaling has failed: the loss scale is at its floor (min_scale={min_scale:g}, "
-                f"scale {scale:g}) and the last {int(floor_streak)} steps there all had inf/NaN gradients "
-                f"({int(consec)} consecutive skipped steps, {int(skipped)} skipped of {at_step})")
+                f"scale {scale:g}) and {run} there all had inf/NaN gradients "
+                f"({'' if ended else f'{int(consec)} consecutive skipped steps, '}{int(skipped)} skipped of {at_step})")
         if never:
             return (f"{head}; {never_applied}, at every loss scale down to the floor, so lowering the scale cannot fix "
                     f"it. {causes}. {fix}")
-        if last_clean >= 0:
+        if ended:
+            collapsed = f"the scale collapsed there; {came_back}"
+        elif last_clean >= 0:
             collapsed = (f"the last step with finite gradients was step {int(last_clean)}: the scale collapsed after "
                          f"{applied} applied step{'s' if applied != 1 else ''}")
         else:  # finite steps came with the loaded state dict (or its history is unknown: torch.amp's)
@@ -448,7 +474,7 @@ class ScaleHistory:
                    check: bool = True) -> dict[str, Any]:
         """Fold, read everything back and, when ``check`` and escalation is on, act on it.
 
-        Host syncs: one read of the 7-value snapshot, one of the ring's last ``history`` rows,
+        Host syncs: one read of the 9-value snapshot, one of the ring's last ``history`` rows,
         one each of ``growth_tracker`` and ``hysteresis_left``.
 
         Args:
@@ -468,7 +494,7 @@ class ScaleHistory:
         assert self.ring is not None
         self.fold(scale)
         values = self.snapshot(scale).tolist()
-        skipped, consec, last_ovf, last_clean, floor_streak, _prev, scale_now = values
+        skipped, consec, last_ovf, last_clean, floor_streak, _prev, scale_now, _longest, _end = values
         n = min(self.steps, self.ring_len)
         idx = [(self.steps - n + i) % self.ring_len for i in range(n)]
         hist = self.ring[idx].tolist() if n else []
@@ -525,7 +551,7 @@ class ScaleHistory:
     def __getstate__(self) -> dict[str, Any]:
         # the owner pickles the statistics in its pending state; the copy re-creates the tensors lazily
         d = self.__dict__.copy()
-        d["ring"] = d["counters"] = None
+        d["ring"] = d["counters"] = d["_run"] = None
         d["steps"] = d["folded"] = 0
         d["_pos_cache"], d["_snapshot"], d["_rows"], d["_pending"] = {}, None, (), []
         d["_last_log"] = -math.inf

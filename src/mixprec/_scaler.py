@@ -66,7 +66,7 @@ STATE_VERSION = 1
 #   one or two bad batches are transient, twenty consecutive overflows at scale 1 mean every
 #   batch fails, and training is only burning steps.
 # - check_interval=50: the check folds the ring into the counters (~30 tiny kernels) and reads a
-#   7-value snapshot back (asynchronously on CUDA); every 50 steps that is < 1 kernel per step
+#   9-value snapshot back (asynchronously on CUDA); every 50 steps that is < 1 kernel per step
 #   (measured on an H100: every 10 steps cost ~2% of a GPT-2-small unscale step). Escalation then
 #   fires at most patience + 2 * check_interval = 120 steps after the floor is reached.
 DEFAULT_MIN_SCALE = 1.0
@@ -748,7 +748,7 @@ class NoOpScaler(_ScalerBase):
     comes from the model, the data or the learning rate; ``on_failure`` then raises
     :class:`mixprec.NumericsError` (default), warns, or is ignored, so persistent poisoning ends
     in a diagnosis instead of skipping forever. It is checked every ``check_interval`` steps in
-    :meth:`update` (one host read of a 7-value snapshot; asynchronous on CUDA) and when
+    :meth:`update` (one host read of a 9-value snapshot; asynchronous on CUDA) and when
     :meth:`statistics` is read, so it fires at most ``patience + check_interval`` steps after
     the poisoning began. The message says whether any step of the run was ever applied: if
     none was, the gradients were inf/NaN from the first step (the model, data, initialisation,
