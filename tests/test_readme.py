@@ -39,7 +39,7 @@ def test_readme_example_trains_and_saves(tmp_path, monkeypatch):
 def test_readme_set_up_commands_are_the_ci_ones():
     text = README.read_text()
     ci = (README.parent / ".ci" / "run").read_text()
-    test_cmd = ".venv/bin/python -m pytest -q"
+    test_cmd = ".venv/bin/python -m pytest -q -n auto --dist loadscope"
     assert f"```bash\n{test_cmd}\n```" in text
     assert ci.strip().splitlines()[-1] == test_cmd
     assert "pip install torch==2.13.0 -e '.[cli,test]' && .venv/bin/mixprec compare" in text
