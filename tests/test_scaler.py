@@ -1098,3 +1098,11 @@ def test_a_run_of_patience_skips_that_ends_between_two_checks_escalates_at_the_n
         warnings.simplefilter("always")
         assert steps(set(range(60, 110)), on_failure="warn")[0] is None
     assert sum("inf/NaN gradients" in str(w.message) for w in seen) == 1
+    s = scaler("warn")  # an ended run reported by a statistics() read is not reported again by the next check
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(160):
+            s.update(INF if 60 <= i < 80 else CLEAN)
+            if i == 85:
+                s.statistics()
+    assert sum("the 20 steps up to step 79" in str(w.message) for w in seen) == 1

@@ -169,12 +169,14 @@ class ScaleHistory:
         self.counters = torch.zeros(6, dtype=torch.float64, device=device)
         self.counters[_LAST_OVF:_LAST_CLEAN + 1].fill_(-1.0)
         self.counters[_PREV_SCALE].fill_(scale)
+        self._run = torch.zeros(2, dtype=torch.float64, device=device)  # here, not in a fold a CUDA graph may capture
 
     def move(self, device: torch.device) -> None:
         """Move the ring and the counters to ``device`` (before first use only)."""
         assert self.ring is not None and self.counters is not None
         self.ring = self.ring.to(device)
         self.counters = self.counters.to(device)
+        self._run = torch.zeros(2, dtype=torch.float64, device=device)
         self._rows = self.ring.unbind(0)
         self._pos_cache.clear()
         self._snapshot = None
@@ -494,6 +496,8 @@ class ScaleHistory:
         assert self.ring is not None
         self.fold(scale)
         values = self.snapshot(scale).tolist()
+        if check and self._run is not None:
+            self._run.zero_()  # acted on below: the periodic check looks at the runs after this one
         skipped, consec, last_ovf, last_clean, floor_streak, _prev, scale_now, _longest, _end = values
         n = min(self.steps, self.ring_len)
         idx = [(self.steps - n + i) % self.ring_len for i in range(n)]
