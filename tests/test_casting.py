@@ -502,33 +502,46 @@ def test_uncast_module_of_a_live_run_closes_the_run_and_its_gradient_hooks(prese
 
 
 @pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "bf16-master", "fp16-master", "bf16-pure"])
-def test_a_model_with_a_torchscript_submodule_prepares_and_trains_as_the_eager_one(preset: str) -> None:
-    """A scripted submodule (``torch.jit.script(nn.LayerNorm(8))``): prepare raised torch's "not supported on
-    ScriptModules" from mixprec's load-state-dict guard, and left the model cast and patched. Now it prepares, the
-    scripted norm is an FP32 island (it is a LayerNorm), and three steps give the eager model's result bit for bit."""
+def test_torchscript_submodules_prepare_or_are_refused_as_islands(preset: str) -> None:
+    """A scripted submodule: prepare raised torch's "not supported on ScriptModules" from mixprec's load-state-dict
+    guard and left the model cast and patched. Now a scripted block that is no island prepares and trains as the eager
+    one, bit for bit; a scripted norm (an island by its original name), or a norm inside a scripted block, is refused
+    where islands act (TorchScript bypasses or drops their FP32 wrapper), with nothing changed; under fp32 it prepares;
+    load_state_dict(assign=True) is refused before a scripted child's tensors are swapped."""
     import warnings
 
-    class Model(nn.Module):
-        def __init__(self, script: bool) -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
             super().__init__()
-            self.a, self.n, self.h = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3)
-            if script:
-                self.n = torch.jit.script(self.n)
+            self.l, self.n = nn.Linear(8, 8), nn.LayerNorm(8)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.h(self.n(self.a(x)))
+            return self.n(self.l(x))
+
+    class Model(nn.Module):
+        def __init__(self, script: str) -> None:
+            super().__init__()
+            self.a, self.b, self.n, self.h = nn.Linear(4, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+            if script == "linear":
+                self.b = torch.jit.script(self.b)
+            elif script == "norm":
+                self.n = torch.jit.script(self.n)
+            elif script == "block":
+                self.b = torch.jit.script(Block())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.h(self.n(self.b(self.a(x))))
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 4, generator=g), torch.randn(16, 3, generator=g)
     outs = []
-    for script in (False, True):
+    for script in ("none", "linear"):
         torch.manual_seed(0)
         model = Model(script)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # fp16 on a CPU
             prec = mp.MixedPrecision(preset)
             model, opt = prec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-        assert model.n.weight.dtype == torch.float32
         for _ in range(3):
             with prec.autocast():
                 loss = nn.functional.mse_loss(model(x).float(), y)
@@ -538,6 +551,26 @@ def test_a_model_with_a_torchscript_submodule_prepares_and_trains_as_the_eager_o
         with prec.autocast():
             outs.append(model(x).float())
     assert torch.equal(outs[0], outs[1])
+    seq = nn.Sequential(torch.jit.script(nn.Linear(4, 4)), nn.Linear(4, 2))  # the scripted child loads first
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.MixedPrecision(preset).prepare(seq, torch.optim.SGD(seq.parameters()))
+    sd = {k: v.clone() for k, v in seq.state_dict().items()}
+    before = seq[0].weight.data_ptr()  # (a scripted module hands out a new Parameter object at each access)
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(..., assign=True\) on a model mixprec prepared"):
+        seq.load_state_dict(sd, assign=True)
+    assert seq[0].weight.data_ptr() == before  # the scripted child's tensor was not swapped
+    for script, where in (("norm", "FP32 island 'n' \\(LayerNorm\\) .* is a TorchScript module"),
+                          ("block", "FP32 island 'b.n' \\(LayerNorm\\) .* is inside the TorchScript module 'b'")):
+        model = Model(script)
+        if preset == "fp32":  # FP32 compute: islands do nothing, nothing to bypass
+            mp.MixedPrecision(preset).prepare(model, torch.optim.SGD(model.parameters()))
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(ValueError, match=where + ".*Prepare the eager module"):
+                mp.MixedPrecision(preset).prepare(model, torch.optim.SGD(model.parameters()))
+        assert model.a.weight.dtype == torch.float32 and "forward" not in model.__dict__  # nothing changed
 
 
 def test_an_island_on_a_multihead_attentions_out_proj_alone_is_refused() -> None:

@@ -349,3 +349,39 @@ def test_an_fp8_policy_with_no_eligible_linear_says_so():
                                          r"\(s\) can \('0': in/out features 10x30 not multiples of 16"):
         MixedPrecision("fp8-tensorwise").prepare(model, torch.optim.AdamW(model.parameters()))
     assert fp8_modules(model) == []
+
+
+def test_linears_inside_an_island_block_or_islanded_by_a_shared_name_stay_out_of_fp8() -> None:
+    """``i=name:dec`` keeps the block ``dec`` in FP32, its linears included: they were swapped to FP8 (only the module
+    itself was matched against the islands), so the "FP32 island" computed in FP8. A linear shared by two parents and
+    made an island by its second name was swapped under its first (splitting the shared module in two)."""
+
+    class Block(nn.Module):
+        def __init__(self, lin: nn.Linear) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shared = nn.Linear(16, 16)
+            self.enc, self.dec, self.mid = Block(shared), Block(shared), Block(nn.Linear(16, 16))
+            self.head = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.mid(self.dec(self.enc(x))))
+
+    for islands, kept in (("name:mid+name:enc.lin", ("mid.lin", "enc.lin", "dec.lin")),
+                          ("name:dec.lin+name:mid", ("mid.lin", "enc.lin", "dec.lin"))):
+        model = Model()
+        prec = MixedPrecision(f"p=f32,c=bf16,f8=tensorwise,f8_layers=all,i=norm+{islands}")
+        model, _ = prec.prepare(model, torch.optim.AdamW(model.parameters()))
+        for name, mod in model.named_modules(remove_duplicate=False):
+            if isinstance(mod, nn.Linear) or is_fp8_linear(mod):
+                assert is_fp8_linear(mod) == (name not in kept), name
+        assert model.enc.lin is model.dec.lin and model.mid.lin.weight.dtype == torch.float32
+        with prec.autocast():
+            model(torch.randn(4, 16)).float().sum().backward()

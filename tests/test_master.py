@@ -1060,3 +1060,28 @@ def test_zero_grad_keeping_zeros_steps_an_unreached_parameter_under_compute_accu
     for a, b in zip(fp32, compute):
         assert torch.equal(a, b)
     assert all((compute[i] - compute[i - 1]).abs().max() > 1e-3 for i in range(2, 5))  # still stepped
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-master-r16"])
+def test_zero_grad_keeping_zeros_keeps_a_sparse_gradient_sparse_under_compute_accumulation(preset: str) -> None:
+    """The zero gradient ``zero_grad(set_to_none=False)`` leaves for a sparse embedding is sparse (torch zeroes it in
+    place): a dense zero made the next gradient dense, and SparseAdam refused it at the second step."""
+    import mixprec
+
+    model = nn.Sequential(nn.Embedding(20, 8, sparse=True), nn.Linear(8, 3))
+    prec = mixprec.MixedPrecision(preset, grad_accumulation="compute")
+    emb_opt = torch.optim.SparseAdam(list(model[0].parameters()), lr=1e-2)
+    head_opt = torch.optim.AdamW(model[1].parameters(), lr=1e-2)
+    model, emb_opt, head_opt = prec.prepare(model, emb_opt, head_opt)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids, y = torch.randint(0, 20, (4, 5), generator=g), torch.randint(0, 3, (4,), generator=g)
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(ids).mean(1).float(), y)
+        prec.backward(loss)
+        assert model[0].weight.grad is not None and model[0].weight.grad.is_sparse
+        prec.step(emb_opt)
+        prec.step(head_opt)
+        prec.zero_grad(set_to_none=False)
+        grad = model[0].weight.grad
+        assert grad is not None and grad.is_sparse and grad._nnz() == 0

@@ -1106,3 +1106,14 @@ def test_a_run_of_patience_skips_that_ends_between_two_checks_escalates_at_the_n
             if i == 85:
                 s.statistics()
     assert sum("the 20 steps up to step 79" in str(w.message) for w in seen) == 1
+    with warnings.catch_warnings(record=True) as seen:  # a second run after one reported while going on: reported too
+        warnings.simplefilter("always")
+        assert steps(set(range(60, 110)) | set(range(120, 145)), n=200, on_failure="warn")[0] is None
+    assert [m for m in (str(w.message) for w in seen) if "inf/NaN gradients" in m][1].count("up to step 144") == 1
+    s = scaler()  # a checkpoint from before a run that ended, loaded after it: that run is not this state's
+    state = s.state_dict()
+    for i in range(40):
+        s.update(INF if 10 <= i < 35 else CLEAN)
+    s.load_state_dict(state)
+    for _ in range(120):
+        s.update(CLEAN)

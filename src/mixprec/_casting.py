@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF, dtype_name, parse_dtype
 from ._fp8 import revert_linears
-from ._policy import Policy
+from ._policy import Policy, find_islands
 from ._tree import tree_map
 
 __all__ = [
@@ -89,22 +89,8 @@ def _caster(dtype: torch.dtype, f64: bool = False) -> Callable[[torch.Tensor], t
 
 
 def island_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
-    """Yield ``(qualified_name, module)`` for every FP32 island of ``model`` under ``policy``.
-
-    Submodules of an island are part of it and are not yielded separately. A module registered under
-    several names (shared between two parents) is an island when any of its names matches, and is
-    yielded once, under its first name.
-    """
-    names: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(name)
-    inside: set[int] = set()
-    for name, module in model.named_modules():
-        if id(module) in inside:
-            continue
-        if any(policy.is_fp32_island(module, n) for n in names[id(module)]):
-            inside.update(map(id, module.modules()))
-            yield name, module
+    """Yield ``(qualified_name, module)`` for every FP32 island of ``model`` under ``policy`` (:func:`find_islands`)."""
+    return find_islands(model, policy)
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -227,6 +213,29 @@ def _island_forward(
     if type(out) is torch.Tensor:
         return out.to(compute_dtype) if out.dtype != compute_dtype and out.dtype in _CASTABLE and out.dim() else out
     return tree_map(functools.partial(_activation_to, compute_dtype), out)
+
+
+def _refuse_scripted_islands(root: nn.Module, islands: dict[str, nn.Module], policy: Policy) -> None:
+    """Raise ``ValueError`` when an FP32 island is, or is inside, a TorchScript module.
+
+    An island computes in FP32 through a Python ``forward`` wrapper: a scripted parent calls its
+    children's compiled code and never the wrapper (the island's FP32 weight then meets half
+    activations), and a scripted island's copy (``copy.deepcopy``) drops the wrapper. Nothing is
+    changed when this raises.
+    """
+    scripted = [(n, m) for n, m in root.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    for name, island in islands.items():
+        holder = next((sn for sn, sm in scripted if any(sub is island for sub in sm.modules())), None)
+        if holder is not None:
+            what = "is a TorchScript module" if holder == name else f"is inside the TorchScript module {holder!r}"
+            raise ValueError(
+                f"FP32 island {name!r} ({getattr(island, 'original_name', type(island).__name__)}) of policy "
+                f"{policy.label!r} {what}: mixprec runs an island in FP32 through a Python forward wrapper, which "
+                "TorchScript bypasses (a scripted parent calls its children's compiled code) or drops (copies), so it "
+                "would compute in the compute dtype. Prepare the eager module (script an FP32 export afterwards: "
+                "mixprec.checkpoint.fp32_state_dict), or leave it out of the islands (e.g. i=none, or name: globs "
+                "that skip it)."
+            )
 
 
 def _activation_to(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
@@ -466,6 +475,8 @@ def cast_module(model: nn.Module, policy: Policy | str, *, keep_dtypes: bool = F
         )
     root = _compile_target(model)
     islands = dict(island_modules(root, policy))
+    if policy.compute_dtype != torch.float32:
+        _refuse_scripted_islands(root, islands, policy)
     if keep_dtypes:  # an island whose parameters stay half cannot compute in FP32: not an island then
         islands = {n: m for n, m in islands.items()
                    if all(p.dtype == torch.float32 for p in m.parameters() if p.dtype.is_floating_point)}
@@ -574,9 +585,12 @@ def guard_assign(model: nn.Module) -> None:
     """
     handles = model.__dict__.get(_HOOKS_ATTR)
     if handles is not None:
-        # TorchScript modules take no load-state-dict hooks (torch raises): their tensors go unguarded.
+        # TorchScript modules take no load-state-dict hooks (torch raises): their parent's hook, which runs before
+        # their tensors are loaded, refuses for them.
+        script = torch.jit.ScriptModule
         handles.extend(m.register_load_state_dict_pre_hook(_refuse_assign) for m in model.modules()
-                       if (m._parameters or m._buffers) and not isinstance(m, torch.jit.ScriptModule))
+                       if not isinstance(m, script) and (m._parameters or m._buffers or any(
+                           isinstance(c, script) and any(True for _ in c.parameters()) for c in m.children())))
 
 
 def _refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *args: Any) -> None:

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._policy import Policy
+from ._policy import Policy, find_islands
 
 __all__ = [
     "INSTALL_HINT",
@@ -225,13 +225,23 @@ def linear_weight(module: nn.Module) -> torch.Tensor:
     return w.t() if _is_conv1d(module) or getattr(module, "mixprec_transposed", False) else w
 
 
-def eligible_reason(module: nn.Module, name: str, policy: Policy) -> str | None:
-    """Why ``module`` cannot be an FP8 linear under ``policy``, or ``None`` when it can."""
+def island_members(model: nn.Module, policy: Policy) -> set[int]:
+    """``id`` of every module inside an FP32 island of ``model`` (the islands and their submodules, shared ones under
+    any of their names): what :func:`eligible_reason` keeps out of FP8."""
+    return {id(m) for _, island in find_islands(model, policy) for m in island.modules()}
+
+
+def eligible_reason(module: nn.Module, name: str, policy: Policy, islands: set[int] | None = None) -> str | None:
+    """Why ``module`` cannot be an FP8 linear under ``policy``, or ``None`` when it can.
+
+    ``islands``: :func:`island_members` of the model (a linear inside an island block is an island too); without
+    it only ``module`` itself under ``name`` is matched against the islands.
+    """
     if is_fp8_linear(module):
         return "already FP8"
     if not is_linear(module):
         return "not an nn.Linear"
-    if policy.is_fp32_island(module, name):
+    if (islands is not None and id(module) in islands) or policy.is_fp32_island(module, name):
         return "an FP32 island (i=)"
     k, n = linear_dims(module)
     if k % 16 or n % 16:
@@ -348,6 +358,7 @@ def convert_for_policy(
                 f"f8={policy.fp8}; use the same policy for fully_shard and MixedPrecision."
             )
     done = {n for n, _ in existing}
+    islands = island_members(model, policy)
     sharded = _is_sharded(model)
     layers = policy.fp8_layers
     chosen: dict[str, str] = {}
@@ -367,7 +378,7 @@ def convert_for_policy(
     elif layers == ("all",):
         reasons: dict[str, str] = {}
         for name, mod in _linears(model):
-            why = eligible_reason(mod, name, policy)
+            why = eligible_reason(mod, name, policy, islands)
             if why is None:
                 chosen[name] = "f8_layers=all"
             else:
@@ -395,7 +406,7 @@ def convert_for_policy(
             for n, m in hits:
                 if n in done:
                     continue
-                why = eligible_reason(m, n, policy)
+                why = eligible_reason(m, n, policy, islands)
                 if why is not None:
                     raise ValueError(f"f8_layers glob {glob!r} selects {n!r}, which cannot run in FP8: {why}.")
                 chosen[n] = f"f8_layers={glob}"

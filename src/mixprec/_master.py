@@ -164,7 +164,7 @@ class MasterWeightOptimizer(Optimizer):
     _own32: tuple[torch.Tensor, ...] = ()  # set in __init__; the default reads instances pickled before it existed
     # grad_accumulation="compute": the parameters whose gradients the last step dropped (zero_grad(set_to_none=False)
     # gives them the zero gradient torch would have left).
-    _dropped: tuple[torch.Tensor, ...] = ()
+    _dropped: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] = ()  # (parameter, its zero if sparse)
     master_storage: MasterStorage = "full"  # set in __init__; the default reads instances pickled before it existed
     # How many more of the wrapped optimizer's steps to watch for writes to half weights
     # (_check_inner_step): set whenever the pairs are rebuilt (construction, parameters added or
@@ -824,9 +824,9 @@ class MasterWeightOptimizer(Optimizer):
         """
         if self._dropped:
             if not set_to_none:
-                for p in self._dropped:
+                for p, sparse_zero in self._dropped:
                     if p.grad is None:
-                        p.grad = torch.zeros_like(p)
+                        p.grad = torch.zeros_like(p) if sparse_zero is None else sparse_zero
             self._dropped = ()
         for t in (*self._masters, *self._model_params):
             if t.grad is not None:
@@ -1001,7 +1001,8 @@ class MasterWeightOptimizer(Optimizer):
             dropped = []
             for p, m in self._half_pairs():
                 if m.grad is not None:
-                    dropped.append(p)
+                    # a sparse gradient's zero is sparse (nothing stored), as torch's zero_() of it
+                    dropped.append((p, None if m.grad.layout is _STRIDED else torch.zeros_like(m.grad, dtype=p.dtype)))
                 m.grad = None
                 if isinstance(p.grad, MasterGradView) or id(p) not in self._views:  # (no view: an FSDP2 shard's)
                     p.grad = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -551,6 +551,25 @@ def _has_parametrised_child(module: nn.Module) -> bool:
         if any(True for _ in child.parameters()):
             return True
     return False
+
+
+def find_islands(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
+    """Yield ``(qualified_name, module)`` for every FP32 island of ``model`` under ``policy``.
+
+    Submodules of an island are part of it and are not yielded separately. A module registered under
+    several names (shared between two parents) is an island when any of its names matches, and is
+    yielded once, under its first name.
+    """
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    inside: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        if any(policy.is_fp32_island(module, n) for n in names[id(module)]):
+            inside.update(map(id, module.modules()))
+            yield name, module
 
 
 def _class_names(module: nn.Module) -> list[str]:

@@ -14,7 +14,7 @@ this module records what happened and acts on it. :class:`ScaleHistory` keeps, o
 Host reads happen only where named:
 
 * the periodic check, every ``check_interval`` steps when escalation or overflow logging is
-  on: one read of a 9-value snapshot (counters, scale, the longest run since the last check). On CUDA the snapshot is copied
+  on: one read of a 9-value snapshot (counters, scale, the latest long run that ended since the last check). On CUDA the snapshot is copied
   asynchronously into pinned memory and read one interval later, so it does not stall the
   stream. It drives the rate-limited overflow log line and escalation (raise or warn);
 * :meth:`ScaleHistory.statistics` (and through it the scalers' ``state_dict``) and pickling.
@@ -128,9 +128,11 @@ class ScaleHistory:
     The device tensors are created by :meth:`materialise` (the owner decides where and when).
     """
 
-    _reported_clean = -1.0  # (a copy pickled before this field existed)
-    # [longest run at the floor folded since the last check, the step it ended at]: a run that ended between two
-    # checks escalates as one still going would (device, float64; made by the first fold)
+    # The first step of the last run reported (a run is reported once, while it goes on or after it ended); a class
+    # default for copies pickled before it existed.
+    _reported_start: float | None = None
+    # [length, last step] of the latest run of `patience` or more at the floor that ended since the last check: such
+    # a run escalates as one still going would (device, float64; made with the counters)
     _run: Tensor | None = None
 
     def __init__(self, config: HistoryConfig) -> None:
@@ -150,8 +152,7 @@ class ScaleHistory:
         # each used (a snapshot taken before its update) and its found_inf, oldest first.
         self._pending: list[tuple[Tensor, Tensor]] = []
         self._snapshot: tuple[Tensor, Any, int] | None = None  # (pinned host copy, cuda event, step)
-        self._reported = False
-        self._reported_clean = -1.0  # last_finite_step when the current episode was reported
+        self._reported_start: float | None = None
         self._last_log = -math.inf
         self._logged_skipped = 0.0
 
@@ -311,21 +312,23 @@ class ScaleHistory:
             scales[-1].double(),
         ])
         c.copy_(new)
-        # The longest run at the floor in this window (the run carried in counts from its start) and where it ended:
-        # a run of `patience` that ends before the next check escalates too (a few kernels per fold, none per step).
+        # The latest run at the floor of `patience` or more that ended in this window (the run carried in counts from
+        # its start): [length, step it ended at]. A run that ends before the next check escalates there too (a few
+        # kernels per fold, none per step); a run still going at the window's end is the counters' floor streak.
         latest_clean = torch.cummax(torch.where(at_floor, -1.0, pos), 0).values
         runs = torch.where(at_floor, pos - latest_clean + torch.where(latest_clean < 0, carry, 0.0), 0.0)
-        longest, end = runs.max(0)
+        ended = at_floor & torch.cat([~at_floor[1:], at_floor.new_zeros(1)])
+        end = torch.where(ended & (runs >= self.cfg.patience), pos, -1.0).max()
         if self._run is None or self._run.device != c.device:
             self._run = torch.zeros(2, dtype=torch.float64, device=c.device)
-        found = torch.cat([longest.reshape(1), (base + end.double()).reshape(1)])
-        self._run.copy_(torch.where(longest > self._run[0], found, self._run))
+        found = torch.cat([runs.gather(0, end.clamp(min=0).long().reshape(1)), (base + end).reshape(1)])
+        self._run.copy_(torch.where(end >= 0, found, self._run))
         self.folded = self.steps
         return overflows
 
     def snapshot(self, scale: Tensor) -> Tensor:
-        """[skipped, consecutive, last_overflow, last_clean, floor_streak, prev_scale, scale, longest run at the
-        floor since the last check, the step it ended at] on the device."""
+        """[skipped, consecutive, last_overflow, last_clean, floor_streak, prev_scale, scale, the length and last step
+        of the latest run of ``patience`` at the floor that ended since the last check (0, 0: none)] on the device."""
         assert self.counters is not None
         run = self._run if self._run is not None else self.counters.new_zeros(2)
         return torch.cat([self.counters, scale.double().reshape(1), run])
@@ -372,7 +375,7 @@ class ScaleHistory:
             NumericsError: ``on_failure="raise"`` and ``patience`` overflows at the floor (for
                 the fixed-scale scalers: consecutive skips), once per episode.
         """
-        skipped, _consec, _last_ovf, _last_clean, floor_streak, _prev, scale, longest, _end = values
+        skipped, _consec, _last_ovf, _last_clean, floor_streak, _prev, scale, run_len, end = values
         cfg = self.cfg
         if cfg.log_overflow:
             window_skips = skipped - self._logged_skipped
@@ -383,19 +386,15 @@ class ScaleHistory:
                     "(up to step %d); loss scale now %g.", int(window_skips), at_step - 1, scale)
                 self._last_log = now
                 self._logged_skipped = skipped
-        was_reported = self._reported
-        if self._reported and _last_clean != self._reported_clean:
-            self._reported = False  # a finite step since the report: that episode ended, a new one is reported again
-        ended = floor_streak < cfg.patience and longest >= cfg.patience and not was_reported
-        if floor_streak < cfg.patience and not ended:
-            if floor_streak == 0:
-                self._reported = False
+        if floor_streak >= cfg.patience:  # a run going on: it started floor_streak steps before at_step
+            start = at_step - floor_streak
+        elif run_len >= cfg.patience:  # a run that ended since the last check, at step `end`
+            start = end - run_len + 1
+        else:
             return
-        if self._reported or cfg.on_failure == "ignore":
-            return
-        if not ended:  # an episode still going: reported once (a run that ended is over, nothing to remember)
-            self._reported = True
-            self._reported_clean = _last_clean
+        if start == self._reported_start or cfg.on_failure == "ignore":
+            return  # reported already (while it went on, or by a statistics() read)
+        self._reported_start = start
         msg = self.failure_message(values, at_step)
         if cfg.on_failure == "raise":
             raise NumericsError(msg)
@@ -416,10 +415,10 @@ class ScaleHistory:
             this run was ever applied | steps were applied, then it collapsed); about the run
             that ended since the last check when the current one is shorter than ``patience``.
         """
-        skipped, consec, _last_ovf, last_clean, floor_streak, _prev, scale, longest, end = values
+        skipped, consec, _last_ovf, last_clean, floor_streak, _prev, scale, run_len, end = values
         cfg = self.cfg
-        ended = floor_streak < cfg.patience <= longest  # the run ended between two checks
-        run = f"the {int(longest)} steps up to step {int(end)}" if ended else f"the last {int(floor_streak)} steps"
+        ended = floor_streak < cfg.patience <= run_len  # the run ended between two checks
+        run = f"the {int(run_len)} steps up to step {int(end)}" if ended else f"the last {int(floor_streak)} steps"
         came_back = f"finite gradients came back after step {int(end)}"
         applied = at_step - int(skipped)
         never = last_clean < 0 and not self.finite_before and not ended
@@ -498,7 +497,7 @@ class ScaleHistory:
         values = self.snapshot(scale).tolist()
         if check and self._run is not None:
             self._run.zero_()  # acted on below: the periodic check looks at the runs after this one
-        skipped, consec, last_ovf, last_clean, floor_streak, _prev, scale_now, _longest, _end = values
+        skipped, consec, last_ovf, last_clean, floor_streak, _prev, scale_now, _run_len, _end = values
         n = min(self.steps, self.ring_len)
         idx = [(self.steps - n + i) % self.ring_len for i in range(n)]
         hist = self.ring[idx].tolist() if n else []
@@ -548,7 +547,9 @@ class ScaleHistory:
             opt(sd["last_finite_step"]), float(streak), scale], dtype=torch.float64))
         self.finite_before = bool(sd["any_finite_step"])
         self._snapshot = None
-        self._reported = False
+        self._reported_start = None
+        if self._run is not None:
+            self._run.zero_()  # runs folded before the load are not this state's
         if self._logged_skipped == 0:  # a fresh scaler resuming: the saving run reported (most of) its skips; a
             self._logged_skipped = float(sd["skipped_steps"])  # copy (pickle, deepcopy) carries its own count
 

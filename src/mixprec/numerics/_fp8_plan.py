@@ -34,6 +34,7 @@ from .._fp8 import (
     fp8_emulated,
     is_fp8_linear,
     is_linear,
+    island_members,
     linear_dims,
     linear_weight,
 )
@@ -515,6 +516,7 @@ def fp8_plan(
 
     work = copy.deepcopy(model)
     linears = [(n, m) for n, m in work.named_modules() if is_linear(m) and n]
+    islands = island_members(work, base)
     captured: dict[str, dict[str, torch.Tensor]] = {}
     handles = []
 
@@ -563,7 +565,7 @@ def fp8_plan(
             continue
         k, n = linear_dims(mod)
         gain = gpu_shape_gains(recipe, k, n)
-        why = None if is_fp8_linear(mod) else eligible_reason(mod, name, base)
+        why = None if is_fp8_linear(mod) else eligible_reason(mod, name, base, islands)
         rec = captured.get(name, {})
         if why is None and ("input" not in rec or "grad_output" not in rec):
             why = "did not run forward and backward on this batch"

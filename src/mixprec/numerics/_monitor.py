@@ -226,6 +226,7 @@ class NumericsMonitor:
         self._param_state_cache: dict[int, tuple[torch.Tensor | None, bool]] = {}
         self._nan_cache: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         island_policy = _NORM_POLICY if policy is None else Policy.parse(policy)
+        island_mods = {id(m) for _, isl in island_modules(model, island_policy) for m in isl.modules()}
         island_ids = {id(p) for _, m in island_modules(model, island_policy) for p in m.parameters()}
         self._island_params = {canonical_name(n) for n, p in model.named_parameters() if id(p) in island_ids}
         self._fp8: dict[str, _Fp8Record] = {}
@@ -234,7 +235,7 @@ class NumericsMonitor:
             n = canonical_name(n)
             if is_fp8_linear(m):
                 self._fp8_targets.append((n, m, str(m.mixprec_recipe)))
-            elif fp8 is not None and n and eligible_reason(m, n, island_policy) is None:
+            elif fp8 is not None and n and eligible_reason(m, n, island_policy, island_mods) is None:
                 self._fp8_targets.append((n, m, fp8))
 
     # ----- selection and attachment ------------------------------------------------------------
