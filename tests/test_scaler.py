@@ -1110,6 +1110,14 @@ def test_a_run_of_patience_skips_that_ends_between_two_checks_escalates_at_the_n
         warnings.simplefilter("always")
         assert steps(set(range(60, 110)) | set(range(120, 145)), n=200, on_failure="warn")[0] is None
     assert [m for m in (str(w.message) for w in seen) if "inf/NaN gradients" in m][1].count("up to step 144") == 1
+    s = scaler("warn")  # a state_dict() read at a run's last step folds it as going on; the next step is clean
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(160):
+            s.update(INF if 60 <= i < 80 else CLEAN)
+            if i == 79:
+                s.state_dict()
+    assert sum("the 20 steps up to step 79" in str(w.message) for w in seen) == 1
     s = scaler()  # a checkpoint from before a run that ended, loaded after it: that run is not this state's
     state = s.state_dict()
     for i in range(40):

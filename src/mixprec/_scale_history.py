@@ -322,7 +322,11 @@ class ScaleHistory:
         if self._run is None or self._run.device != c.device:
             self._run = torch.zeros(2, dtype=torch.float64, device=c.device)
         found = torch.cat([runs.gather(0, end.clamp(min=0).long().reshape(1)), (base + end).reshape(1)])
-        self._run.copy_(torch.where(end >= 0, found, self._run))
+        # A run carried in that ended at the window's edge (the previous fold, a state_dict() read mid-run, saw it
+        # going on; this window starts clean): it ended at step base - 1.
+        edge = (carry >= self.cfg.patience) & ~at_floor[0] & (end < 0)
+        found = torch.where(edge, torch.stack([carry, carry.new_tensor(base - 1.0)]), found)
+        self._run.copy_(torch.where((end >= 0) | edge, found, self._run))
         self.folded = self.steps
         return overflows
 
