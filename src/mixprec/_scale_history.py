@@ -325,7 +325,7 @@ class ScaleHistory:
         # A run carried in that ended at the window's edge (the previous fold, a state_dict() read mid-run, saw it
         # going on; this window starts clean): it ended at step base - 1.
         edge = (carry >= self.cfg.patience) & ~at_floor[0] & (end < 0)
-        found = torch.where(edge, torch.stack([carry, carry.new_tensor(base - 1.0)]), found)
+        found = torch.where(edge, torch.cat([carry.reshape(1), (carry * 0 + (base - 1.0)).reshape(1)]), found)
         self._run.copy_(torch.where((end >= 0) | edge, found, self._run))
         self.folded = self.steps
         return overflows
