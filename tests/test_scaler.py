@@ -12,6 +12,7 @@ import random
 import re
 import struct
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -1098,26 +1099,26 @@ def test_a_run_of_patience_skips_that_ends_between_two_checks_escalates_at_the_n
         warnings.simplefilter("always")
         assert steps(set(range(60, 110)), on_failure="warn")[0] is None
     assert sum("inf/NaN gradients" in str(w.message) for w in seen) == 1
-    s = scaler("warn")  # an ended run reported by a statistics() read is not reported again by the next check
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for i in range(160):
-            s.update(INF if 60 <= i < 80 else CLEAN)
-            if i == 85:
-                s.statistics()
-    assert sum("the 20 steps up to step 79" in str(w.message) for w in seen) == 1
+
+    def reports_after_a_read(read: Callable[[LossScaler], object], at: int) -> int:
+        """Reports of the run 60-79 when ``read(scaler)`` is called after step ``at``."""
+        s = scaler("warn")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i in range(160):
+                s.update(INF if 60 <= i < 80 else CLEAN)
+                if i == at:
+                    read(s)
+        return sum("the 20 steps up to step 79" in str(w.message) for w in seen)
+
+    # an ended run reported by a statistics() read is not reported again by the next check
+    assert reports_after_a_read(lambda s: s.statistics(), 85) == 1
     with warnings.catch_warnings(record=True) as seen:  # a second run after one reported while going on: reported too
         warnings.simplefilter("always")
         assert steps(set(range(60, 110)) | set(range(120, 145)), n=200, on_failure="warn")[0] is None
     assert [m for m in (str(w.message) for w in seen) if "inf/NaN gradients" in m][1].count("up to step 144") == 1
-    s = scaler("warn")  # a state_dict() read at a run's last step folds it as going on; the next step is clean
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for i in range(160):
-            s.update(INF if 60 <= i < 80 else CLEAN)
-            if i == 79:
-                s.state_dict()
-    assert sum("the 20 steps up to step 79" in str(w.message) for w in seen) == 1
+    # a state_dict() read at a run's last step folds it as going on; the next step is clean
+    assert reports_after_a_read(lambda s: s.state_dict(), 79) == 1
     s = scaler()  # a checkpoint from before a run that ended, loaded after it: that run is not this state's
     state = s.state_dict()
     for i in range(40):
